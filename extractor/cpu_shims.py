@@ -1,0 +1,93 @@
+"""CPU-only adjustments SGLang needs to run its ModelRunner on this machine's CPUs.
+
+SGLang's CPU engine expects the ``sgl_kernel`` extension, which PyPI only ships
+for CUDA.  Loading a dense model through the ModelRunner imports a handful of
+names from it and, on the EXTEND path, calls exactly one of them:
+``assign_req_to_token_pool_cpu``.  ``install_cpu_shims`` registers a small
+stand-in module that implements that op in plain torch and makes every other
+name raise a ``NotImplementedError`` that names the op when *called* (importing
+it stays harmless, as SGLang imports many ops it never uses on CPU).
+
+SGLang also loads NCCL for its tensor-parallel groups whenever torch is a CUDA
+build (the torch 2.14.1 wheel SGLang 0.5.23 pins is one), and then fails on a
+CPU device. Pointing ``SGLANG_NCCL_SO_PATH`` at a library that does not exist
+makes SGLang take its own "no NCCL here" path, and the groups use gloo.
+
+Nothing here runs on GPU: ``extractor.engine`` calls ``install_cpu_shims`` only
+when the device is ``cpu`` and the real ``sgl_kernel`` cannot be imported.
+Checked against SGLang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from typing import Callable
+
+import torch
+
+SHIM_MODULE_NAME = "sgl_kernel"
+NO_NCCL_LIBRARY = "nccl-is-not-used-on-cpu.so"
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    max_context_len: int,
+) -> None:
+    """Write each request's KV-cache slots into its row of ``req_to_token``.
+
+    ``out_cache_loc`` holds the new slots of all requests back to back; request
+    i owns ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]``.
+    Same contract as the C++ op in sgl-kernel's CPU build.
+    """
+    del max_context_len  # the C++ op uses it for bounds; slicing checks them here
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    rows = req_pool_indices.tolist()
+    cursor = 0
+    for row, start, end in zip(rows, starts, ends):
+        length = end - start
+        req_to_token[row, start:end] = out_cache_loc[cursor : cursor + length]
+        cursor += length
+
+
+def _unavailable(name: str) -> Callable[..., None]:
+    def op(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not part of the CPU shim (extractor/cpu_shims.py). "
+            "This model or option needs the real sgl-kernel, i.e. a GPU machine."
+        )
+
+    op.__name__ = name
+    return op
+
+
+def _build_shim_module() -> types.ModuleType:
+    module = types.ModuleType(SHIM_MODULE_NAME)
+    module.__doc__ = "CPU stand-in for sgl_kernel, installed by extractor.cpu_shims"
+    module.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu
+
+    def __getattr__(name: str) -> Callable[..., None]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _unavailable(name)
+
+    module.__getattr__ = __getattr__  # PEP 562: `from sgl_kernel import x` works
+    return module
+
+
+def install_cpu_shims() -> None:
+    """Make SGLang's CPU engine run here; call before the first sglang import."""
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
+    if SHIM_MODULE_NAME in sys.modules:
+        return
+    if importlib.util.find_spec(SHIM_MODULE_NAME) is not None:
+        return  # a real sgl-kernel is installed; never shadow it
+    sys.modules[SHIM_MODULE_NAME] = _build_shim_module()

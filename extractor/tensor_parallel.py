@@ -1,0 +1,137 @@
+"""Runs one CaptureEngine per tensor-parallel rank: rank 0 here, the others in spawned processes.
+
+Every rank needs the same batch (SGLang's TP forward is collective); only
+rank 0's states are returned, so they never cross a process boundary before
+reaching the caller. Followers get the token ids through a queue and drop
+their (identical) outputs. A watchdog ends this process when a follower dies,
+since rank 0 would otherwise wait in a collective forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+
+from extractor.types import CapturedBatch, EngineInfo, EngineSpec
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 1800  # a cold 8-GPU load of a 1T-parameter checkpoint takes many minutes
+WATCHDOG_PERIOD_S = 2.0
+
+
+def cpu_thread_binding(tp_size: int, cores: list[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND value: this process's cores split into one group per rank."""
+    if len(cores) < tp_size:
+        groups = [[cores[rank % len(cores)]] for rank in range(tp_size)]
+    else:
+        per_rank = len(cores) // tp_size
+        groups = [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(tp_size)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _set_rank_environment(spec: EngineSpec) -> None:
+    if spec.device == "cpu":
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tp_size, cores))
+    if spec.tp_size > 1:
+        # With TP, SGLang torch.compiles the vocab-parallel embedding mask: 8-12 s per
+        # rank on first forward for a helper that is not worth compiling.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Queue, status: mp.Queue) -> None:
+    """Entry of a spawned rank: build the engine, then mirror every batch rank 0 runs."""
+    logging.basicConfig(level=logging.INFO, format=f"[tp{tp_rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        from extractor.engine import CaptureEngine
+
+        engine = CaptureEngine(spec, tp_rank, nccl_port)
+    except BaseException as error:  # report, then die: rank 0 turns it into an error
+        status.put((tp_rank, f"{type(error).__name__}: {error}"))
+        raise
+    status.put((tp_rank, None))
+    while (input_ids := inbox.get()) is not None:
+        engine.capture(input_ids)
+
+
+class TensorParallelEngine:
+    """The whole TP group behind one ``capture`` call; owned by the extractor actor."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        _set_rank_environment(spec)
+        nccl_port = _free_port()
+        context = mp.get_context("spawn")
+        self._status: mp.Queue = context.Queue()
+        self._inboxes: list[mp.Queue] = []
+        self._followers: list[mp.Process] = []
+        for rank in range(1, spec.tp_size):
+            inbox = context.Queue()
+            process = context.Process(
+                target=_follower_main,
+                args=(spec, rank, nccl_port, inbox, self._status),
+                name=f"extractor-tp{rank}",
+                daemon=True,
+            )
+            process.start()
+            self._inboxes.append(inbox)
+            self._followers.append(process)
+        self._closing = False
+        if self._followers:
+            threading.Thread(target=self._watch_followers, name="tp-watchdog", daemon=True).start()
+
+        from extractor.engine import CaptureEngine
+
+        self._engine = CaptureEngine(spec, 0, nccl_port)
+        self._wait_for_followers()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    def _wait_for_followers(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = set(range(1, len(self._followers) + 1))
+        while pending:
+            rank, error = self._status.get(timeout=max(1.0, deadline - time.monotonic()))
+            if error is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {error}")
+            pending.discard(rank)
+
+    def _watch_followers(self) -> None:
+        while not self._closing:
+            for rank, process in enumerate(self._followers, start=1):
+                if not process.is_alive() and not self._closing:
+                    logger.error(
+                        "tensor-parallel rank %d exited with code %s; ending the extractor "
+                        "(rank 0 would wait for it forever)", rank, process.exitcode
+                    )
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(WATCHDOG_PERIOD_S)
+
+    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
+        for inbox in self._inboxes:
+            inbox.put(input_ids)
+        return self._engine.capture(input_ids)
+
+    def close(self) -> None:
+        self._closing = True
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for process in self._followers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()

@@ -1,0 +1,57 @@
+"""Plain data that crosses process boundaries: no SGLang object leaves ``extractor``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything one TP rank needs to build its SGLang ModelRunner (picklable)."""
+
+    model_path: str
+    dtype: str
+    device: str  # cpu | cuda (resolved, never auto)
+    tp_size: int
+    attention_backend: str
+    layer_ids: tuple[int, ...]
+    last_hidden_state: bool
+    max_tokens_per_batch: int
+    """KV-pool size: the largest packed batch (or single sample) a forward sees."""
+    max_samples_per_batch: int
+    context_length: Optional[int] = None
+    mem_fraction_static: float = 0.8
+    load_format: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the live model reported after loading; recorded in every shard's metadata."""
+
+    sglang_version: str
+    model_architecture: str
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    tp_size: int
+    layer_ids: list[int]
+    layers_to_capture: list[int]
+    drafter_layer_ids: list[int]
+
+
+@dataclasses.dataclass
+class CapturedBatch:
+    """States of one packed batch, stacked token-wise in request order.
+
+    ``aux_hidden_states`` is [sum(lengths), L*H], ``last_hidden_state`` is
+    [sum(lengths), H]; both hold the model dtype's raw bits (bfloat16 as int16)
+    so that Ray moves them as zero-copy numpy buffers.
+    """
+
+    lengths: np.ndarray
+    aux_hidden_states: np.ndarray
+    last_hidden_state: Optional[np.ndarray]
+    forward_seconds: float

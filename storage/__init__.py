@@ -1,0 +1,12 @@
+"""On-disk format of extracted hidden states: Parquet format v1.
+
+``storage.schema`` names every column and metadata key, ``storage.writer``
+writes one shard file atomically, ``storage.reader`` reads samples back as
+torch tensors. Nothing here imports SGLang or Ray.
+"""
+
+from storage.reader import Sample, ShardReader
+from storage.schema import FORMAT_VERSION, ShardMetadata
+from storage.writer import ShardFileInfo, ShardWriter
+
+__all__ = ["FORMAT_VERSION", "Sample", "ShardFileInfo", "ShardMetadata", "ShardReader", "ShardWriter"]

@@ -1,0 +1,114 @@
+"""Reads samples of a shard file back as torch tensors.
+
+The file is memory-mapped; a sample's state tensors are views on the Arrow
+buffer of the row group that holds it (states are stored uncompressed), so
+reading one sample decodes only its row group and copies no state bytes
+beyond that. The tensors are read-only views: ``.clone()`` before writing
+into them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import warnings
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from storage import schema
+from storage.schema import ShardMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    sample_id: int
+    input_ids: torch.Tensor
+    """[T] int64"""
+    loss_mask: torch.Tensor
+    """[T] uint8"""
+    aux_hidden_states: torch.Tensor
+    """[T, L*H] in the model dtype; layer j is columns [j*H, (j+1)*H)."""
+    last_hidden_state: torch.Tensor | None
+    """[T, H] in the model dtype, post final norm; None when not extracted."""
+
+
+def read_metadata(path: str | os.PathLike) -> ShardMetadata:
+    """The ``ShardMetadata`` of a shard file, from its footer alone."""
+    kv = pq.read_schema(path).metadata or {}
+    if schema.METADATA_KEY not in kv:
+        raise ValueError(f"{path}: not a hidden-states shard (no {schema.METADATA_KEY.decode()} metadata)")
+    return ShardMetadata.from_json(kv[schema.METADATA_KEY].decode(), source=str(path))
+
+
+def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """View of one large_binary value as a [T, width] tensor, sharing Arrow's memory."""
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64, count=len(column) + 1, offset=column.offset * 8)
+    start, end = int(offsets[row]), int(offsets[row + 1])
+    data = column.buffers()[2]
+    with warnings.catch_warnings():
+        # Arrow buffers are read-only; the tensor is documented as a read-only view.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start)
+    return flat.view(-1, width)
+
+
+class ShardReader:
+    """Random and sequential access to the samples of one shard file."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self.metadata = read_metadata(path)
+        self._file = pq.ParquetFile(self.path, memory_map=True)
+        rows = [self._file.metadata.row_group(i).num_rows for i in range(self._file.num_row_groups)]
+        self._group_starts = np.concatenate([[0], np.cumsum(rows)]).tolist()
+
+    def __len__(self) -> int:
+        return self._group_starts[-1]
+
+    def sample_ids(self) -> list[int]:
+        return self._file.read(columns=[schema.SAMPLE_ID]).column(0).to_pylist()
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.path}: sample index {index} out of range (0..{len(self) - 1})")
+        group = bisect.bisect_right(self._group_starts, index) - 1
+        table = self._file.read_row_group(group)
+        return self._sample_from(table, index - self._group_starts[group])
+
+    def __iter__(self) -> Iterator[Sample]:
+        for group in range(self._file.num_row_groups):
+            table = self._file.read_row_group(group)
+            for row in range(table.num_rows):
+                yield self._sample_from(table, row)
+
+    def _sample_from(self, table: pa.Table, row: int) -> Sample:
+        meta = self.metadata
+        dtype = meta.torch_dtype
+
+        def states(name: str, width: int) -> torch.Tensor:
+            column = table.column(name)
+            chunk, local = _locate(column, row)
+            return _states_tensor(chunk, local, dtype, width)
+
+        input_ids = table.column(schema.INPUT_IDS)[row].values.to_numpy()
+        loss_mask = table.column(schema.LOSS_MASK)[row].values.to_numpy()
+        return Sample(
+            sample_id=table.column(schema.SAMPLE_ID)[row].as_py(),
+            input_ids=torch.from_numpy(input_ids.astype(np.int64)),
+            loss_mask=torch.from_numpy(loss_mask.copy()),
+            aux_hidden_states=states(schema.AUX_HIDDEN_STATES, meta.aux_width),
+            last_hidden_state=states(schema.LAST_HIDDEN_STATE, meta.hidden_size) if meta.has_last_hidden_state else None,
+        )
+
+
+def _locate(column: pa.ChunkedArray, row: int) -> tuple[pa.Array, int]:
+    for chunk in column.chunks:
+        if row < len(chunk):
+            return chunk, row
+        row -= len(chunk)
+    raise IndexError(row)

@@ -1,0 +1,236 @@
+"""Writes one shard file: temp name, streamed checksum, fsync, atomic rename.
+
+A shard file is either complete under its final name or absent: rows go to
+``<name>.tmp``; ``finalize()`` closes, fsyncs and renames it; leaving the
+``with`` block on an exception deletes the temp file instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage import schema
+from storage.schema import ShardMetadata
+
+TEMP_SUFFIX = ".tmp"
+# A row group is the unit a reader fetches. Keep it near this size so that one
+# sample (88 MB for 2K tokens of Kimi-K2.5's three layers) is not read with many others.
+ROW_GROUP_TARGET_BYTES = 256 * 1024 * 1024
+# Token columns are small and compress well; state columns are high-entropy floats
+# where compression costs far more time than the ~20% it saves.
+_COMPRESSION = {
+    schema.SAMPLE_ID: "zstd",
+    schema.INPUT_IDS: "zstd",
+    schema.LOSS_MASK: "zstd",
+    schema.AUX_HIDDEN_STATES: "none",
+    schema.LAST_HIDDEN_STATE: "none",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFileInfo:
+    """What ``ShardWriter.finalize`` committed."""
+
+    path: str
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARGET_BYTES) -> int:
+    """Rows per Parquet row group so that a group holds about ``target_bytes``."""
+    return max(1, target_bytes // max(1, bytes_per_row))
+
+
+class _HashingFile:
+    """File object that hashes every byte on its way to disk (saves re-reading the shard)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        self._size += view.nbytes
+        return self._file.write(view)
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        # pyarrow closes its sink when the ParquetWriter closes; keep the fd for fsync.
+        self.closed = True
+
+    def sync_and_close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def discard(self) -> None:
+        self._file.close()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _binary_column(states: np.ndarray, row_offsets: np.ndarray, row_width_bytes: int) -> pa.Array:
+    """One large_binary value per sample, sharing ``states``' memory (no per-sample copy)."""
+    data = np.ascontiguousarray(states).view(np.uint8).reshape(-1)
+    offsets = (row_offsets * row_width_bytes).astype(np.int64)
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(row_offsets) - 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
+class ShardWriter:
+    """Appends captured batches to one shard file; a context manager.
+
+    >>> with ShardWriter(path, metadata) as writer:
+    ...     writer.append(sample_ids, input_ids, loss_masks, aux, last)
+    ...     info = writer.finalize()
+    """
+
+    def __init__(self, path: str | os.PathLike, metadata: ShardMetadata) -> None:
+        self.path = Path(path)
+        self.temp_path = self.path.with_name(self.path.name + TEMP_SUFFIX)
+        self.metadata = metadata
+        self._schema = schema.build_schema(metadata)
+        self._file: _HashingFile | None = None
+        self._writer: pq.ParquetWriter | None = None
+        self._rows = 0
+        self._tokens = 0
+
+    def __enter__(self) -> "ShardWriter":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = _HashingFile(self.temp_path)
+        compression = {name: _COMPRESSION[name] for name in self._schema.names}
+        self._writer = pq.ParquetWriter(
+            self._file,
+            self._schema,
+            compression=compression,
+            use_dictionary=False,
+            write_statistics=[schema.SAMPLE_ID],
+            store_schema=True,
+        )
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._writer is not None:  # not finalized: an error happened or finalize was skipped
+            self.abort()
+
+    def append(
+        self,
+        sample_ids: Sequence[int],
+        input_ids: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        aux_hidden_states: np.ndarray,
+        last_hidden_state: np.ndarray | None = None,
+    ) -> None:
+        """Append samples whose states are stacked token-wise: aux is [sum(T_i), L*H].
+
+        State arrays hold the raw element bits in any numpy dtype of the model
+        dtype's itemsize (bfloat16 travels as int16), C-contiguous.
+        """
+        if self._writer is None:
+            raise RuntimeError(f"{self.path}: append() outside the writer's `with` block")
+        meta = self.metadata
+        lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+        if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
+            raise ValueError(
+                f"{self.path}: {len(sample_ids)} sample ids, {len(input_ids)} input_ids, "
+                f"{len(loss_masks)} loss masks; they must match one to one"
+            )
+        row_offsets = np.concatenate([[0], np.cumsum(lengths)])
+        total = int(row_offsets[-1])
+        self._check_states("aux_hidden_states", aux_hidden_states, total, meta.aux_width, sample_ids)
+        columns = {
+            schema.SAMPLE_ID: pa.array(np.asarray(sample_ids, dtype=np.int64)),
+            schema.INPUT_IDS: pa.array([np.asarray(ids, dtype=np.int32) for ids in input_ids], pa.list_(pa.int32())),
+            schema.LOSS_MASK: pa.array([np.asarray(m, dtype=np.uint8) for m in loss_masks], pa.list_(pa.uint8())),
+            schema.AUX_HIDDEN_STATES: _binary_column(aux_hidden_states, row_offsets, meta.aux_width * meta.itemsize),
+        }
+        if meta.has_last_hidden_state:
+            if last_hidden_state is None:
+                raise ValueError(f"{self.path}: the shard stores last_hidden_state but none was given")
+            self._check_states("last_hidden_state", last_hidden_state, total, meta.hidden_size, sample_ids)
+            columns[schema.LAST_HIDDEN_STATE] = _binary_column(
+                last_hidden_state, row_offsets, meta.hidden_size * meta.itemsize
+            )
+        table = pa.Table.from_pydict(columns, schema=self._schema)
+        bytes_per_row = table.nbytes // max(1, table.num_rows)
+        self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
+        self._rows += len(sample_ids)
+        self._tokens += total
+
+    def _check_states(
+        self, name: str, states: np.ndarray, tokens: int, width: int, sample_ids: Sequence[int]
+    ) -> None:
+        expected = (tokens, width)
+        if states.shape != expected or states.dtype.itemsize != self.metadata.itemsize:
+            first, last = (sample_ids[0], sample_ids[-1]) if len(sample_ids) else (None, None)
+            raise ValueError(
+                f"{self.path}: {name} for samples {first}..{last} has shape {states.shape} and "
+                f"itemsize {states.dtype.itemsize}; expected {expected} with itemsize "
+                f"{self.metadata.itemsize} ({self.metadata.dtype})"
+            )
+
+    def finalize(self) -> ShardFileInfo:
+        """Close, fsync and atomically publish the file under its final name."""
+        if self._writer is None or self._file is None:
+            raise RuntimeError(f"{self.path}: finalize() called twice or outside `with`")
+        self._writer.close()
+        self._writer = None
+        self._file.sync_and_close()
+        os.replace(self.temp_path, self.path)
+        _fsync_directory(self.path.parent)
+        return ShardFileInfo(
+            path=str(self.path),
+            rows=self._rows,
+            tokens=self._tokens,
+            bytes=self._file.size,
+            sha256=self._file.hexdigest(),
+        )
+
+    def abort(self) -> None:
+        """Drop everything written so far; the final name is never touched."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if self._file is not None:
+                self._file.discard()
+            self.temp_path.unlink(missing_ok=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
