@@ -13,8 +13,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 class ModelConfig:
     path: str = ""
     """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
-    arch: str = "llama"
-    """Demo only: architecture of the tiny model the demo builds (llama | qwen3 | deepseek_v3)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
     dtype: str = "bfloat16"

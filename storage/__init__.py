@@ -7,6 +7,6 @@ torch tensors. Nothing here imports SGLang or Ray.
 
 from storage.reader import Sample, ShardReader
 from storage.schema import FORMAT_VERSION, ShardMetadata
-from storage.writer import ShardFileInfo, ShardWriter
+from storage.writer import ShardFileInfo, ShardWriter, shard_file_name
 
-__all__ = ["FORMAT_VERSION", "Sample", "ShardFileInfo", "ShardMetadata", "ShardReader", "ShardWriter"]
+__all__ = ["FORMAT_VERSION", "Sample", "ShardFileInfo", "ShardMetadata", "ShardReader", "ShardWriter", "shard_file_name"]

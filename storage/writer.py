@@ -46,6 +46,11 @@ class ShardFileInfo:
     sha256: str
 
 
+def shard_file_name(shard: int) -> str:
+    """File name of shard ``shard`` inside the output directory."""
+    return f"shard-{shard:05d}.parquet"
+
+
 def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARGET_BYTES) -> int:
     """Rows per Parquet row group so that a group holds about ``target_bytes``."""
     return max(1, target_bytes // max(1, bytes_per_row))

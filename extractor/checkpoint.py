@@ -1,0 +1,34 @@
+"""What the driver needs to know about a checkpoint, read from its config.json alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def read_checkpoint_info(model_path: str) -> CheckpointInfo:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)  # multimodal checkpoints nest the language model
+    try:
+        return CheckpointInfo(
+            architecture=(config.get("architectures") or ["unknown"])[0],
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text.get("max_position_embeddings", 0)) or 1 << 30,
+        )
+    except KeyError as missing:
+        raise ValueError(f"{config_file}: no {missing} key; is this a decoder-only LM checkpoint?") from None

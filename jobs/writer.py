@@ -1,0 +1,85 @@
+"""CPU writer actor: turns captured batches into shard files.
+
+The driver sends each shard's batches to one writer, in order, then
+``finish``. A batch arrives as a reference to the extractor's result (wrapped
+in a list so that Ray does not resolve it for us): if extraction failed, the
+writer learns it here, drops the shard's temp file, and ``finish`` reports the
+failure instead of publishing a file with rows missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from extractor.types import CapturedBatch
+from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """The dataset rows of one batch, as the driver sends them (small: ids and masks)."""
+
+    shard: int
+    sample_ids: list[int]
+    input_ids: list[np.ndarray]
+    loss_masks: list[np.ndarray]
+
+
+class ShardFailed(RuntimeError):
+    pass
+
+
+class ExtractorLost(RuntimeError):
+    """The extractor actor died: no later batch can succeed, so the driver stops."""
+
+
+class WriterActor:
+    def __init__(self, output_dir: str, metadata: ShardMetadata) -> None:
+        self._dir = Path(output_dir)
+        self._metadata = metadata
+        self._open: dict[int, ShardWriter] = {}
+        self._failed: dict[int, str] = {}
+
+    def append(self, rows: BatchRows, captured: list[ray.ObjectRef]) -> int:
+        """Write one batch; returns its token count (0 once the shard has failed)."""
+        if rows.shard in self._failed:
+            return 0
+        try:
+            batch: CapturedBatch = ray.get(captured[0])
+            writer = self._open.get(rows.shard)
+            if writer is None:
+                writer = ShardWriter(self._dir / shard_file_name(rows.shard), self._metadata).__enter__()
+                self._open[rows.shard] = writer
+            writer.append(
+                rows.sample_ids, rows.input_ids, rows.loss_masks, batch.aux_hidden_states, batch.last_hidden_state
+            )
+        except Exception as error:  # the shard is lost, the job goes on
+            self._fail(rows.shard, error, rows.sample_ids)
+            if isinstance(error, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+                raise ExtractorLost(f"the extractor actor died: {error}") from None
+            return 0
+        return int(batch.lengths.sum())
+
+    def finish(self, shard: int) -> ShardFileInfo:
+        """Publish the shard's file, or raise ShardFailed with the first error it met."""
+        if shard in self._failed:
+            raise ShardFailed(self._failed.pop(shard))
+        writer = self._open.pop(shard, None)
+        if writer is None:
+            raise ShardFailed(f"shard {shard}: finish() before any batch was written")
+        try:
+            return writer.finalize()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _fail(self, shard: int, error: Exception, sample_ids: list[int]) -> None:
+        where = f"samples {sample_ids[0]}..{sample_ids[-1]}" if sample_ids else "an empty batch"
+        self._failed[shard] = f"shard {shard} ({where}): {type(error).__name__}: {error}"
+        writer = self._open.pop(shard, None)
+        if writer is not None:
+            writer.abort()
