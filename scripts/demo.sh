@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs what is missing, then runs the extraction job on the embedded demo
+# (tiny random model + synthetic data, local Ray on loopback). Extra key=value args pass through.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=$(bash scripts/setup.sh)
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+exec "$python" -m jobs.extract "$@"

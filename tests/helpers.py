@@ -1,0 +1,65 @@
+"""Test helpers: start an extractor actor, compute HF reference states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from extractor.actor import Extractor
+from extractor.types import CapturedBatch, EngineSpec
+
+
+def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
+    fields = dict(
+        model_path=str(model),
+        dtype=dtype,
+        device="cpu",
+        tp_size=tp_size,
+        attention_backend="torch_native",
+        layer_ids=tuple(layer_ids),
+        last_hidden_state=True,
+        max_tokens_per_batch=2048,
+        max_samples_per_batch=32,
+    )
+    fields.update(overrides)
+    return EngineSpec(**fields)
+
+
+class ExtractorHandle:
+    """An extractor actor (its own process: SGLang's runtime is once per process)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.actor = ray.remote(Extractor).options(num_cpus=1).remote(spec)
+        self.info = ray.get(self.actor.info.remote())
+
+    def extract(self, input_ids: list[np.ndarray]) -> CapturedBatch:
+        return ray.get(self.actor.extract.remote(input_ids))
+
+    def close(self) -> None:
+        ray.get(self.actor.close.remote())
+        ray.kill(self.actor)
+
+
+def load_hf_model(model_path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def hf_hidden_states(model, input_ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """HF ``output_hidden_states`` for one sequence: [embeddings, layer 0 out, ..., final (normed)]."""
+    with torch.no_grad():
+        out = model(torch.as_tensor(input_ids, dtype=torch.long)[None], output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states)
+
+
+def split_tokens(states: np.ndarray, lengths) -> list[np.ndarray]:
+    return np.split(states, np.cumsum(lengths)[:-1])
+
+
+def random_sequences(lengths, vocab_size: int = 512, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, n).astype(np.int32) for n in lengths]

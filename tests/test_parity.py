@@ -1,0 +1,68 @@
+"""SGLang's captured states equal HF transformers' hidden states (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from extractor.layers import default_layer_ids
+from tests.helpers import (
+    ExtractorHandle, engine_spec, hf_hidden_states, load_hf_model, random_sequences, split_tokens,
+)
+
+LENGTHS = (7, 33, 1, 18)
+HIDDEN = 64
+NUM_LAYERS = 8
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def model_path(request, llama_fp32, qwen3_fp32):
+    return {"llama": llama_fp32, "qwen3": qwen3_fp32}[request.param]
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 1, 2], default_layer_ids(NUM_LAYERS)], ids=["ids012", "default"])
+def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
+    assert default_layer_ids(NUM_LAYERS) == [2, 4, 5]
+    sequences = random_sequences(LENGTHS, seed=1)
+    extractor = ExtractorHandle(engine_spec(model_path, layer_ids))
+    try:
+        captured = extractor.extract(sequences)
+    finally:
+        extractor.close()
+    assert extractor.info.layer_ids == layer_ids
+    assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
+    assert captured.aux_hidden_states.shape == (sum(LENGTHS), len(layer_ids) * HIDDEN)
+
+    hf = load_hf_model(model_path)
+    aux_per_sample = split_tokens(captured.aux_hidden_states, LENGTHS)
+    last_per_sample = split_tokens(captured.last_hidden_state, LENGTHS)
+    for ids, aux, last in zip(sequences, aux_per_sample, last_per_sample):
+        reference = hf_hidden_states(hf, ids)
+        aux = torch.from_numpy(aux)
+        for j, k in enumerate(layer_ids):
+            got = aux[:, j * HIDDEN : (j + 1) * HIDDEN]
+            assert (got - reference[k + 1]).abs().max() < 1e-5, f"layer {k}"
+            # the neighbours are far: an off-by-one convention would fail loudly
+            assert (got - reference[k]).abs().max() > 1e-2, f"layer {k} looks like HF[{k}]"
+            assert (got - reference[k + 2]).abs().max() > 1e-2, f"layer {k} looks like HF[{k + 2}]"
+        assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packing_does_not_change_states(ray_cluster, llama_fp32, dtype):
+    """One packed batch gives the states each sample gets alone: bit-identical in bf16, and
+    in fp32 equal up to float rounding of the final norm (~1e-6)."""
+    sequences = random_sequences((12, 5, 40, 9, 3), seed=2)
+    extractor = ExtractorHandle(engine_spec(llama_fp32, [0, 3, 6], dtype=dtype))
+    try:
+        packed = extractor.extract(sequences)
+        alone = [extractor.extract([ids]) for ids in sequences]
+    finally:
+        extractor.close()
+    lengths = [len(ids) for ids in sequences]
+    tolerance = 0 if dtype == "bfloat16" else 1e-5
+    for one, aux, last in zip(alone, split_tokens(packed.aux_hidden_states, lengths),
+                              split_tokens(packed.last_hidden_state, lengths)):
+        np.testing.assert_allclose(one.aux_hidden_states, aux, atol=tolerance, rtol=0)
+        np.testing.assert_allclose(one.last_hidden_state, last, atol=tolerance, rtol=0)
