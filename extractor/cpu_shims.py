@@ -13,6 +13,13 @@ build (the torch 2.14.1 wheel SGLang 0.5.23 pins is one), and then fails on a
 CPU device. Pointing ``SGLANG_NCCL_SO_PATH`` at a library that does not exist
 makes SGLang take its own "no NCCL here" path, and the groups use gloo.
 
+DeepSeek-V2/V3 attention (MLA) picks its forward method from a registry keyed
+by attention backend. ``torch_native`` has no entry, and the fallback (the
+triton handler) picks plain MHA for prefill, which reads the MLA latent cache
+with the wrong width ("Expected size ... [4, 32] but got: [4, 48]").
+``register_torch_native_mla`` maps torch_native to the absorbed-MLA method
+that SGLang's own CPU path uses (``_dispatch_mla_subtype``).
+
 Nothing here runs on GPU: ``extractor.engine`` calls ``install_cpu_shims`` only
 when the device is ``cpu`` and the real ``sgl_kernel`` cannot be imported.
 Checked against SGLang 0.5.23.
@@ -80,6 +87,20 @@ def _build_shim_module() -> types.ModuleType:
 
     module.__getattr__ = __getattr__  # PEP 562: `from sgl_kernel import x` works
     return module
+
+
+def register_torch_native_mla() -> None:
+    """Route DeepSeek MLA attention to absorbed MLA under torch_native; call after importing sglang.
+
+    The registry is read on every forward (deepseek_v2.py ``dispatch_attn_forward_method``),
+    so this only has to happen before the first batch.
+    """
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: _dispatch_mla_subtype(attn, forward_batch))
 
 
 def install_cpu_shims() -> None:

@@ -20,7 +20,7 @@ from array import array
 import numpy as np
 import torch
 
-from extractor.cpu_shims import install_cpu_shims
+from extractor.cpu_shims import install_cpu_shims, register_torch_native_mla
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec
 
@@ -71,6 +71,8 @@ class CaptureEngine:
         self.tp_rank = tp_rank
         sgl = _sglang()
         _check_supported(sgl)
+        if spec.device == "cpu":
+            register_torch_native_mla()
         self._sgl = sgl
         self._runner = self._build_runner(sgl, spec, tp_rank, nccl_port)
         model = self._runner.model

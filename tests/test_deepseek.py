@@ -1,0 +1,121 @@
+"""DeepSeek-V3 / Kimi-K2.5 architecture (MLA + MoE) through SGLang's deepseek_v2 on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jobs.demo import build_tiny_model
+from jobs.extract import DRAFTER_CONFIG_FILE, run
+from storage import ShardReader
+from tests.helpers import (
+    ExtractorHandle, engine_spec, hf_hidden_states, load_hf_model, random_sequences, split_tokens,
+)
+from tests.test_job import job_config, read_all
+
+HIDDEN = 64
+LENGTHS = (9, 1, 23, 5)
+
+
+@pytest.fixture(scope="session", params=[32, None], ids=["q_lora", "no_q_lora"])
+def deepseek_fp32(request, tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("deepseek") / "model", arch="deepseek_v3", q_lora_rank=request.param
+    )
+
+
+def assert_matches_hf(model_path, layer_ids, captured, sequences):
+    hf = load_hf_model(model_path)
+    lengths = [len(ids) for ids in sequences]
+    for ids, aux, last in zip(sequences, split_tokens(captured.aux_hidden_states, lengths),
+                              split_tokens(captured.last_hidden_state, lengths)):
+        reference = hf_hidden_states(hf, ids)
+        aux = torch.from_numpy(aux)
+        for j, k in enumerate(layer_ids):
+            got = aux[:, j * HIDDEN : (j + 1) * HIDDEN]
+            assert (got - reference[k + 1]).abs().max() < 1e-5, f"layer {k}"
+            assert (got - reference[k]).abs().max() > 1e-3, f"layer {k} looks like HF[{k}]"
+            assert (got - reference[k + 2]).abs().max() > 1e-3, f"layer {k} looks like HF[{k + 2}]"
+        assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5
+
+
+# deepseek_v2.set_eagle3_layers_to_capture adds +1 only when the first id is 1: the three
+# cases below take different drafter ids to capture the same kind of layers.
+@pytest.mark.parametrize(
+    "layer_ids, drafter_ids",
+    [([2, 4, 5], [3, 5, 6]), ([1, 2, 4], [1, 2, 4]), ([2, 3, 5], [3, 4, 6])],
+    ids=["default", "first1", "first2"],
+)
+def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, layer_ids, drafter_ids):
+    sequences = random_sequences(LENGTHS, seed=3)
+    extractor = ExtractorHandle(engine_spec(deepseek_fp32, layer_ids))
+    try:
+        captured = extractor.extract(sequences)
+    finally:
+        extractor.close()
+    assert extractor.info.model_architecture == "DeepseekV3ForCausalLM"
+    assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
+    assert extractor.info.drafter_layer_ids == drafter_ids
+    assert_matches_hf(deepseek_fp32, layer_ids, captured, sequences)
+
+
+@pytest.fixture(scope="session")
+def deepseek_q_lora(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("deepseek_q") / "model", arch="deepseek_v3")
+
+
+def test_deepseek_bf16_is_deterministic_across_runs_and_packings(ray_cluster, deepseek_q_lora):
+    """In bf16 SGLang routes with bf16 router logits (HF upcasts), so near-ties pick other
+    experts than HF: compare SGLang with SGLang, bit for bit."""
+    sequences = random_sequences((17, 4, 30, 2, 11), seed=4)
+    extractor = ExtractorHandle(engine_spec(deepseek_q_lora, [1, 3, 5], dtype="bfloat16"))
+    try:
+        first = extractor.extract(sequences)
+        second = extractor.extract(sequences)
+        alone = [extractor.extract([ids]) for ids in sequences]
+    finally:
+        extractor.close()
+    assert first.aux_hidden_states.dtype == np.int16  # bf16 bits
+    assert np.array_equal(first.aux_hidden_states, second.aux_hidden_states)
+    assert np.array_equal(first.last_hidden_state, second.last_hidden_state)
+    lengths = [len(ids) for ids in sequences]
+    for one, aux in zip(alone, split_tokens(first.aux_hidden_states, lengths)):
+        assert np.array_equal(one.aux_hidden_states, aux)
+
+
+def test_deepseek_job_end_to_end(ray_cluster, deepseek_q_lora, demo_dataset, tmp_path):
+    out = tmp_path / "out"
+    summary = run(job_config(deepseek_q_lora, demo_dataset, out, "model.dtype=bfloat16"))
+    assert summary["shards_failed"] == {}
+    samples = read_all(out)
+    assert sorted(samples) == list(range(summary["samples"])) and summary["samples"] == 20
+    metadata = ShardReader(next(out.glob("shard-*.parquet"))).metadata
+    assert metadata.model_architecture == "DeepseekV3ForCausalLM"
+    assert (metadata.layer_ids, metadata.layers_to_capture, metadata.drafter_layer_ids) == ([2, 4, 5], [3, 5, 6], [3, 5, 6])
+    drafter = json.loads((out / DRAFTER_CONFIG_FILE).read_text())
+    assert drafter == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 5, 6]}}
+    for sample in samples.values():
+        assert sample.aux_hidden_states.shape == (len(sample.input_ids), 3 * HIDDEN)
+
+
+def test_61_layers_resolve_the_missions_ids(ray_cluster, tmp_path_factory):
+    """Kimi-K2.5's depth at toy width: [2, 30, 58] -> layers_to_capture [3, 31, 59] on this SGLang."""
+    model = build_tiny_model(tmp_path_factory.mktemp("deepseek61") / "model", arch="deepseek_v3", num_layers=61)
+    sequences = random_sequences((6, 3), seed=5)
+    extractor = ExtractorHandle(engine_spec(model, [2, 30, 58]))
+    try:
+        captured = extractor.extract(sequences)
+    finally:
+        extractor.close()
+    assert extractor.info.num_layers == 61
+    assert extractor.info.layers_to_capture == [3, 31, 59]
+    assert extractor.info.drafter_layer_ids == [3, 31, 59]
+    assert_matches_hf(model, [2, 30, 58], captured, sequences)
+
+
+def test_last_layer_is_rejected_before_loading(ray_cluster, deepseek_q_lora, demo_dataset, tmp_path):
+    with pytest.raises(ValueError, match=r"\[7\] cannot be captured from a 8-layer model"):
+        run(job_config(deepseek_q_lora, demo_dataset, tmp_path / "out", "extract.layers=[2,4,7]"))
