@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 
 from extractor.config import ExtractConfig, ModelConfig, validate_extract_config, validate_model_config
-from storage.config import OutputConfig
+from jobs.resume import check_selection
+from storage.config import OutputConfig, parse_bytes
 
 
 @dataclasses.dataclass
@@ -53,6 +54,8 @@ class JobConfig:
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
+    shards: Any = "pending"
+    """Which shards to run: pending (resume: every shard not done), failed, or a list like [3,17]."""
 
     @property
     def is_demo(self) -> bool:
@@ -82,6 +85,9 @@ def load_config(argv: Sequence[str]) -> JobConfig:
         raise ValueError(
             "set both model.path and data.path for a real run, or neither for the embedded demo"
         )
+    check_selection(config.shards)
+    parse_bytes(config.output.disk_budget, "output.disk_budget")
+    parse_bytes(config.output.min_free_bytes, "output.min_free_bytes")
     validate_model_config(config.model)
     validate_extract_config(config.extract)
     return config

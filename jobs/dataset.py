@@ -9,6 +9,7 @@ output.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,15 @@ class TokenizedDataset:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def fingerprint(self) -> str:
+        """sha256 of every row's tokens and loss mask: the same data gives the same shards."""
+        digest = hashlib.sha256()
+        for ids, mask in zip(self.input_ids, self.loss_masks):
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(ids.tobytes())
+            digest.update(mask.tobytes())
+        return digest.hexdigest()
 
     @property
     def lengths(self) -> np.ndarray:

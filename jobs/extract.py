@@ -3,6 +3,8 @@
 With neither ``model.path`` nor ``data.path`` it runs the embedded demo: a
 tiny random Llama and a synthetic dataset, made locally. Submit to a cluster
 with ``ray job submit --working-dir . -- python -m jobs.extract ...``.
+Rerunning the same command resumes; ``shards=failed`` or ``shards=[3,17]``
+reruns only those shards.
 """
 
 from __future__ import annotations
@@ -13,21 +15,29 @@ import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
+from jobs.budget import DiskBudget
 from jobs.config import JobConfig, load_config
 from jobs.dataset import load_tokenized_dataset
 from jobs.demo import prepare_demo
-from jobs.pipeline import build_engine_spec, ray_session, resolve_device, run_schedule, ScheduleResult
+from jobs.pipeline import (
+    BudgetExhausted, ExtractionRun, RunResult, build_engine_spec, ray_session, resolve_device,
+)
 from jobs.plan import plan_shards
-from storage import shard_file_name
+from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
+from storage.config import parse_bytes
+from storage.manifest import DONE, FAILED, MANIFEST_FILE, SINK, Manifest
 
 logger = logging.getLogger("jobs.extract")
 
 SUMMARY_FILE = "summary.json"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
+EXIT_SHARDS_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_BUDGET_EXHAUSTED = 3
 
 
 def resolve_demo(config: JobConfig) -> JobConfig:
@@ -43,61 +53,85 @@ def resolve_demo(config: JobConfig) -> JobConfig:
     )
 
 
-def prepare_output_dir(output_dir: Path, num_shards: int) -> None:
-    if not str(output_dir):
-        raise ValueError("output.dir is empty: name a directory on local disk for the shard files")
-    existing = [shard_file_name(i) for i in range(num_shards) if (output_dir / shard_file_name(i)).exists()]
-    if existing:
-        raise ValueError(
-            f"output.dir={output_dir} already holds {len(existing)} shard files (e.g. {existing[0]}); "
-            "choose a new output.dir or remove the old one"
-        )
-    output_dir.mkdir(parents=True, exist_ok=True)
+def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
+    """Everything that changes what the shard files contain: a resume must match it exactly."""
+    return {
+        "model.path": spec_fields["model_path"],
+        "model.dtype": spec_fields["dtype"],
+        "model.tp_size": spec_fields["tp_size"],
+        "model.device": spec_fields["device"],
+        "model.attention_backend": spec_fields["attention_backend"],
+        "model.load_format": spec_fields["load_format"],
+        "extract.layers": list(spec_fields["layer_ids"]),
+        "extract.last_hidden_state": spec_fields["last_hidden_state"],
+        "data.fingerprint": data_fingerprint,
+        "data.shard_size": config.data.shard_size,
+    }
 
 
 def run(config: JobConfig) -> dict:
     """Plan, extract and write; returns the run summary (also saved as summary.json)."""
     if config.is_demo:
         config = resolve_demo(config)
+    if not config.output.dir:
+        raise ValueError("output.dir is empty: name a directory on local disk for the shard files")
     checkpoint = read_checkpoint_info(config.model.path)
     layer_ids = check_layer_ids(config.extract.layers or default_layer_ids(checkpoint.num_layers), checkpoint.num_layers)
     max_length = config.model.context_length or checkpoint.max_position_embeddings
     dataset = load_tokenized_dataset(config.data.path, checkpoint.vocab_size, max_length)
-    shards = plan_shards(len(dataset), config.data.shard_size)
     output_dir = Path(config.output.dir)
-    prepare_output_dir(output_dir, len(shards))
-    logger.info("%d samples, %d tokens in %d shards -> %s", len(dataset), int(dataset.lengths.sum()), len(shards), output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    refuse_foreign_output(output_dir, (output_dir / MANIFEST_FILE).exists())
+    budget = DiskBudget(
+        output_dir,
+        parse_bytes(config.output.disk_budget, "output.disk_budget"),
+        parse_bytes(config.output.min_free_bytes, "output.min_free_bytes"),
+    )
 
     with ray_session(config.ray.address):
         device = resolve_device(config.model.device, config.model.tp_size)
-        spec = build_engine_spec(config.model, config.extract, layer_ids, device, checkpoint, int(dataset.lengths.max()))
-        result = run_schedule(
-            spec, dataset, shards, config.extract, output_dir,
-            config.output.num_writers, config.output.max_inflight_batches,
+        spec = build_engine_spec(config.model, config.extract, layer_ids, device, int(dataset.lengths.max()))
+        plan = [(s.index, s.start, s.stop) for s in plan_shards(len(dataset), config.data.shard_size)]
+        content = run_content(config, dataclasses.asdict(spec), dataset.fingerprint())
+        manifest = Manifest.open(output_dir, content, plan)
+        to_run = select_shards(manifest, config.shards)
+        clean_output_dir(output_dir, manifest, to_run)
+        logger.info(
+            "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
+            len(dataset), int(dataset.lengths.sum()), len(plan), len(to_run), output_dir,
         )
-    summary = build_summary(config, result)
+        result = ExtractionRun(
+            spec, dataset, to_run, config.extract, config.output, output_dir, manifest, budget
+        ).run()
+    summary = build_summary(config, manifest, result)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     drafter = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": result.engine.drafter_layer_ids}}
     (output_dir / DRAFTER_CONFIG_FILE).write_text(json.dumps(drafter, indent=2) + "\n")
     return summary
 
 
-def build_summary(config: JobConfig, result: ScheduleResult) -> dict:
-    files = sorted(result.done.values(), key=lambda info: info.path)
-    tokens = sum(info.tokens for info in files)
+def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> dict:
+    done = manifest.in_state(DONE)
+    tokens = sum(record.tokens for record in done)
     return {
         "output_dir": config.output.dir,
         "model_path": config.model.path,
         "data_path": config.data.path,
-        "shards_done": len(files),
-        "shards_failed": {str(shard): error for shard, error in sorted(result.failed.items())},
-        "samples": sum(info.rows for info in files),
+        "shards_done": len(done),
+        "shards_failed": {str(r.index): r.error for r in manifest.in_state(FAILED)},
+        "samples": sum(record.rows for record in done),
         "tokens": tokens,
-        "bytes": sum(info.bytes for info in files),
+        "bytes": sum(record.bytes for record in done),
+        "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
         "seconds": round(result.seconds, 3),
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
+        "disk_budget": {
+            "limit": parse_bytes(config.output.disk_budget, "output.disk_budget"),
+            "peak": result.budget_peak,
+            "overshoot": result.budget_overshoot,
+            "blocked_seconds": round(result.blocked_seconds, 3),
+        },
         "engine": dataclasses.asdict(result.engine),
-        "files": [dataclasses.asdict(info) for info in files],
     }
 
 
@@ -108,10 +142,13 @@ def main(argv: Sequence[str]) -> int:
         summary = run(config)
     except ValueError as error:
         logger.error("%s", error)
-        return 2
+        return EXIT_BAD_INPUT
+    except BudgetExhausted as error:
+        logger.error("%s", error)
+        return EXIT_BUDGET_EXHAUSTED
     engine = summary["engine"]
     print(
-        f"\nwrote {summary['shards_done']} shards to {summary['output_dir']}: {summary['samples']} samples, "
+        f"\n{summary['shards_done']} shards done in {summary['output_dir']}: {summary['samples']} samples, "
         f"{summary['tokens']} tokens, {summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.1f} s "
         f"({summary['tokens_per_second']:.0f} tokens/s)\n"
         f"layers {engine['layer_ids']} (SGLang {engine['sglang_version']} layers_to_capture "
@@ -121,8 +158,11 @@ def main(argv: Sequence[str]) -> int:
     if summary["shards_failed"]:
         for shard, error in summary["shards_failed"].items():
             print(f"shard {shard} FAILED: {error}", file=sys.stderr)
-        print(f"{len(summary['shards_failed'])} shards failed; their files were not written", file=sys.stderr)
-        return 1
+        print(
+            f"{len(summary['shards_failed'])} shards failed and wrote no file; rerun them with the same "
+            "command plus shards=failed", file=sys.stderr,
+        )
+        return EXIT_SHARDS_FAILED
     return 0
 
 

@@ -1,9 +1,12 @@
-"""The driver's schedule: one extractor actor, a pool of writer actors, batches streamed between them.
+"""The driver's schedule: one extractor actor, writer actors, uploader actors, and the disk budget.
 
 Batches of a shard go to one writer in order, followed by ``finish``; the
-extractor runs batch after batch while writers pack and write the previous
-ones. At most ``output.max_inflight_batches`` batches are between the
-extractor and a finished write, which bounds the states held in memory.
+extractor runs batch after batch while writers pack and write earlier ones.
+A batch is only sent once its predicted bytes fit the disk budget; while
+they do not, the driver waits on the work in flight (uploads to the sink,
+writes) and re-scans output.dir for files a consumer deleted. At most
+``output.max_inflight_batches`` batches sit between the extractor and a
+finished write, which bounds the states held in memory.
 """
 
 from __future__ import annotations
@@ -14,32 +17,43 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import ray
 from ray.experimental.tqdm_ray import tqdm
+from ray.util import metrics
 
 from extractor.actor import Extractor
-from extractor.checkpoint import CheckpointInfo
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import EngineInfo, EngineSpec
+from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
-from jobs.plan import Shard, pack_batches
+from jobs.plan import pack_batches
+from jobs.sink import UploaderActor
 from jobs.writer import BatchRows, WriterActor
-from storage import ShardFileInfo, ShardMetadata
+from storage import ShardFileInfo, ShardMetadata, shard_file_name
+from storage.config import OutputConfig
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, PENDING, SINK, Manifest, ShardRecord
+from storage.writer import state_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_AUTO_WRITERS = 8
+WAIT_LOG_PERIOD_S = 30.0
+
+
+class BudgetExhausted(RuntimeError):
+    """The job stopped cleanly: the disk budget is full and nothing in flight can free it."""
 
 
 @dataclasses.dataclass
-class ScheduleResult:
-    done: dict[int, ShardFileInfo]
-    failed: dict[int, str]
+class RunResult:
     engine: EngineInfo
     seconds: float
+    budget_peak: int
+    budget_overshoot: int
+    blocked_seconds: float
 
 
 @contextlib.contextmanager
@@ -49,10 +63,10 @@ def ray_session(address: str) -> Iterator[None]:
         yield
         return
     # Workers import this repository's packages from its root.
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}}
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     joining = bool(address or os.environ.get("RAY_ADDRESS"))
-    kwargs = {} if joining else {"_node_ip_address": "127.0.0.1"}
-    ray.init(address=address or None, runtime_env=None if joining else runtime_env, **kwargs)
+    kwargs: dict[str, Any] = {} if joining else {"_node_ip_address": "127.0.0.1"}
+    ray.init(address=address or None, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **kwargs)
     try:
         yield
     finally:
@@ -69,8 +83,7 @@ def resolve_device(requested: str, tp_size: int) -> str:
 
 
 def build_engine_spec(
-    model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str,
-    checkpoint: CheckpointInfo, longest_sample: int,
+    model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int
 ) -> EngineSpec:
     return EngineSpec(
         model_path=str(Path(model.path).resolve()),
@@ -110,80 +123,281 @@ def count_writers(requested: int, extractor_cpus: int) -> int:
     return max(1, min(MAX_AUTO_WRITERS, spare))
 
 
-def run_schedule(
-    spec: EngineSpec, dataset: TokenizedDataset, shards: list[Shard], extract: ExtractConfig,
-    output_dir: Path, num_writers: int, max_inflight_batches: int,
-) -> ScheduleResult:
-    """Extract and write every shard; a failed shard is reported, the others go on."""
-    started = time.perf_counter()
-    on_gpu = spec.device == "cuda"
-    extractor_cpus = 1
-    extractor = (
-        ray.remote(Extractor)
-        .options(num_gpus=spec.tp_size if on_gpu else 0, num_cpus=extractor_cpus, name="extractor")
-        .remote(spec)
-    )
-    engine: EngineInfo = ray.get(extractor.info.remote())
-    logger.info(
-        "extractor ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
-        time.perf_counter() - started, engine.model_architecture, engine.layers_to_capture,
-        engine.layer_ids, engine.drafter_layer_ids,
-    )
-    metadata = shard_metadata(engine, spec.model_path, spec.last_hidden_state)
-    writer_class = ray.remote(WriterActor).options(num_cpus=1)
-    writers = [writer_class.remote(str(output_dir), metadata) for _ in range(count_writers(num_writers, extractor_cpus))]
+class _Metrics:
+    """Gauges and counters on Ray's metrics endpoint (dashboard / --metrics-export-port)."""
 
-    lengths = dataset.lengths
-    shard_bar = tqdm(total=len(shards), desc="shards")
-    token_bar = tqdm(total=int(sum(lengths[s.start : s.stop].sum() for s in shards)), desc="tokens")
-    appends: dict[ray.ObjectRef, None] = {}
-    finishes: dict[ray.ObjectRef, int] = {}
-    done: dict[int, ShardFileInfo] = {}
-    failed: dict[int, str] = {}
+    def __init__(self) -> None:
+        self.disk_used = metrics.Gauge("eagle3_disk_used_bytes", description="Committed local shard bytes + reservations")
+        self.disk_budget = metrics.Gauge("eagle3_disk_budget_bytes", description="output.disk_budget")
+        self.waiting = metrics.Gauge("eagle3_waiting_for_disk", description="1 while the driver waits for disk budget")
+        self.wait_seconds = metrics.Counter("eagle3_disk_wait_seconds_total", description="Time spent waiting for disk budget")
+        self.tokens = metrics.Counter("eagle3_tokens_written_total", description="Tokens whose states were written")
 
-    def settle(block_until: int) -> None:
-        """Collect finished appends/finishes until at most ``block_until`` appends are pending."""
-        while len(appends) > block_until or (block_until == 0 and finishes):
-            ready, _ = ray.wait([*appends, *finishes], num_returns=1)
-            ref = ready[0]
-            if ref in finishes:
-                shard = finishes.pop(ref)
-                try:
-                    done[shard] = ray.get(ref)
-                except Exception as error:
-                    failed[shard] = _error_text(error)
-                    logger.error("shard %d failed: %s", shard, failed[shard])
-                shard_bar.update(1)
-                continue
-            appends.pop(ref)
-            token_bar.update(ray.get(ref))  # raises if the extractor died: stop the job
 
-    try:
-        for shard in shards:
-            writer = writers[shard.index % len(writers)]
-            for start, stop in pack_batches(
-                lengths[shard.start : shard.stop], extract.max_tokens_per_batch, extract.max_samples_per_batch
-            ):
-                rows = BatchRows(
-                    shard=shard.index,
-                    sample_ids=list(range(shard.start + start, shard.start + stop)),
-                    input_ids=dataset.input_ids[shard.start + start : shard.start + stop],
-                    loss_masks=dataset.loss_masks[shard.start + start : shard.start + stop],
+class ExtractionRun:
+    """Extracts ``shards`` and keeps ``manifest`` and ``budget`` true at every step."""
+
+    def __init__(
+        self, spec: EngineSpec, dataset: TokenizedDataset, shards: list[ShardRecord], extract: ExtractConfig,
+        output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
+    ) -> None:
+        self.spec = spec
+        self.dataset = dataset
+        self.shards = shards
+        self.extract = extract
+        self.output = output
+        self.output_dir = output_dir
+        self.manifest = manifest
+        self.budget = budget
+        self.metrics = _Metrics()
+        self.metrics.disk_budget.set(budget.limit)
+        self.appends: dict[ray.ObjectRef, int] = {}  # -> shard
+        self.finishes: dict[ray.ObjectRef, int] = {}
+        self.uploads: dict[ray.ObjectRef, int] = {}
+        self.failing: set[int] = set()
+        self.blocked_seconds = 0.0
+        self.last_rescan = 0.0
+        self.uploaders: list[ray.actor.ActorHandle] = []
+        self.next_uploader = 0
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _start_actors(self) -> None:
+        on_gpu = self.spec.device == "cuda"
+        extractor_cpus = 1
+        started = time.perf_counter()
+        self.extractor = (
+            ray.remote(Extractor)
+            .options(num_gpus=self.spec.tp_size if on_gpu else 0, num_cpus=extractor_cpus, name="extractor")
+            .remote(self.spec)
+        )
+        self.engine: EngineInfo = ray.get(self.extractor.info.remote())
+        logger.info(
+            "extractor ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
+            time.perf_counter() - started, self.engine.model_architecture, self.engine.layers_to_capture,
+            self.engine.layer_ids, self.engine.drafter_layer_ids,
+        )
+        self.metadata = shard_metadata(self.engine, self.spec.model_path, self.spec.last_hidden_state)
+        self.bytes_per_token = state_bytes_per_token(self.metadata)
+        writer_class = ray.remote(WriterActor).options(num_cpus=1)
+        self.writers = [
+            writer_class.remote(str(self.output_dir), self.metadata)
+            for _ in range(count_writers(self.output.num_writers, extractor_cpus))
+        ]
+        if self.output.sink:
+            # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
+            # on them, so writers holding every CPU slot must never keep them from starting.
+            uploader_class = ray.remote(UploaderActor).options(num_cpus=0)
+            self.uploaders = [
+                uploader_class.remote(self.output.sink, self.output.sink_options)
+                for _ in range(max(1, self.output.num_uploaders))
+            ]
+
+    def _check_shards_fit(self) -> None:
+        lengths = self.dataset.lengths
+        for record in self.shards:
+            need = self.budget.predict(int(lengths[record.start : record.stop].sum()), self.bytes_per_token, True)
+            if need > self.budget.limit:
+                raise ValueError(
+                    f"shard {record.index} needs about {format_bytes(need)} but output.disk_budget is "
+                    f"{format_bytes(self.budget.limit)}: a shard must fit the budget whole. Lower "
+                    "data.shard_size or raise output.disk_budget"
                 )
-                settle(block_until=max_inflight_batches - 1)
-                captured = extractor.extract.remote(rows.input_ids)
-                appends[writer.append.remote(rows, [captured])] = None
-            finishes[writer.finish.remote(shard.index)] = shard.index
-        settle(block_until=0)
-    finally:
-        shard_bar.close()
-        token_bar.close()
+
+    def _stop_actors(self) -> None:
         with contextlib.suppress(Exception):
-            ray.get(extractor.close.remote(), timeout=60)
-        ray.kill(extractor)
-        for writer in writers:
-            ray.kill(writer)
-    return ScheduleResult(done=done, failed=failed, engine=engine, seconds=time.perf_counter() - started)
+            ray.get(self.extractor.close.remote(), timeout=60)
+        for actor in [self.extractor, *self.writers, *self.uploaders]:
+            ray.kill(actor)
+
+    # -- main loop -----------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        self._start_actors()
+        lengths = self.dataset.lengths
+        self.shard_bar = tqdm(total=len(self.shards), desc="shards")
+        self.token_bar = tqdm(total=int(sum(lengths[s.start : s.stop].sum() for s in self.shards)), desc="tokens")
+        try:
+            self._check_shards_fit()
+            self._rescan(force=True)
+            for record in self.manifest.in_state(DONE):
+                self._maybe_upload(record)
+            for record in self.shards:
+                self._run_shard(record)
+            while self.appends or self.finishes or self.uploads:
+                self._settle_one(timeout=self.output.rescan_s)
+                self._rescan()
+        except BaseException:
+            # Shards cut short leave no temp file behind (the next run would remove it anyway).
+            discards = [
+                self.writers[shard % len(self.writers)].discard.remote(shard) for shard in list(self.budget.reserved)
+            ]
+            with contextlib.suppress(Exception):
+                ray.get(discards, timeout=30)
+            raise
+        finally:
+            self.shard_bar.close()
+            self.token_bar.close()
+            self._stop_actors()
+        return RunResult(
+            engine=self.engine,
+            seconds=time.perf_counter() - started,
+            budget_peak=self.budget.peak,
+            budget_overshoot=self.budget.overshoot,
+            blocked_seconds=self.blocked_seconds,
+        )
+
+    def _run_shard(self, record: ShardRecord) -> None:
+        self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
+        writer = self.writers[record.index % len(self.writers)]
+        lengths = self.dataset.lengths[record.start : record.stop]
+        for number, (start, stop) in enumerate(
+            pack_batches(lengths, self.extract.max_tokens_per_batch, self.extract.max_samples_per_batch)
+        ):
+            if record.index in self.failing:
+                break  # the writer already dropped this shard: spend no more extraction on it
+            nbytes = self.budget.predict(int(lengths[start:stop].sum()), self.bytes_per_token, opens_file=number == 0)
+            self._wait_for_disk(nbytes)
+            self.budget.reserve(record.index, nbytes)
+            self.metrics.disk_used.set(self.budget.used)
+            while len(self.appends) >= self.output.max_inflight_batches:
+                self._settle_one(timeout=None)
+            first, last = record.start + start, record.start + stop
+            rows = BatchRows(
+                shard=record.index,
+                sample_ids=list(range(first, last)),
+                input_ids=self.dataset.input_ids[first:last],
+                loss_masks=self.dataset.loss_masks[first:last],
+            )
+            captured = self.extractor.extract.remote(rows.input_ids)
+            self.appends[writer.append.remote(rows, [captured])] = record.index
+        self.finishes[writer.finish.remote(record.index)] = record.index
+
+    def _wait_for_disk(self, nbytes: int) -> None:
+        """Hold the next batch until its bytes fit; raise BudgetExhausted if nothing can free any."""
+        policy = self.budget.blocking_policy(nbytes)
+        if policy is None:
+            return
+        started = last_log = time.monotonic()
+        idle_since: float | None = None
+        self.metrics.waiting.set(1)
+        logger.warning("waiting for disk budget: %s (next batch needs %s)", policy.describe(self.budget), format_bytes(nbytes))
+        try:
+            while policy is not None:
+                now = time.monotonic()
+                if self.appends or self.finishes or self.uploads:
+                    idle_since = None
+                    self._settle_one(timeout=self.output.rescan_s)
+                else:
+                    idle_since = idle_since or now
+                    if now - idle_since >= self.output.budget_wait_s:
+                        raise BudgetExhausted(self._exhausted_message(policy.describe(self.budget)))
+                    time.sleep(min(self.output.rescan_s, self.output.budget_wait_s - (now - idle_since)))
+                self._rescan()
+                if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
+                    last_log = time.monotonic()
+                    logger.warning("waiting for disk budget: %s", policy.describe(self.budget))
+                policy = self.budget.blocking_policy(nbytes)
+        finally:
+            waited = time.monotonic() - started
+            self.blocked_seconds += waited
+            if waited > 0:
+                self.metrics.wait_seconds.inc(waited)
+            self.metrics.waiting.set(0)
+        logger.info("disk budget free again after %.1f s: %s", waited, self.budget.policies[0].describe(self.budget))
+
+    def _exhausted_message(self, state: str) -> str:
+        remaining = [r for r in self.manifest.shards.values() if r.state != DONE]
+        tokens = sum(int(self.dataset.lengths[r.start : r.stop].sum()) for r in remaining)
+        return (
+            f"stopped after waiting {self.output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
+            f"in flight that could free space. {len(remaining)} shards remain, about "
+            f"{format_bytes(tokens * self.bytes_per_token)} to write. Raise output.disk_budget, set "
+            "output.sink, or free space under output.dir (e.g. let the trainer consume shards), then "
+            "rerun the same command: it resumes where this run stopped"
+        )
+
+    # -- completions ---------------------------------------------------------------------------
+
+    def _settle_one(self, timeout: float | None) -> None:
+        pending = [*self.appends, *self.finishes, *self.uploads]
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            return
+        ref = ready[0]
+        if ref in self.appends:
+            shard = self.appends.pop(ref)
+            tokens = ray.get(ref)  # raises if the extractor died: no later batch could succeed
+            if tokens == 0:
+                self.failing.add(shard)
+            self.token_bar.update(tokens)
+            if tokens:  # Ray counters refuse increments of 0
+                self.metrics.tokens.inc(tokens)
+        elif ref in self.finishes:
+            self._on_finish(self.finishes.pop(ref), ref)
+        else:
+            self._on_upload(self.uploads.pop(ref), ref)
+
+    def _on_finish(self, shard: int, ref: ray.ObjectRef) -> None:
+        self.failing.discard(shard)
+        try:
+            info: ShardFileInfo = ray.get(ref)
+        except Exception as error:
+            self.budget.release(shard)
+            message = _error_text(error)
+            self.manifest.update(shard, state=FAILED, error=message)
+            logger.error("shard %d failed: %s", shard, message)
+        else:
+            self.budget.commit(shard, info.bytes, info.tokens, self.bytes_per_token)
+            record = self.manifest.update(
+                shard, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
+                bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="",
+            )
+            self._maybe_upload(record)
+        self.metrics.disk_used.set(self.budget.used)
+        self.shard_bar.update(1)
+
+    def _maybe_upload(self, record: ShardRecord) -> None:
+        if not self.uploaders or record.location != LOCAL or record.index in self.uploads.values():
+            return
+        uploader = self.uploaders[self.next_uploader % len(self.uploaders)]
+        self.next_uploader += 1
+        path = str(self.output_dir / record.file)
+        self.uploads[uploader.upload.remote(path, record.bytes, record.sha256)] = record.index
+
+    def _on_upload(self, shard: int, ref: ray.ObjectRef) -> None:
+        try:
+            url = ray.get(ref)
+        except Exception as error:
+            message = f"upload to {self.output.sink} failed, the file stays local: {_error_text(error)}"
+            self.manifest.update(shard, error=message)
+            logger.error("shard %d: %s", shard, message)
+            return
+        # Record first, then delete: a crash in between leaves a local copy the next run removes.
+        self.manifest.update(shard, location=SINK, sink_url=url)
+        (self.output_dir / shard_file_name(shard)).unlink(missing_ok=True)
+        self.budget.forget(shard)
+        self.metrics.disk_used.set(self.budget.used)
+
+    def _rescan(self, force: bool = False) -> None:
+        """Notice committed files someone else deleted (a trainer consuming them)."""
+        now = time.monotonic()
+        if not force and now - self.last_rescan < self.output.rescan_s:
+            return
+        self.last_rescan = now
+        for record in self.manifest.in_state(DONE):
+            if record.location != LOCAL:
+                continue
+            if (self.output_dir / record.file).exists():
+                self.budget.committed[record.index] = record.bytes
+            elif record.index not in self.uploads.values():
+                logger.info("shard %d: %s was removed from output.dir; its bytes are free", record.index, record.file)
+                self.manifest.update(record.index, location=CONSUMED)
+                self.budget.forget(record.index)
+        self.metrics.disk_used.set(self.budget.used)
 
 
 def _error_text(error: Exception) -> str:

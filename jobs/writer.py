@@ -77,6 +77,13 @@ class WriterActor:
             writer.abort()
             raise
 
+    def discard(self, shard: int) -> None:
+        """Drop a shard the driver stopped feeding (the job is ending); its temp file goes."""
+        self._failed.pop(shard, None)
+        writer = self._open.pop(shard, None)
+        if writer is not None:
+            writer.abort()
+
     def _fail(self, shard: int, error: Exception, sample_ids: list[int]) -> None:
         where = f"samples {sample_ids[0]}..{sample_ids[-1]}" if sample_ids else "an empty batch"
         self._failed[shard] = f"shard {shard} ({where}): {type(error).__name__}: {error}"

@@ -1,15 +1,48 @@
-"""The ``output`` section of the job config."""
+"""The ``output`` section of the job config, and byte sizes as people write them."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any, Dict
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
+}
+
+
+def parse_bytes(value: str | int, key: str) -> int:
+    """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{key}={value!r}: write a size like 500GB, 1.3TB, 64GiB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclasses.dataclass
 class OutputConfig:
     dir: str = ""
-    """Where shard files and the run summary go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    """Where shard files, manifest.json and the run summary go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    disk_budget: str = "1.3TB"
+    """Most bytes of shard files kept under output.dir at once (committed + being written); 500GB, 1.3TB or bytes."""
+    min_free_bytes: str = "10GB"
+    """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it."""
+    budget_wait_s: float = 600.0
+    """How long the job waits for disk budget when nothing it does can free any, before it stops (non-zero exit)."""
+    rescan_s: float = 10.0
+    """How often output.dir is re-scanned for shard files deleted by someone else (a trainer consuming them)."""
+    sink: str = ""
+    """fsspec URL (s3://bucket/prefix, file:///mnt/big): committed shards are uploaded, verified, then deleted locally."""
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
     num_writers: int = 0
     """CPU writer actors; 0 follows the CPUs Ray has left after the extractor (at most 8)."""
+    num_uploaders: int = 2
+    """CPU actors uploading committed shards to the sink."""
     max_inflight_batches: int = 4
     """Batches between extraction and a finished write; bounds the memory held by states in flight."""

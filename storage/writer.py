@@ -51,6 +51,12 @@ def shard_file_name(shard: int) -> str:
     return f"shard-{shard:05d}.parquet"
 
 
+def state_bytes_per_token(metadata: ShardMetadata) -> int:
+    """Bytes of hidden states one token adds to a shard file."""
+    layers = len(metadata.layer_ids) + (1 if metadata.has_last_hidden_state else 0)
+    return layers * metadata.hidden_size * metadata.itemsize
+
+
 def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARGET_BYTES) -> int:
     """Rows per Parquet row group so that a group holds about ``target_bytes``."""
     return max(1, target_bytes // max(1, bytes_per_row))

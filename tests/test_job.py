@@ -26,7 +26,8 @@ HIDDEN = 64
 def job_config(model, data, out, *extra):
     return load_config(
         [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
-         "extract.max_tokens_per_batch=300", "model.device=cpu", *extra]
+         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free_bytes=1GB",
+         "output.budget_wait_s=30", *extra]
     )
 
 
@@ -121,7 +122,7 @@ def test_output_dir_with_shards_is_not_overwritten(ray_cluster, llama_fp32, demo
     out = tmp_path / "out"
     out.mkdir()
     (out / "shard-00001.parquet").write_bytes(b"earlier run")
-    with pytest.raises(ValueError, match="already holds 1 shard files"):
+    with pytest.raises(ValueError, match="holds 1 shard files .* but no manifest.json"):
         run(job_config(llama_fp32, demo_dataset, out))
     assert (out / "shard-00001.parquet").read_bytes() == b"earlier run"
 
@@ -170,7 +171,7 @@ def test_readme_demo_command(tmp_path):
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "wrote 1 shards" in result.stdout and "12 samples" in result.stdout
+    assert "1 shards done" in result.stdout and "12 samples" in result.stdout
     summary = json.loads((tmp_path / "demo" / "hidden_states" / SUMMARY_FILE).read_text())
     assert summary["samples"] == 12
     assert len(read_all(tmp_path / "demo" / "hidden_states")) == 12

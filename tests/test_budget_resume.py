@@ -1,0 +1,295 @@
+"""Disk budget, sink, manifest, resume and rerun, through the real job on real files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from jobs.demo import build_synthetic_dataset
+from jobs.extract import run
+from jobs.pipeline import BudgetExhausted
+from jobs.status import status_report
+from storage.manifest import DONE, FAILED, MANIFEST_FILE, SINK, read_manifest
+from tests.conftest import REPO_ROOT
+from tests.test_job import job_config, read_all
+
+SHARD_SIZE = 4
+NUM_SAMPLES = 20
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return build_synthetic_dataset(
+        tmp_path_factory.mktemp("budget") / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=120, seed=7
+    )
+
+
+@pytest.fixture(scope="module")
+def shard_bytes(ray_cluster, llama_fp32, dataset, tmp_path_factory) -> int:
+    """Largest shard file of an unconstrained run: the unit the budgets below are written in."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    run(budget_config(llama_fp32, dataset, out, "1TB"))
+    return max(path.stat().st_size for path in out.glob("shard-*.parquet"))
+
+
+def budget_config(model, data, out, budget, *extra):
+    return job_config(
+        model, data, out, f"data.shard_size={SHARD_SIZE}", f"output.disk_budget={budget}",
+        "output.rescan_s=0.2", "output.max_inflight_batches=2", "extract.max_tokens_per_batch=200", *extra,
+    )
+
+
+class DiskSampler:
+    """Samples the bytes of shard files (final and temp) under a directory while the job runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for path in list(self.directory.glob("shard-*")):
+                try:
+                    total += path.stat().st_size
+                except FileNotFoundError:
+                    pass  # uploaded and deleted between listing and stat
+            self.peak = max(self.peak, total)
+            self.samples += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> "DiskSampler":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on loopback, with one bucket."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    options = {
+        "key": "test", "secret": "test",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"},
+    }
+    import s3fs
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            fs = s3fs.S3FileSystem(**options)
+            fs.mkdir("eagle3-test")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+            time.sleep(0.3)
+    yield options
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def assert_every_sample_once(samples, count=NUM_SAMPLES):
+    assert sorted(samples) == list(range(count))
+
+
+@pytest.mark.parametrize("sink_kind", ["file", "s3"])
+def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path, sink_kind, request):
+    budget = 3 * shard_bytes
+    if sink_kind == "file":
+        sink_dir = tmp_path / "sink"
+        sink, options = f"file://{sink_dir}", {}
+    else:
+        options = request.getfixturevalue("s3_server")
+        sink = "s3://eagle3-test/run1"
+    options_arg = [f"output.sink_options={json.dumps(options)}"] if options else []
+    out = tmp_path / "out"
+    with DiskSampler(out) as sampler:
+        summary = run(budget_config(llama_fp32, dataset, out, str(budget), f"output.sink={sink}", *options_arg))
+    print(f"{sink_kind} sink: budget {budget} B, sampled peak {sampler.peak} B over {sampler.samples} samples, "
+          f"accounted peak {summary['disk_budget']['peak']}, blocked {summary['disk_budget']['blocked_seconds']} s")
+    assert sampler.peak <= budget
+    assert summary["disk_budget"]["overshoot"] == 0
+    assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE and summary["shards_failed"] == {}
+
+    manifest = read_manifest(out)
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(sink, **options)
+    for record in manifest["shards"]:
+        assert record["state"] == DONE and record["location"] == SINK
+        assert not (out / record["file"]).exists()  # verified, then deleted locally
+        remote = fs.cat_file(fs._strip_protocol(record["sink_url"]))
+        assert len(remote) == record["bytes"] and sha256(remote) == record["sha256"]
+    # the uploaded shards hold every sample once
+    local_copy = tmp_path / "downloaded"
+    local_copy.mkdir()
+    for record in manifest["shards"]:
+        (local_copy / record["file"]).write_bytes(fs.cat_file(fs._strip_protocol(record["sink_url"])))
+    assert_every_sample_once(read_all(local_copy))
+
+
+def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
+    out = tmp_path / "out"
+    budget = 3 * shard_bytes
+    with pytest.raises(BudgetExhausted, match=r"shards remain.*Raise output.disk_budget, set output.sink"):
+        with DiskSampler(out) as sampler:
+            run(budget_config(llama_fp32, dataset, out, str(budget), "output.budget_wait_s=1"))
+    assert sampler.peak <= budget
+    manifest = read_manifest(out)
+    done = [r for r in manifest["shards"] if r["state"] == DONE]
+    assert 1 <= len(done) < NUM_SAMPLES // SHARD_SIZE
+    assert sum(r["bytes"] for r in done) <= budget
+    assert not list(out.glob("*.tmp"))
+    report = status_report(out, budget)
+    assert "done" in report and "pending" in report and "of budget" in report
+
+    summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
+    assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
+    assert_every_sample_once(read_all(out))
+    attempts = {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}
+    assert all(attempts[r["index"]] == 1 for r in done), "done shards must not run again"
+
+
+def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
+    """A trainer that deletes shard files as it consumes them keeps a small budget flowing."""
+    out = tmp_path / "out"
+    seen: dict[str, bytes] = {}
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            for path in out.glob("shard-*.parquet"):
+                seen[path.name] = path.read_bytes()
+                path.unlink()
+            time.sleep(0.05)
+
+    out.mkdir()
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    try:
+        summary = run(budget_config(llama_fp32, dataset, out, str(2 * shard_bytes), "output.budget_wait_s=20"))
+    finally:
+        stop.set()
+        consumer.join()
+    assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
+    locations = [r["location"] for r in read_manifest(out)["shards"]]
+    # 5 shards through a 2-shard budget: at least 3 were noticed as consumed while the job ran
+    assert locations.count("consumed") >= 3 and set(locations) <= {"consumed", "local"}
+    for name, data in seen.items():
+        (out / name).write_bytes(data)
+    assert_every_sample_once(read_all(out))
+
+
+def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tmp_path):
+    many = build_synthetic_dataset(tmp_path / "many.parquet", num_samples=160, min_len=20, max_len=60, seed=11)
+    out = tmp_path / "out"
+    address = ray.get_runtime_context().gcs_address
+    args = [
+        f"model.path={llama_fp32}", f"data.path={many}", f"output.dir={out}", "data.shard_size=4",
+        "model.device=cpu", "output.min_free_bytes=1GB", "output.max_inflight_batches=1",
+        "extract.max_tokens_per_batch=64", f"ray.address={address}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    driver = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    killed_after = None
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            done = sum(r["state"] == DONE for r in json.loads((out / MANIFEST_FILE).read_text())["shards"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            done = 0
+        if done >= 2:
+            driver.send_signal(signal.SIGKILL)
+            killed_after = done
+            break
+        time.sleep(0.01)
+    driver.wait(timeout=60)
+    assert killed_after is not None, "the driver finished or never started before it could be killed"
+    assert read_manifest(out)["shards"]  # readable after the kill
+    summary = run(job_config(llama_fp32, many, out, "data.shard_size=4", "extract.max_tokens_per_batch=64"))
+    assert summary["shards_done"] == 40 and summary["shards_failed"] == {}
+    assert_every_sample_once(read_all(out), count=160)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    # A real failure: shard 1's temp file cannot be created.
+    blocker = out / "shard-00001.parquet.tmp"
+    blocker.mkdir()
+    summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
+    assert list(summary["shards_failed"]) == ["1"]
+    assert "IsADirectoryError" in summary["shards_failed"]["1"]
+    assert not (out / "shard-00001.parquet").exists()
+    assert "shard 1 (failed, 1 attempts)" in status_report(out, 10**12)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
+    assert len(before) == NUM_SAMPLES // SHARD_SIZE - 1
+
+    blocker.rmdir()
+    summary = run(budget_config(llama_fp32, dataset, out, "1TB", "shards=failed"))
+    assert summary["shards_failed"] == {} and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
+    assert {name: after[name] for name in before} == before, "only the failed shard may be rewritten"
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert records[1]["attempts"] == 2 and records[1]["state"] == DONE
+    assert all(records[i]["attempts"] == 1 for i in records if i != 1)
+    assert_every_sample_once(read_all(out))
+
+    # named shards rerun too, and nothing else
+    summary = run(budget_config(llama_fp32, dataset, out, "1TB", "shards=[0,3]"))
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert [records[i]["attempts"] for i in range(5)] == [2, 2, 1, 2, 1]
+    assert_every_sample_once(read_all(out))
+
+
+def test_resume_with_other_content_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    run(budget_config(llama_fp32, dataset, out, "1TB"))
+    with pytest.raises(ValueError, match=r"different content \(extract.layers: was \[2, 4, 5\], now \[1, 4, 5\]"):
+        run(budget_config(llama_fp32, dataset, out, "1TB", "extract.layers=[1,4,5]"))
+    with pytest.raises(ValueError, match=r"model.dtype: was 'bfloat16', now 'float32'"):
+        run(budget_config(llama_fp32, dataset, out, "1TB", "model.dtype=float32"))
+    records = read_manifest(out)["shards"]
+    assert all(r["state"] == DONE and r["attempts"] == 1 for r in records)
+
+
+def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
+    with pytest.raises(ValueError, match="a shard must fit the budget whole"):
+        run(budget_config(llama_fp32, dataset, tmp_path / "out", "10KB"))
+    assert FAILED not in {r["state"] for r in read_manifest(tmp_path / "out")["shards"]}
