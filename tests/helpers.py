@@ -63,3 +63,22 @@ def split_tokens(states: np.ndarray, lengths) -> list[np.ndarray]:
 def random_sequences(lengths, vocab_size: int = 512, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab_size, n).astype(np.int32) for n in lengths]
+
+
+def assert_matches_hf(model_path: Path, layer_ids, captured: CapturedBatch, sequences, hidden: int,
+                      neighbour_gap: float) -> None:
+    """Aux states equal HF ``hidden_states[k+1]`` within 1e-5 and are at least ``neighbour_gap``
+    away from ``[k]`` and ``[k+2]`` (an off-by-one convention fails loudly); the final state
+    equals HF's last entry."""
+    hf = load_hf_model(model_path)
+    lengths = [len(ids) for ids in sequences]
+    for ids, aux, last in zip(sequences, split_tokens(captured.aux_hidden_states, lengths),
+                              split_tokens(captured.last_hidden_state, lengths)):
+        reference = hf_hidden_states(hf, ids)
+        aux = torch.from_numpy(aux)
+        for j, k in enumerate(layer_ids):
+            got = aux[:, j * hidden : (j + 1) * hidden]
+            assert (got - reference[k + 1]).abs().max() < 1e-5, f"layer {k}"
+            assert (got - reference[k]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k}]"
+            assert (got - reference[k + 2]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k + 2}]"
+        assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from extractor.layers import default_layer_ids
-from tests.helpers import (
-    ExtractorHandle, engine_spec, hf_hidden_states, load_hf_model, random_sequences, split_tokens,
-)
+from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, random_sequences, split_tokens
 
 LENGTHS = (7, 33, 1, 18)
 HIDDEN = 64
@@ -34,19 +31,7 @@ def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
     assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
     assert captured.aux_hidden_states.shape == (sum(LENGTHS), len(layer_ids) * HIDDEN)
 
-    hf = load_hf_model(model_path)
-    aux_per_sample = split_tokens(captured.aux_hidden_states, LENGTHS)
-    last_per_sample = split_tokens(captured.last_hidden_state, LENGTHS)
-    for ids, aux, last in zip(sequences, aux_per_sample, last_per_sample):
-        reference = hf_hidden_states(hf, ids)
-        aux = torch.from_numpy(aux)
-        for j, k in enumerate(layer_ids):
-            got = aux[:, j * HIDDEN : (j + 1) * HIDDEN]
-            assert (got - reference[k + 1]).abs().max() < 1e-5, f"layer {k}"
-            # the neighbours are far: an off-by-one convention would fail loudly
-            assert (got - reference[k]).abs().max() > 1e-2, f"layer {k} looks like HF[{k}]"
-            assert (got - reference[k + 2]).abs().max() > 1e-2, f"layer {k} looks like HF[{k + 2}]"
-        assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5
+    assert_matches_hf(model_path, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
