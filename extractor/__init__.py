@@ -1,8 +1,10 @@
 """Hidden-state capture with SGLang's own ModelRunner.
 
-This package is the only place that imports SGLang, and only inside
-``extractor.engine`` (the version adapter) and the modules that load it
-lazily (``extractor.tensor_parallel``, ``extractor.actor``). ``extractor.config``,
+This package is the only place that imports SGLang: ``extractor.engine``
+drives a runner, ``extractor.sglang_compat`` holds every difference between
+the supported SGLang releases (0.5.17, 0.5.23), ``extractor.cpu_shims`` the
+CPU-only adjustments; ``extractor.tensor_parallel`` and ``extractor.actor``
+load them lazily. ``extractor.config``,
 ``extractor.layers`` and ``extractor.types`` are light and safe to import from
 the driver.
 """

@@ -1,0 +1,178 @@
+"""Everything that differs between the supported SGLang releases, detected by what is installed.
+
+Supported: 0.5.23 (``runtime_context.publish`` bootstrap, capture-only mode that
+returns the post-norm final state) and 0.5.17 (``ParallelState`` passed to
+``ModelRunner(ps=...)``, no capture-only mode). The branch is chosen by what
+the installed SGLang offers (``runtime_context.SpawnRanks``; ``ModelRunner``'s
+``ps`` parameter), never by comparing version strings.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+from extractor.types import EngineSpec
+
+SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
+
+
+def import_sglang() -> SimpleNamespace:
+    """The SGLang pieces the engine uses; call after ``cpu_shims.install_cpu_shims`` on CPU."""
+    import sglang
+    from sglang.benchmark.one_batch import TreeCacheNamespace
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.entrypoints.engine import _set_envs_and_config
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sgl = SimpleNamespace(
+        version=sglang.__version__, TreeCacheNamespace=TreeCacheNamespace, runtime_context=runtime_context,
+        ModelConfig=ModelConfig, set_envs_and_config=_set_envs_and_config, Req=Req, ScheduleBatch=ScheduleBatch,
+        CaptureHiddenMode=CaptureHiddenMode, ForwardBatch=ForwardBatch, ModelRunner=ModelRunner,
+        SamplingParams=SamplingParams, PortArgs=PortArgs, ServerArgs=ServerArgs,
+        SpeculativeAlgorithm=SpeculativeAlgorithm,
+    )
+    sgl.publishes_runtime = hasattr(runtime_context, "SpawnRanks")  # 0.5.23
+    sgl.takes_parallel_state = "ps" in inspect.signature(ModelRunner.__init__).parameters  # 0.5.17
+    if not (sgl.publishes_runtime or sgl.takes_parallel_state):
+        raise RuntimeError(
+            f"SGLang {sgl.version} has neither the runtime_context.publish nor the ParallelState runner "
+            f"bootstrap; this extractor supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
+        )
+    return sgl
+
+
+def build_model_runner(sgl: SimpleNamespace, spec: EngineSpec, tp_rank: int, nccl_port: int) -> Any:
+    """A loaded ModelRunner for ``tp_rank`` with memory pools, attention backend and eager runner."""
+    server_args = sgl.ServerArgs(
+        model_path=spec.model_path,
+        device=spec.device,
+        dtype=spec.dtype,
+        tp_size=spec.tp_size,
+        attention_backend=spec.attention_backend,
+        load_format=spec.load_format,
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,  # EXTEND batches of varying shape never use graphs
+        disable_radix_cache=True,
+        disable_custom_all_reduce=spec.device == "cpu",
+        chunked_prefill_size=-1,  # a batch is one forward, never split
+        context_length=spec.context_length,
+        max_total_tokens=spec.max_tokens_per_batch,
+        max_running_requests=spec.max_samples_per_batch,
+        mem_fraction_static=spec.mem_fraction_static,
+        nccl_port=nccl_port,
+        host="127.0.0.1",
+        **(_capture_only_mode() if sgl.publishes_runtime else {}),
+    )
+    bootstrap = _bootstrap_0523 if sgl.publishes_runtime else _bootstrap_0517
+    runner = bootstrap(sgl, spec, server_args, tp_rank)
+    runner.alloc_memory_pool()
+    runner.init_attention_backends()
+    runner.init_cuda_graphs()  # with graphs disabled this installs the eager runner
+    return runner
+
+
+def _capture_only_mode() -> dict[str, Any]:
+    # 0.5.23: EAGLE-3 capture hooks on, no drafter loaded, and the logits processor
+    # keeps the post-norm final state of every token (LogitsProcessorOutput.last_hidden_states).
+    return dict(
+        enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3", return_aux_hidden_state_layer_ids=None
+    )
+
+
+def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
+    """The sequence of sglang.benchmark.one_batch (0.5.23) load_model()/latency_test()."""
+    from sglang.benchmark.one_batch import _init_process_global_configs
+    from sglang.srt.distributed import bootstrap
+
+    rc = sgl.runtime_context
+    server_args.resolve_once()
+    sgl.set_envs_and_config(server_args)
+    port_args = sgl.PortArgs.init_new(server_args)
+    rc.publish(
+        server_args,
+        role="scheduler",
+        ranks=rc.SpawnRanks(world_rank=rc.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=tp_rank),
+    )
+    _init_process_global_configs()
+    model_config = sgl.ModelConfig.from_server_args(server_args)
+    bootstrap.init_parallel_runtime(server_args=server_args, device=rc.get_device().device, dist_port=port_args.nccl_port)
+    bootstrap.init_layer_runtime(model_config=model_config)
+    return sgl.ModelRunner(
+        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
+        nccl_port=port_args.nccl_port, server_args=server_args,
+    )
+
+
+def _bootstrap_0517(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
+    """The sequence of sglang.benchmark.one_batch (0.5.17) load_model()/latency_test().
+
+    ServerArgs resolves itself in __post_init__; ModelRunner publishes the args and
+    initialises torch.distributed from the ParallelState it is given.
+    """
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+
+    sa = server_args
+    sgl.set_envs_and_config(sa)
+    port_args = sgl.PortArgs.init_new(sa)
+    for initialize in (initialize_moe_config, initialize_fp8_gemm_config, initialize_fp4_gemm_config,
+                       initialize_bf16_gemm_config):
+        initialize(sa)
+    model_config = sgl.ModelConfig.from_server_args(sa)
+    attn_tp_rank, attn_tp_size, attn_dp_rank, attn_dp_size = compute_dp_attention_world_info(
+        sa.enable_dp_attention, tp_rank, sa.tp_size, sa.dp_size, sa.attn_cp_size
+    )
+    parallel_state = ParallelState(
+        tp_rank=tp_rank, tp_size=sa.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=sa.dp_size,
+        attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size, attn_cp_rank=0, attn_cp_size=sa.attn_cp_size,
+        attn_dp_rank=attn_dp_rank, attn_dp_size=attn_dp_size,
+        moe_ep_rank=tp_rank // (sa.tp_size // sa.ep_size), moe_ep_size=sa.ep_size, moe_dp_rank=None,
+        moe_dp_size=sa.moe_dp_size, dcp_size=sa.dcp_size, gpu_id=tp_rank,
+    )
+    return sgl.ModelRunner(
+        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
+        ps=parallel_state, nccl_port=port_args.nccl_port, server_args=sa,
+    )
+
+
+def set_extend_length(req: Any, length: int) -> None:
+    """Mark the whole sample as this forward's EXTEND range (no cached prefix)."""
+    if hasattr(req, "set_extend_range"):  # 0.5.17
+        req.set_extend_range(len(req.prefix_indices), length)
+    else:
+        req.extend_end = length
+
+
+class FinalStateTap:
+    """The post-norm final hidden state of every token.
+
+    0.5.23 returns it as ``LogitsProcessorOutput.last_hidden_states``; 0.5.17 does not,
+    so a forward pre-hook keeps the ``hidden_states`` the model hands its logits
+    processor, which is the same tensor (llama.py, deepseek_v2.py: norm, then
+    ``self.logits_processor(input_ids, hidden_states, ...)``).
+    """
+
+    def __init__(self, sgl: SimpleNamespace, model: Any) -> None:
+        self._kept: Any = None
+        if not sgl.publishes_runtime:
+            model.logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self._kept = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+
+    def take(self, logits_output: Any) -> Any:
+        kept, self._kept = self._kept, None
+        returned = getattr(logits_output, "last_hidden_states", None)
+        return returned if returned is not None else kept
