@@ -26,5 +26,8 @@ class Extractor:
     def extract(self, input_ids: list[np.ndarray]) -> CapturedBatch:
         return self._engine.capture(input_ids)
 
+    def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
+        return self._engine.bare_prefill(input_ids)
+
     def close(self) -> None:
         self._engine.close()

@@ -12,9 +12,11 @@ state that its logits processor sees.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from array import array
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -63,12 +65,11 @@ class CaptureEngine:
         model.set_eagle3_layers_to_capture(list(drafter_ids))
         return list(model.model.layers_to_capture)
 
-    @torch.no_grad()
-    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
-        """Run one packed EXTEND forward over whole samples; every rank must call it."""
+    @contextlib.contextmanager
+    def _extend(self, input_ids: list[np.ndarray], capture_mode: Any) -> Iterator[Any]:
+        """One packed EXTEND forward over whole samples; yields SGLang's logits output."""
         sgl = self._sgl
         runner = self._runner
-        started = time.perf_counter()
         reqs = []
         for index, ids in enumerate(input_ids):
             req = sgl.Req(
@@ -101,27 +102,45 @@ class CaptureEngine:
                 batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
                 batch.prefill_input_ids_cpu = None
             forward_batch = sgl.ForwardBatch.init_new(
-                batch,
-                runner,
-                capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
-                return_hidden_states_before_norm=False,
+                batch, runner, capture_hidden_mode=capture_mode, return_hidden_states_before_norm=False
             )
-            output = runner.forward(forward_batch).logits_output
+            with torch.no_grad():
+                yield runner.forward(forward_batch).logits_output
+        finally:
+            # Nothing is cached between batches: hand every KV slot back.
+            runner.req_to_token_pool.clear()
+            runner.token_to_kv_pool_allocator.clear()
+
+    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
+        """States of one packed batch, on the host; every TP rank must call it."""
+        started = time.perf_counter()
+        with self._extend(input_ids, self._sgl.CaptureHiddenMode.FULL) as output:
             aux = output.hidden_states
             final = self._final_state.take(output)
             last = final if self.spec.last_hidden_state else None
             self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
             aux_host, last_host = _to_host(aux), (None if last is None else _to_host(last))
-        finally:
-            # Nothing is cached between batches: hand every KV slot back.
-            runner.req_to_token_pool.clear()
-            runner.token_to_kv_pool_allocator.clear()
         return CapturedBatch(
             lengths=np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids)),
             aux_hidden_states=aux_host,
             last_hidden_state=last_host,
             forward_seconds=time.perf_counter() - started,
         )
+
+    def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
+        """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds."""
+        model = self._runner.model
+        saved = model.capture_aux_hidden_states, list(model.model.layers_to_capture)
+        # Both are needed to switch capture off on a loaded model.
+        model.capture_aux_hidden_states, model.model.layers_to_capture = False, []
+        try:
+            _synchronize(self.spec.device)
+            started = time.perf_counter()
+            with self._extend(input_ids, self._sgl.CaptureHiddenMode.NULL):
+                _synchronize(self.spec.device)
+            return time.perf_counter() - started
+        finally:
+            model.capture_aux_hidden_states, model.model.layers_to_capture = saved[0], saved[1]
 
     def _check_widths(self, aux: torch.Tensor | None, last: torch.Tensor | None, tokens: int) -> None:
         info = self.info
@@ -137,6 +156,11 @@ class CaptureEngine:
                 "SGLang returned no final hidden state for every token; "
                 "run with extract.last_hidden_state=false or use a supported SGLang version"
             )
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _to_host(states: torch.Tensor) -> np.ndarray:

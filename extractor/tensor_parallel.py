@@ -63,8 +63,9 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
         status.put((tp_rank, f"{type(error).__name__}: {error}"))
         raise
     status.put((tp_rank, None))
-    while (input_ids := inbox.get()) is not None:
-        engine.capture(input_ids)
+    while (message := inbox.get()) is not None:
+        method, input_ids = message
+        getattr(engine, method)(input_ids)
 
 
 class TensorParallelEngine:
@@ -122,10 +123,18 @@ class TensorParallelEngine:
                     os._exit(1)
             time.sleep(WATCHDOG_PERIOD_S)
 
-    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
+    def _broadcast(self, method: str, input_ids: list[np.ndarray]) -> None:
         for inbox in self._inboxes:
-            inbox.put(input_ids)
+            inbox.put((method, input_ids))
+
+    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
+        self._broadcast("capture", input_ids)
         return self._engine.capture(input_ids)
+
+    def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
+        """Seconds of the same forward without capture (benchmark baseline)."""
+        self._broadcast("bare_prefill", input_ids)
+        return self._engine.bare_prefill(input_ids)
 
     def close(self) -> None:
         self._closing = True

@@ -123,6 +123,7 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "tokens": tokens,
         "bytes": sum(record.bytes for record in done),
         "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
+        "startup_seconds": round(result.startup_seconds, 3),
         "seconds": round(result.seconds, 3),
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
         "disk_budget": {

@@ -50,7 +50,10 @@ class BudgetExhausted(RuntimeError):
 @dataclasses.dataclass
 class RunResult:
     engine: EngineInfo
+    startup_seconds: float
+    """Actors up and the model loaded: the time to the first batch."""
     seconds: float
+    """From the first batch to the last file committed (and uploaded)."""
     budget_peak: int
     budget_overshoot: int
     blocked_seconds: float
@@ -215,6 +218,8 @@ class ExtractionRun:
     def run(self) -> RunResult:
         started = time.perf_counter()
         self._start_actors()
+        startup = time.perf_counter() - started
+        started = time.perf_counter()
         lengths = self.dataset.lengths
         self.shard_bar = tqdm(total=len(self.shards), desc="shards")
         self.token_bar = tqdm(total=int(sum(lengths[s.start : s.stop].sum() for s in self.shards)), desc="tokens")
@@ -242,6 +247,7 @@ class ExtractionRun:
             self._stop_actors()
         return RunResult(
             engine=self.engine,
+            startup_seconds=startup,
             seconds=time.perf_counter() - started,
             budget_peak=self.budget.peak,
             budget_overshoot=self.budget.overshoot,

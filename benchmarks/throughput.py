@@ -1,0 +1,167 @@
+"""Throughput of the whole job against bare SGLang prefill, measured in one run on one machine.
+
+  (a) bare prefill: the extractor's forward on the job's batches with capture off, nothing copied
+  (b) the job: Ray, extractor actor, writer actors, Parquet on local disk (fsynced), tokens/s
+      from the first batch to the last committed file
+  (c) the disk's raw sequential write speed (write + fsync) and the writers' bytes/s
+
+    python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
+    python -m benchmarks.throughput --shape llama8b --device cuda      # on a GPU machine
+
+Shapes other than `tiny` use dummy weights built from a config.json alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from extractor.actor import Extractor
+from jobs.config import load_config
+from jobs.dataset import load_tokenized_dataset
+from jobs.demo import build_synthetic_dataset, build_tiny_model
+from jobs.extract import run
+from extractor.checkpoint import read_checkpoint_info
+from extractor.layers import default_layer_ids
+from jobs.pipeline import build_engine_spec, ray_session, resolve_device
+from jobs.plan import pack_batches
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+# DeepSeek-V3 / Kimi-K2.5 width (7168, MLA, 256 experts top-8) at reduced depth.
+DEEPSEEK_V3_REDUCED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 6, "first_k_dense_replace": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "moe_layer_freq": 1, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "hidden_act": "silu", "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+DISK_PROBE_CHUNK = 64 * 1024 * 1024
+
+
+def measure_disk(directory: Path, total_bytes: int) -> float:
+    """Sequential write + fsync, bytes/s (what a shard commit costs at best)."""
+    chunk = np.random.default_rng(0).integers(0, 255, DISK_PROBE_CHUNK, dtype=np.uint8).tobytes()
+    path = directory / "disk-probe.bin"
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        for _ in range(max(1, total_bytes // len(chunk))):
+            file.write(chunk)
+        file.flush()
+        os.fsync(file.fileno())
+    seconds = time.perf_counter() - started
+    written = path.stat().st_size
+    path.unlink()
+    return written / seconds
+
+
+def build_model(shape: str, directory: Path) -> tuple[Path, str]:
+    """Checkpoint directory and SGLang load format for ``shape``."""
+    if shape == "tiny":
+        return build_tiny_model(directory / "model", arch="llama", dtype="bfloat16"), "auto"
+    config = {"llama8b": LLAMA_8B, "deepseek_v3_reduced": DEEPSEEK_V3_REDUCED}[shape]
+    (directory / "model").mkdir(parents=True, exist_ok=True)
+    (directory / "model" / "config.json").write_text(json.dumps(config))
+    return directory / "model", "dummy"
+
+
+def bare_prefill_tokens_per_s(job_args: list[str], data: Path, batches_of: int, repeats: int) -> float:
+    """(a): an extractor on the job's own batches, capture off; warm-up batch not counted."""
+    config = load_config(job_args)
+    checkpoint = read_checkpoint_info(config.model.path)
+    dataset = load_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
+    spec = build_engine_spec(
+        config.model, config.extract, default_layer_ids(checkpoint.num_layers),
+        resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
+    )
+    actor = (
+        ray.remote(Extractor)
+        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=1)
+        .remote(spec)
+    )
+    batches = [dataset.input_ids[a:b] for a, b in pack_batches(dataset.lengths, batches_of, 256)]
+    ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
+    seconds = sum(ray.get(actor.bare_prefill.remote(batch)) for _ in range(repeats) for batch in batches)
+    tokens = repeats * int(dataset.lengths.sum())
+    ray.get(actor.close.remote())
+    ray.kill(actor)
+    return tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["tiny", "llama8b", "deepseek_v3_reduced"], default="tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--tokens-per-sample", type=int, default=2048)
+    parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    parser.add_argument("--disk-probe-bytes", type=int, default=1 << 30)
+    parser.add_argument("--work-dir", default="")
+    parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
+    args = parser.parse_args()
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
+    model, load_format = build_model(args.shape, work)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    data = build_synthetic_dataset(
+        work / "data.parquet", args.samples, vocab_size=vocab, min_len=args.tokens_per_sample,
+        max_len=args.tokens_per_sample,
+    )
+    job_args = [
+        f"model.path={model}", f"data.path={data}", f"model.device={args.device}", f"model.tp_size={args.tp_size}",
+        f"model.load_format={load_format}", f"extract.max_tokens_per_batch={args.max_tokens_per_batch}",
+        f"data.shard_size={max(1, args.samples // 4)}", "model.dtype=bfloat16", "output.min_free_bytes=1GB",
+        *args.set,
+    ]
+    disk_bps = measure_disk(work, args.disk_probe_bytes)
+    with ray_session(""):
+        bare = bare_prefill_tokens_per_s(job_args, data, args.max_tokens_per_batch, repeats=2)
+        summary = run(load_config([*job_args, f"output.dir={work / 'out'}"]))
+    job_tps = summary["tokens_per_second"]
+    writer_bps = summary["bytes"] / summary["seconds"]
+    results = {
+        "shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
+        "tokens": summary["tokens"], "bytes": summary["bytes"], "bare_prefill_tokens_per_s": round(bare, 1),
+        "job_tokens_per_s": job_tps, "job_over_bare": round(job_tps / bare, 3),
+        "disk_write_bytes_per_s": round(disk_bps), "writer_bytes_per_s": round(writer_bps),
+        "writer_over_disk": round(writer_bps / disk_bps, 3), "startup_seconds": summary["startup_seconds"],
+        "bytes_per_token": round(summary["bytes"] / summary["tokens"], 1), "sglang": summary["engine"]["sglang_version"],
+    }
+    rows = [
+        ("(a) bare SGLang prefill", f"{bare:,.0f} tok/s", ""),
+        ("(b) full job (Ray + Parquet, fsync)", f"{job_tps:,.0f} tok/s", f"b/a = {results['job_over_bare']:.3f}"),
+        ("(c) disk sequential write", f"{disk_bps / 1e6:,.0f} MB/s", ""),
+        ("    writer pool", f"{writer_bps / 1e6:,.0f} MB/s", f"writer/disk = {results['writer_over_disk']:.3f}"),
+        ("    bytes per token on disk", f"{results['bytes_per_token']:,.0f} B", ""),
+        ("    time to first batch (model load)", f"{summary['startup_seconds']:.1f} s", ""),
+    ]
+    print(f"\n{args.shape} on {args.device} (TP={args.tp_size}), SGLang {results['sglang']}, "
+          f"{summary['tokens']:,} tokens in {args.samples} samples")
+    for name, value, ratio in rows:
+        print(f"  {name:<38} {value:>16}  {ratio}")
+    if disk_bps < writer_bps * 1.05 or results["writer_over_disk"] > 0.9:
+        print("  the disk is the bottleneck: the budget backpressure holds the extractor")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
