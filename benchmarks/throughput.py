@@ -39,11 +39,11 @@ LLAMA_8B = {
     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "hidden_act": "silu",
 }
-# DeepSeek-V3 / Kimi-K2.5 width (7168, MLA, 256 experts top-8) at reduced depth.
+# DeepSeek-V3 / Kimi-K2.5 width (7168, MLA, top-8 routing) at reduced depth and 64 experts, to fit one GPU.
 DEEPSEEK_V3_REDUCED = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 6, "first_k_dense_replace": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 64, "num_experts_per_tok": 8,
     "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
     "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "scoring_func": "sigmoid",
