@@ -8,7 +8,8 @@
     python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
     python -m benchmarks.throughput --shape llama8b --device cuda      # on a GPU machine
 
-Shapes other than `tiny` use dummy weights built from a config.json alone.
+`tiny` and `small` are saved random-weight checkpoints; `llama8b` and `deepseek_v3_reduced` use
+SGLang's dummy weights built from a config.json alone (random per process and per TP layout).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def build_model(shape: str, directory: Path) -> tuple[Path, str]:
     """Checkpoint directory and SGLang load format for ``shape``."""
     if shape == "tiny":
         return build_tiny_model(directory / "model", arch="llama", dtype="bfloat16"), "auto"
+    if shape == "small":  # real (saved) random weights: every TP layout loads the same model
+        return build_tiny_model(directory / "model", arch="llama", num_layers=8, hidden_size=1024, dtype="bfloat16"), "auto"
     config = {"llama8b": LLAMA_8B, "deepseek_v3_reduced": DEEPSEEK_V3_REDUCED}[shape]
     (directory / "model").mkdir(parents=True, exist_ok=True)
     (directory / "model" / "config.json").write_text(json.dumps(config))
@@ -106,7 +109,7 @@ def bare_prefill_tokens_per_s(job_args: list[str], data: Path, batches_of: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["tiny", "llama8b", "deepseek_v3_reduced"], default="tiny")
+    parser.add_argument("--shape", choices=["tiny", "small", "llama8b", "deepseek_v3_reduced"], default="tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--samples", type=int, default=32)
