@@ -90,7 +90,7 @@ def bare_prefill_tokens_per_s(job_args: list[str], data: Path, batches_of: int, 
     checkpoint = read_checkpoint_info(config.model.path)
     dataset = load_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
     spec = build_engine_spec(
-        config.model, config.extract, default_layer_ids(checkpoint.num_layers),
+        config.model, config.extract, config.extract.layers or default_layer_ids(checkpoint.num_layers),
         resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
     )
     actor = (
