@@ -1,0 +1,28 @@
+"""The benchmark script runs end to end on CPU (smoke test: no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+
+def test_throughput_benchmark_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.throughput", "--shape", "tiny", "--device", "cpu", "--samples", "8",
+         "--tokens-per-sample", "96", "--max-tokens-per-batch", "256", "--disk-probe-bytes", str(64 << 20),
+         "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for row in ("(a) bare SGLang prefill", "(b) full job", "(c) disk sequential write", "writer pool"):
+        assert row in result.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["tokens"] == 8 * 96
+    assert results["bare_prefill_tokens_per_s"] > 0 and results["job_tokens_per_s"] > 0
+    assert results["bytes_per_token"] > 4 * 64 * 2  # 3 aux layers + final state, bf16, hidden 64
