@@ -22,7 +22,7 @@ that SGLang's own CPU path uses (``_dispatch_mla_subtype``).
 
 Nothing here runs on GPU: ``extractor.engine`` calls ``install_cpu_shims`` only
 when the device is ``cpu`` and the real ``sgl_kernel`` cannot be imported.
-Checked against SGLang 0.5.23.
+Checked against SGLang 0.5.23 (CI) and 0.5.17 (by hand, torch 2.11).
 """
 
 from __future__ import annotations
