@@ -24,14 +24,13 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from extractor.actor import Extractor
 from jobs.config import load_config
 from jobs.dataset import load_tokenized_dataset
 from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import default_layer_ids
-from jobs.pipeline import build_engine_spec, ray_session, resolve_device
+from jobs.pipeline import build_engine_spec, ray_session, resolve_device, start_extractor
 from jobs.plan import pack_batches
 
 LLAMA_8B = {
@@ -93,11 +92,7 @@ def bare_prefill_tokens_per_s(job_args: list[str], data: Path, batches_of: int, 
         config.model, config.extract, config.extract.layers or default_layer_ids(checkpoint.num_layers),
         resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
     )
-    actor = (
-        ray.remote(Extractor)
-        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=1)
-        .remote(spec)
-    )
+    actor = start_extractor(spec)
     batches = [dataset.input_ids[a:b] for a, b in pack_batches(dataset.lengths, batches_of, 256)]
     ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
     seconds = sum(ray.get(actor.bare_prefill.remote(batch)) for _ in range(repeats) for batch in batches)

@@ -119,6 +119,18 @@ def shard_metadata(engine: EngineInfo, model_path: str, has_last_hidden_state: b
     )
 
 
+EXTRACTOR_CPUS = 1
+
+
+def start_extractor(spec: EngineSpec, **options: Any) -> ray.actor.ActorHandle:
+    """The extractor actor: all ``tp_size`` GPUs of one node on CUDA (it runs the TP ranks itself)."""
+    return (
+        ray.remote(Extractor)
+        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=EXTRACTOR_CPUS, **options)
+        .remote(spec)
+    )
+
+
 def count_writers(requested: int, extractor_cpus: int) -> int:
     if requested > 0:
         return requested
@@ -166,14 +178,8 @@ class ExtractionRun:
     # -- setup ---------------------------------------------------------------------------------
 
     def _start_actors(self) -> None:
-        on_gpu = self.spec.device == "cuda"
-        extractor_cpus = 1
         started = time.perf_counter()
-        self.extractor = (
-            ray.remote(Extractor)
-            .options(num_gpus=self.spec.tp_size if on_gpu else 0, num_cpus=extractor_cpus, name="extractor")
-            .remote(self.spec)
-        )
+        self.extractor = start_extractor(self.spec, name="extractor")
         self.engine: EngineInfo = ray.get(self.extractor.info.remote())
         logger.info(
             "extractor ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
@@ -185,7 +191,7 @@ class ExtractionRun:
         writer_class = ray.remote(WriterActor).options(num_cpus=1)
         self.writers = [
             writer_class.remote(str(self.output_dir), self.metadata)
-            for _ in range(count_writers(self.output.num_writers, extractor_cpus))
+            for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
         ]
         if self.output.sink:
             # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
