@@ -7,7 +7,8 @@ SGLang internals.
 One forward = one packed EXTEND batch of whole samples (no padding tokens),
 run with ``CaptureHiddenMode.FULL``: SGLang returns the aux states of every
 token, concatenated over the captured layers, and the post-norm final hidden
-state that its logits processor sees.
+state that its logits processor sees. ``extractor.host_copy`` moves them to
+the host while the next batch computes.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import contextlib
 import logging
 import time
 from array import array
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from extractor.cpu_shims import install_cpu_shims, register_torch_native_mla
+from extractor.host_copy import HostCopier, PendingCopy
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
-from extractor.types import CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,11 @@ class CaptureEngine:
             layer_ids=layer_ids,
             layers_to_capture=captured,
             drafter_layer_ids=drafter_ids,
+        )
+        self._host_copier = HostCopier(
+            spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch,
+            aux_width=len(layer_ids) * self.info.hidden_size,
+            last_width=self.info.hidden_size if spec.last_hidden_state else 0,
         )
         logger.info("TP rank %d ready: %s", tp_rank, self.info)
 
@@ -111,21 +118,23 @@ class CaptureEngine:
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
 
-    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
-        """States of one packed batch, on the host; every TP rank must call it."""
-        started = time.perf_counter()
+    def capture_forward(self, input_ids: list[np.ndarray]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The capture forward of one packed batch; the states stay on the device.
+
+        Every TP rank runs it (the forward is collective); followers drop the result.
+        """
         with self._extend(input_ids, self._sgl.CaptureHiddenMode.FULL) as output:
             aux = output.hidden_states
             final = self._final_state.take(output)
-            last = final if self.spec.last_hidden_state else None
-            self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
-            aux_host, last_host = _to_host(aux), (None if last is None else _to_host(last))
-        return CapturedBatch(
-            lengths=np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids)),
-            aux_hidden_states=aux_host,
-            last_hidden_state=last_host,
-            forward_seconds=time.perf_counter() - started,
-        )
+        last = final if self.spec.last_hidden_state else None
+        self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
+        return aux, last
+
+    def start_capture(self, input_ids: list[np.ndarray]) -> PendingCopy:
+        """Run the capture forward and queue the copy of its states to the host; returns at once on CUDA."""
+        aux, last = self.capture_forward(input_ids)
+        lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+        return self._host_copier.start(lengths, aux, last)
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds."""
@@ -163,9 +172,3 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _to_host(states: torch.Tensor) -> np.ndarray:
-    """Contiguous host copy as raw bits (numpy has no bfloat16)."""
-    host = states.detach().to("cpu").contiguous()
-    if host.dtype == torch.bfloat16:
-        host = host.view(torch.int16)
-    return host.numpy()

@@ -1,10 +1,12 @@
 """Runs one CaptureEngine per tensor-parallel rank: rank 0 here, the others in spawned processes.
 
 Every rank needs the same batch (SGLang's TP forward is collective); only
-rank 0's states are returned, so they never cross a process boundary before
-reaching the caller. Followers get the token ids through a queue and drop
-their (identical) outputs. A watchdog ends this process when a follower dies,
-since rank 0 would otherwise wait in a collective forever.
+rank 0's states are copied to the host, so they never cross a process
+boundary before reaching the caller. Followers get the token ids through a
+queue and drop their (identical) outputs. One lock keeps forwards in the same
+order on every rank while a caller may still hold the previous batch's
+states. A watchdog ends this process when a follower dies, since rank 0 would
+otherwise wait in a collective forever.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import contextlib
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 
@@ -90,6 +94,7 @@ class TensorParallelEngine:
             self._inboxes.append(inbox)
             self._followers.append(process)
         self._closing = False
+        self._forward_lock = threading.Lock()
         if self._followers:
             threading.Thread(target=self._watch_followers, name="tp-watchdog", daemon=True).start()
 
@@ -127,19 +132,30 @@ class TensorParallelEngine:
         for inbox in self._inboxes:
             inbox.put((method, input_ids))
 
-    def capture(self, input_ids: list[np.ndarray]) -> CapturedBatch:
-        self._broadcast("capture", input_ids)
-        return self._engine.capture(input_ids)
+    @contextlib.contextmanager
+    def capture(self, input_ids: list[np.ndarray]) -> Iterator[CapturedBatch]:
+        """States of one batch, views of a host buffer that is reused once the block ends.
+
+        Safe to call from several threads: while one caller hands its batch on,
+        the next batch's forward runs.
+        """
+        with self._forward_lock:
+            self._broadcast("capture_forward", input_ids)
+            pending = self._engine.start_capture(input_ids)
+        with pending as batch:
+            yield batch
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Seconds of the same forward without capture (benchmark baseline)."""
-        self._broadcast("bare_prefill", input_ids)
-        return self._engine.bare_prefill(input_ids)
+        with self._forward_lock:
+            self._broadcast("bare_prefill", input_ids)
+            return self._engine.bare_prefill(input_ids)
 
     def close(self) -> None:
-        self._closing = True
-        for inbox in self._inboxes:
-            inbox.put(None)
+        with self._forward_lock:
+            self._closing = True
+            for inbox in self._inboxes:
+                inbox.put(None)
         for process in self._followers:
             process.join(timeout=30)
             if process.is_alive():

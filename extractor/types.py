@@ -54,4 +54,3 @@ class CapturedBatch:
     lengths: np.ndarray
     aux_hidden_states: np.ndarray
     last_hidden_state: Optional[np.ndarray]
-    forward_seconds: float

@@ -1,11 +1,11 @@
-"""Disk budget for shard files under output.dir: reservations, commits, and the policies that gate a batch.
+"""Disk budget for shard files under output.dir: reservations, commits, and the policies that gate a shard.
 
-Before a batch goes to the extractor the driver reserves the bytes its
-states will take on disk. Committed files + reservations never exceed the
+Before a shard's first batch goes to the extractor the driver reserves the
+bytes the whole shard file will take on disk. Committed files + reservations never exceed the
 budget; a commit turns the shard's reservation into the file's real size, a
 failure releases it, an upload to the sink or a deletion by someone else
 frees the file's bytes. Each policy answers one question, and any "no"
-holds the batch back.
+holds the shard back.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ class DiskBudget:
     def used(self) -> int:
         return sum(self.committed.values()) + sum(self.reserved.values())
 
-    def predict(self, tokens: int, state_bytes_per_token: int, opens_file: bool) -> int:
-        fixed = BATCH_OVERHEAD_BYTES + (FILE_OVERHEAD_BYTES if opens_file else 0)
+    def predict(self, tokens: int, state_bytes_per_token: int, batches: int) -> int:
+        """Bytes of a shard file holding ``tokens`` tokens written in ``batches`` batches."""
+        fixed = FILE_OVERHEAD_BYTES + batches * BATCH_OVERHEAD_BYTES
         return tokens * (state_bytes_per_token + self.overhead_per_token) + fixed
 
     def blocking_policy(self, nbytes: int) -> AdmissionPolicy | None:

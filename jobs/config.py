@@ -25,7 +25,7 @@ from storage.config import OutputConfig, parse_bytes
 class DataConfig:
     path: str = ""
     """Tokenized dataset: .parquet or .jsonl with input_ids (and optional loss_mask). Empty: demo data."""
-    shard_size: int = 1000
+    shard_size: int = 200
     """Samples per shard; one Parquet file per shard."""
 
 

@@ -126,6 +126,9 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "startup_seconds": round(result.startup_seconds, 3),
         "seconds": round(result.seconds, 3),
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
+        "last_hidden_state": config.extract.last_hidden_state,
+        "writers": result.writers,
+        "max_inflight_batches": result.max_inflight_batches,
         "disk_budget": {
             "limit": parse_bytes(config.output.disk_budget, "output.disk_budget"),
             "peak": result.budget_peak,

@@ -1,16 +1,20 @@
 """The driver's schedule: one extractor actor, writer actors, uploader actors, and the disk budget.
 
-Batches of a shard go to one writer in order, followed by ``finish``; the
-extractor runs batch after batch while writers pack and write earlier ones.
-A batch is only sent once its predicted bytes fit the disk budget; while
-they do not, the driver waits on the work in flight (uploads to the sink,
-writes) and re-scans output.dir for files a consumer deleted. At most
+One shard is one file written by one writer, in order, then ``finish``. To
+keep every writer busy the driver holds up to one open shard per writer and
+sends the extractor their batches interleaved, always for the open shard
+with the fewest batches in flight. A shard is opened only once its whole
+predicted size fits the disk budget, so open shards can always be finished;
+while nothing fits, the driver waits on the work in flight (writes, uploads
+to the sink) and re-scans output.dir for files a consumer deleted. At most
 ``output.max_inflight_batches`` batches sit between the extractor and a
-finished write, which bounds the states held in memory.
+finished write, which bounds the states held in memory: a disk slower than
+the extractor holds the extractor back.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -23,11 +27,11 @@ import ray
 from ray.experimental.tqdm_ray import tqdm
 from ray.util import metrics
 
-from extractor.actor import Extractor
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import EngineInfo, EngineSpec
 from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
+from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
 from jobs.plan import pack_batches
 from jobs.sink import UploaderActor
 from jobs.writer import BatchRows, WriterActor
@@ -40,7 +44,23 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_AUTO_WRITERS = 8
+# Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
+# on its way to the object store.
+INFLIGHT_BEYOND_WRITERS = 2
 WAIT_LOG_PERIOD_S = 30.0
+
+
+@dataclasses.dataclass
+class _OpenShard:
+    """A shard whose batches are being sent to its writer."""
+
+    record: ShardRecord
+    writer: ray.actor.ActorHandle
+    batches: list[tuple[int, int]]
+    """[start, stop) of each batch, relative to the shard's first row."""
+    sent: int = 0
+    inflight: int = 0
+    """Batches sent whose write has not finished."""
 
 
 class BudgetExhausted(RuntimeError):
@@ -57,6 +77,8 @@ class RunResult:
     budget_peak: int
     budget_overshoot: int
     blocked_seconds: float
+    writers: int
+    max_inflight_batches: int
 
 
 @contextlib.contextmanager
@@ -119,18 +141,6 @@ def shard_metadata(engine: EngineInfo, model_path: str, has_last_hidden_state: b
     )
 
 
-EXTRACTOR_CPUS = 1
-
-
-def start_extractor(spec: EngineSpec, **options: Any) -> ray.actor.ActorHandle:
-    """The extractor actor: all ``tp_size`` GPUs of one node on CUDA (it runs the TP ranks itself)."""
-    return (
-        ray.remote(Extractor)
-        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=EXTRACTOR_CPUS, **options)
-        .remote(spec)
-    )
-
-
 def count_writers(requested: int, extractor_cpus: int) -> int:
     if requested > 0:
         return requested
@@ -169,7 +179,8 @@ class ExtractionRun:
         self.appends: dict[ray.ObjectRef, int] = {}  # -> shard
         self.finishes: dict[ray.ObjectRef, int] = {}
         self.uploads: dict[ray.ObjectRef, int] = {}
-        self.failing: set[int] = set()
+        self.open: dict[int, _OpenShard] = {}
+        self.writer_of: dict[int, ray.actor.ActorHandle] = {}  # shards not yet finished
         self.blocked_seconds = 0.0
         self.last_rescan = 0.0
         self.uploaders: list[ray.actor.ActorHandle] = []
@@ -193,6 +204,11 @@ class ExtractionRun:
             writer_class.remote(str(self.output_dir), self.metadata)
             for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
         ]
+        self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
+        logger.info(
+            "%d writers, at most %d batches in flight (about %s of states in memory)", len(self.writers),
+            self.max_inflight, format_bytes(self.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token),
+        )
         if self.output.sink:
             # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
             # on them, so writers holding every CPU slot must never keep them from starting.
@@ -203,9 +219,8 @@ class ExtractionRun:
             ]
 
     def _check_shards_fit(self) -> None:
-        lengths = self.dataset.lengths
         for record in self.shards:
-            need = self.budget.predict(int(lengths[record.start : record.stop].sum()), self.bytes_per_token, True)
+            need = self._predict_shard(record, len(self._batches(record)))
             if need > self.budget.limit:
                 raise ValueError(
                     f"shard {record.index} needs about {format_bytes(need)} but output.disk_budget is "
@@ -234,16 +249,13 @@ class ExtractionRun:
             self._rescan(force=True)
             for record in self.manifest.in_state(DONE):
                 self._maybe_upload(record)
-            for record in self.shards:
-                self._run_shard(record)
+            self._extract_shards()
             while self.appends or self.finishes or self.uploads:
                 self._settle_one(timeout=self.output.rescan_s)
                 self._rescan()
         except BaseException:
             # Shards cut short leave no temp file behind (the next run would remove it anyway).
-            discards = [
-                self.writers[shard % len(self.writers)].discard.remote(shard) for shard in list(self.budget.reserved)
-            ]
+            discards = [writer.discard.remote(shard) for shard, writer in self.writer_of.items()]
             with contextlib.suppress(Exception):
                 ray.get(discards, timeout=30)
             raise
@@ -258,33 +270,69 @@ class ExtractionRun:
             budget_peak=self.budget.peak,
             budget_overshoot=self.budget.overshoot,
             blocked_seconds=self.blocked_seconds,
+            writers=len(self.writers),
+            max_inflight_batches=self.max_inflight,
         )
 
-    def _run_shard(self, record: ShardRecord) -> None:
-        self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
-        writer = self.writers[record.index % len(self.writers)]
-        lengths = self.dataset.lengths[record.start : record.stop]
-        for number, (start, stop) in enumerate(
-            pack_batches(lengths, self.extract.max_tokens_per_batch, self.extract.max_samples_per_batch)
-        ):
-            if record.index in self.failing:
-                break  # the writer already dropped this shard: spend no more extraction on it
-            nbytes = self.budget.predict(int(lengths[start:stop].sum()), self.bytes_per_token, opens_file=number == 0)
+    def _extract_shards(self) -> None:
+        waiting = collections.deque(self.shards)
+        while waiting or self.open:
+            self._open_shards(waiting)
+            if not self.open:
+                continue
+            while len(self.appends) >= self.max_inflight:
+                self._settle_one(timeout=None)
+            # Failed shards were closed while settling; the rest still have batches to send.
+            if self.open:
+                self._send_batch(min(self.open.values(), key=lambda shard: (shard.inflight, shard.record.index)))
+
+    def _open_shards(self, waiting: collections.deque[ShardRecord]) -> None:
+        """Open the next shards while a writer is free and their whole size fits the budget."""
+        busy = {id(shard.writer) for shard in self.open.values()}
+        while waiting and len(self.open) < len(self.writers):
+            record = waiting[0]
+            batches = self._batches(record)
+            nbytes = self._predict_shard(record, len(batches))
+            if self.open and self.budget.blocking_policy(nbytes) is not None:
+                return  # open shards keep the extractor busy; try again after their next batch
             self._wait_for_disk(nbytes)
+            waiting.popleft()
+            writer = next(w for w in self.writers if id(w) not in busy)
+            busy.add(id(writer))
             self.budget.reserve(record.index, nbytes)
             self.metrics.disk_used.set(self.budget.used)
-            while len(self.appends) >= self.output.max_inflight_batches:
-                self._settle_one(timeout=None)
-            first, last = record.start + start, record.start + stop
-            rows = BatchRows(
-                shard=record.index,
-                sample_ids=list(range(first, last)),
-                input_ids=self.dataset.input_ids[first:last],
-                loss_masks=self.dataset.loss_masks[first:last],
-            )
-            captured = self.extractor.extract.remote(rows.input_ids)
-            self.appends[writer.append.remote(rows, [captured])] = record.index
-        self.finishes[writer.finish.remote(record.index)] = record.index
+            self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
+            self.open[record.index] = _OpenShard(record, writer, batches)
+            self.writer_of[record.index] = writer
+
+    def _batches(self, record: ShardRecord) -> list[tuple[int, int]]:
+        lengths = self.dataset.lengths[record.start : record.stop]
+        return pack_batches(lengths, self.extract.max_tokens_per_batch, self.extract.max_samples_per_batch)
+
+    def _predict_shard(self, record: ShardRecord, batches: int) -> int:
+        tokens = int(self.dataset.lengths[record.start : record.stop].sum())
+        return self.budget.predict(tokens, self.bytes_per_token, batches)
+
+    def _send_batch(self, shard: _OpenShard) -> None:
+        start, stop = shard.batches[shard.sent]
+        shard.sent += 1
+        first, last = shard.record.start + start, shard.record.start + stop
+        rows = BatchRows(
+            shard=shard.record.index,
+            sample_ids=list(range(first, last)),
+            input_ids=self.dataset.input_ids[first:last],
+            loss_masks=self.dataset.loss_masks[first:last],
+        )
+        extracted = self.extractor.extract.remote(rows.input_ids)
+        self.appends[shard.writer.append.remote(rows, [extracted])] = shard.record.index
+        shard.inflight += 1
+        if shard.sent == len(shard.batches):
+            self._close_shard(shard.record.index)
+
+    def _close_shard(self, index: int) -> None:
+        """No more batches for this shard: its writer publishes (or reports) it and is free again."""
+        shard = self.open.pop(index)
+        self.finishes[shard.writer.finish.remote(index)] = index
 
     def _wait_for_disk(self, nbytes: int) -> None:
         """Hold the next batch until its bytes fit; raise BudgetExhausted if nothing can free any."""
@@ -343,8 +391,10 @@ class ExtractionRun:
         if ref in self.appends:
             shard = self.appends.pop(ref)
             tokens = ray.get(ref)  # raises if the extractor died: no later batch could succeed
-            if tokens == 0:
-                self.failing.add(shard)
+            if shard in self.open:
+                self.open[shard].inflight -= 1
+                if tokens == 0:  # the writer dropped the shard: spend no more extraction on it
+                    self._close_shard(shard)
             self.token_bar.update(tokens)
             if tokens:  # Ray counters refuse increments of 0
                 self.metrics.tokens.inc(tokens)
@@ -354,7 +404,7 @@ class ExtractionRun:
             self._on_upload(self.uploads.pop(ref), ref)
 
     def _on_finish(self, shard: int, ref: ray.ObjectRef) -> None:
-        self.failing.discard(shard)
+        self.writer_of.pop(shard, None)
         try:
             info: ShardFileInfo = ray.get(ref)
         except Exception as error:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from extractor.types import CapturedBatch
+from jobs.extractor_actor import fetch_batch
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 
 
@@ -49,7 +49,7 @@ class WriterActor:
         if rows.shard in self._failed:
             return 0
         try:
-            batch: CapturedBatch = ray.get(captured[0])
+            batch = fetch_batch(captured[0])
             writer = self._open.get(rows.shard)
             if writer is None:
                 writer = ShardWriter(self._dir / shard_file_name(rows.shard), self._metadata).__enter__()

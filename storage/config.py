@@ -44,5 +44,5 @@ class OutputConfig:
     """CPU writer actors; 0 follows the CPUs Ray has left after the extractor (at most 8)."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
-    max_inflight_batches: int = 4
-    """Batches between extraction and a finished write; bounds the memory held by states in flight."""
+    max_inflight_batches: int = 0
+    """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""

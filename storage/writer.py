@@ -1,4 +1,4 @@
-"""Writes one shard file: temp name, streamed checksum, fsync, atomic rename.
+"""Writes one shard file: temp name, checksum, fsync, atomic rename.
 
 A shard file is either complete under its final name or absent: rows go to
 ``<name>.tmp``; ``finalize()`` closes, fsyncs and renames it; leaving the
@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -62,51 +64,58 @@ def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARG
     return max(1, target_bytes // max(1, bytes_per_row))
 
 
-class _HashingFile:
-    """File object that hashes every byte on its way to disk (saves re-reading the shard)."""
+class _TrailingHasher:
+    """sha256 of a file being appended to, by a thread that reads the new bytes back behind the writer.
+
+    The writer stays on pyarrow's native file (no Python call per page); the
+    bytes are hashed as they are on disk, read back from the page cache while
+    the next batch is encoded.
+    """
+
+    CHUNK_BYTES = 8 * 1024 * 1024
 
     def __init__(self, path: Path) -> None:
-        self._file = open(path, "wb")
+        self._file = open(path, "rb", buffering=0)
         self._hash = hashlib.sha256()
-        self._size = 0
-        self.closed = False
+        self._hashed = 0
+        self._targets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
+        self._thread.start()
 
-    def write(self, data: bytes) -> int:
-        view = memoryview(data)
-        self._hash.update(view)
-        self._size += view.nbytes
-        return self._file.write(view)
+    def advance(self, size: int) -> None:
+        """The file now holds at least ``size`` bytes; hash them in the background."""
+        self._targets.put(size)
 
-    def tell(self) -> int:
-        return self._size
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        # pyarrow closes its sink when the ParquetWriter closes; keep the fd for fsync.
-        self.closed = True
-
-    def sync_and_close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+    def finish(self, size: int) -> str:
+        """Hex sha256 of the first ``size`` bytes (the whole, closed file)."""
+        self._targets.put(size)
+        self._targets.put(None)
+        self._thread.join()
         self._file.close()
-
-    def discard(self) -> None:
-        self._file.close()
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def hexdigest(self) -> str:
+        if self._error is not None:
+            raise self._error
         return self._hash.hexdigest()
+
+    def stop(self) -> None:
+        self._targets.put(None)
+        self._thread.join()
+        self._file.close()
+
+    def _run(self) -> None:
+        view = memoryview(bytearray(self.CHUNK_BYTES))
+        try:
+            while (target := self._targets.get()) is not None:
+                while self._hashed < target:
+                    count = self._file.readinto(view[: min(len(view), target - self._hashed)])
+                    if not count:
+                        raise OSError(f"{self._file.name}: ended at byte {self._hashed}, expected {target}")
+                    self._hash.update(view[:count])
+                    self._hashed += count
+        except BaseException as error:  # reported by finish()
+            self._error = error
+            while self._targets.get() is not None:
+                pass
 
 
 def _binary_column(states: np.ndarray, row_offsets: np.ndarray, row_width_bytes: int) -> pa.Array:
@@ -131,14 +140,16 @@ class ShardWriter:
         self.temp_path = self.path.with_name(self.path.name + TEMP_SUFFIX)
         self.metadata = metadata
         self._schema = schema.build_schema(metadata)
-        self._file: _HashingFile | None = None
+        self._file: pa.NativeFile | None = None
+        self._hasher: _TrailingHasher | None = None
         self._writer: pq.ParquetWriter | None = None
         self._rows = 0
         self._tokens = 0
 
     def __enter__(self) -> "ShardWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = _HashingFile(self.temp_path)
+        self._file = pa.OSFile(str(self.temp_path), "wb")
+        self._hasher = _TrailingHasher(self.temp_path)
         compression = {name: _COMPRESSION[name] for name in self._schema.names}
         self._writer = pq.ParquetWriter(
             self._file,
@@ -195,6 +206,8 @@ class ShardWriter:
         table = pa.Table.from_pydict(columns, schema=self._schema)
         bytes_per_row = table.nbytes // max(1, table.num_rows)
         self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
+        assert self._hasher is not None and self._file is not None
+        self._hasher.advance(self._file.tell())
         self._rows += len(sample_ids)
         self._tokens += total
 
@@ -212,20 +225,17 @@ class ShardWriter:
 
     def finalize(self) -> ShardFileInfo:
         """Close, fsync and atomically publish the file under its final name."""
-        if self._writer is None or self._file is None:
+        if self._writer is None or self._file is None or self._hasher is None:
             raise RuntimeError(f"{self.path}: finalize() called twice or outside `with`")
         self._writer.close()
         self._writer = None
-        self._file.sync_and_close()
+        size = self._file.tell()
+        self._file.close()
+        sha256 = self._hasher.finish(size)
+        _fsync_path(self.temp_path)
         os.replace(self.temp_path, self.path)
-        _fsync_directory(self.path.parent)
-        return ShardFileInfo(
-            path=str(self.path),
-            rows=self._rows,
-            tokens=self._tokens,
-            bytes=self._file.size,
-            sha256=self._file.hexdigest(),
-        )
+        _fsync_path(self.path.parent)
+        return ShardFileInfo(path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256)
 
     def abort(self) -> None:
         """Drop everything written so far; the final name is never touched."""
@@ -234,13 +244,16 @@ class ShardWriter:
             if writer is not None:
                 writer.close()
         finally:
-            if self._file is not None:
-                self._file.discard()
+            if self._file is not None and not self._file.closed:
+                self._file.close()
+            if self._hasher is not None:
+                self._hasher.stop()
             self.temp_path.unlink(missing_ok=True)
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (Linux flushes the inode whichever descriptor asks)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -8,8 +8,8 @@ import numpy as np
 import ray
 import torch
 
-from extractor.actor import Extractor
 from extractor.types import CapturedBatch, EngineSpec
+from jobs.extractor_actor import fetch_batch, start_extractor
 
 
 def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
@@ -32,11 +32,11 @@ class ExtractorHandle:
     """An extractor actor (its own process: SGLang's runtime is once per process)."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.actor = ray.remote(Extractor).options(num_cpus=1).remote(spec)
+        self.actor = start_extractor(spec)
         self.info = ray.get(self.actor.info.remote())
 
     def extract(self, input_ids: list[np.ndarray]) -> CapturedBatch:
-        return ray.get(self.actor.extract.remote(input_ids))
+        return fetch_batch(self.actor.extract.remote(input_ids))
 
     def close(self) -> None:
         ray.get(self.actor.close.remote())

@@ -15,12 +15,13 @@ def test_throughput_benchmark_smoke(tmp_path):
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--shape", "tiny", "--device", "cpu", "--samples", "8",
-         "--tokens-per-sample", "96", "--max-tokens-per-batch", "256", "--disk-probe-bytes", str(64 << 20),
+         "--tokens-per-sample", "96", "--max-tokens-per-batch", "256", "--shard-size", "2",
+         "--disk-probe-bytes", str(64 << 20),
          "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    for row in ("(a) bare SGLang prefill", "(b) full job", "(c) disk sequential write", "writer pool"):
+    for row in ("(a) bare SGLang prefill", "(a2) extractor alone", "(b) full job", "(c) disk sequential write", "writer pool"):
         assert row in result.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["tokens"] == 8 * 96

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from extractor.layers import default_layer_ids
+from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, random_sequences, split_tokens
 
 LENGTHS = (7, 33, 1, 18)
@@ -27,6 +30,9 @@ def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
         captured = extractor.extract(sequences)
     finally:
         extractor.close()
+    # scripts/test.sh names the release each run must use (the main and the overlay environment).
+    assert extractor.info.sglang_version in SUPPORTED_SGLANG_VERSIONS
+    assert extractor.info.sglang_version == os.environ.get("EAGLE3_EXPECT_SGLANG", extractor.info.sglang_version)
     assert extractor.info.layer_ids == layer_ids
     assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
     assert captured.aux_hidden_states.shape == (sum(LENGTHS), len(layer_ids) * HIDDEN)
