@@ -4,6 +4,7 @@
   (a2) the extractor alone: capture forward, copy to host, put in Ray's object store (no writers)
   (b) the job: Ray, extractor actor, writer actors, Parquet on local disk (fsynced), tokens/s
       from the first batch to the last committed file
+  (b2) optionally the same job with output.dir on a tmpfs: what the pipeline does without the disk
   (c) the disk's raw sequential write speed (write + fsync) and the writers' bytes/s
 
     python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import default_layer_ids
-from jobs.extractor_actor import ExtractorActor, start_extractor
+from jobs.extractor_actor import start_extractor
 from jobs.pipeline import build_engine_spec, ray_session, resolve_device
 from jobs.plan import pack_batches
 
@@ -86,9 +89,9 @@ def build_model(shape: str, directory: Path) -> tuple[Path, str]:
     return directory / "model", "dummy"
 
 
-def measure_extractor(job_args: list[str], data: Path, batches_of: int) -> tuple[float, float]:
+def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples: int) -> tuple[float, float]:
     """tok/s of (a) bare prefill and (a2) the extractor alone (capture, host copy, object store),
-    on the job's own batches; a warm-up batch of each is not counted."""
+    on the job's batches of its first ``samples`` samples; a warm-up batch of each is not counted."""
     config = load_config(job_args)
     checkpoint = read_checkpoint_info(config.model.path)
     dataset = load_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
@@ -96,10 +99,11 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int) -> tuple
         config.model, config.extract, config.extract.layers or default_layer_ids(checkpoint.num_layers),
         resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
     )
-    tokens = int(dataset.lengths.sum())
+    lengths = dataset.lengths[:samples]
+    tokens = int(lengths.sum())
     actor = start_extractor(spec)
     try:
-        batches = [dataset.input_ids[a:b] for a, b in pack_batches(dataset.lengths, batches_of, 256)]
+        batches = [dataset.input_ids[a:b] for a, b in pack_batches(lengths, batches_of, 256)]
         ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
         bare = tokens / sum(ray.get(actor.bare_prefill.remote(batch)) for batch in batches)
         ray.get(actor.extract.remote(batches[0]))
@@ -107,7 +111,7 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int) -> tuple
         in_flight: list[ray.ObjectRef] = []
         for batch in batches:  # as the job feeds it: the next batch is queued while one is handed on
             in_flight.append(actor.extract.remote(batch))
-            if len(in_flight) > ExtractorActor.MAX_CONCURRENCY:
+            if len(in_flight) > spec.host_buffers:
                 ray.get(in_flight.pop(0))
         ray.get(in_flight)
         alone = tokens / (time.perf_counter() - started)
@@ -126,11 +130,20 @@ def main() -> None:
     parser.add_argument("--tokens-per-sample", type=int, default=2048)
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
     parser.add_argument("--shard-size", type=int, default=16, help="samples per shard file")
-    parser.add_argument("--disk-probe-bytes", type=int, default=1 << 30)
+    parser.add_argument("--disk-probe-bytes", type=int, default=8 << 30,
+                        help="large enough that a device write cache cannot hide the sustained speed")
+    parser.add_argument("--memory-dir", default="",
+                        help="also run the job with output.dir on this tmpfs (e.g. /dev/shm): the pipeline without the disk")
+    parser.add_argument("--baseline-samples", type=int, default=0,
+                        help="(a) and (a2) on the first this many samples (0: all); per-batch rates need no long run")
+    parser.add_argument("--consume", default="", metavar="BUDGET",
+                        help="delete shards once committed and cap output.disk_budget at BUDGET (e.g. 16GB): "
+                             "runs longer than the disk holds, with the budget's backpressure at work")
     parser.add_argument("--work-dir", default="", help="kept afterwards; default: a temp dir, removed")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
     try:
@@ -141,6 +154,43 @@ def main() -> None:
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+class ShardConsumer(threading.Thread):
+    """Deletes shard files as they are committed, as a trainer consuming them would.
+
+    Lets a run write far more than the disk holds: the disk budget holds the
+    extractor back until the job's periodic re-scan sees the space freed.
+    """
+
+    def __init__(self, directory: Path, period_s: float = 0.5) -> None:
+        super().__init__(name="shard-consumer", daemon=True)
+        self.directory = directory
+        self.period_s = period_s
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.period_s):
+            for path in self.directory.glob("shard-*.parquet"):  # committed names only, never *.tmp
+                path.unlink(missing_ok=True)
+
+
+def run_job(job_args: list[str], output_dir: Path, consume_budget: str) -> dict:
+    """(b): the job into ``output_dir`` (removed afterwards), consuming its shards if a budget is given."""
+    extra = [f"output.dir={output_dir}"]
+    consumer = None
+    if consume_budget:
+        extra += [f"output.disk_budget={consume_budget}", "output.rescan_s=0.5"]
+        output_dir.mkdir(parents=True, exist_ok=True)
+        consumer = ShardConsumer(output_dir)
+        consumer.start()
+    try:
+        return run(load_config([*job_args, *extra]))
+    finally:
+        if consumer is not None:
+            consumer.stopping.set()
+            consumer.join()
+        shutil.rmtree(output_dir, ignore_errors=True)
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -157,8 +207,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     ]
     disk_bps = measure_disk(work, args.disk_probe_bytes)
     with ray_session(""):
-        bare, extractor_alone = measure_extractor(job_args, data, args.max_tokens_per_batch)
-        summary = run(load_config([*job_args, f"output.dir={work / 'out'}"]))
+        bare, extractor_alone = measure_extractor(
+            job_args, data, args.max_tokens_per_batch, args.baseline_samples or args.samples
+        )
+        summary = run_job(job_args, work / "out", args.consume)
+        in_memory = None
+        if args.memory_dir:
+            in_memory = run_job(job_args, Path(tempfile.mkdtemp(prefix="eagle3-bench-", dir=args.memory_dir)),
+                                args.consume)
     job_tps = summary["tokens_per_second"]
     bytes_per_token = summary["bytes"] / summary["tokens"]
     writer_bps = summary["bytes"] / summary["seconds"]
@@ -169,9 +225,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "layer_ids": summary["engine"]["layer_ids"], "sglang": summary["engine"]["sglang_version"],
         "bare_prefill_tokens_per_s": round(bare, 1), "job_tokens_per_s": job_tps,
         "extractor_alone_tokens_per_s": round(extractor_alone, 1),
-        "extractor_alone_over_bare": round(extractor_alone / bare, 3), "job_over_bare": round(job_tps / bare, 3), "states_at_bare_speed_bytes_per_s": round(bare * bytes_per_token),
+        "extractor_alone_over_bare": round(extractor_alone / bare, 3), "job_over_bare": round(job_tps / bare, 3),
+        "job_in_memory_tokens_per_s": in_memory["tokens_per_second"] if in_memory else None,
+        "job_in_memory_over_bare": round(in_memory["tokens_per_second"] / bare, 3) if in_memory else None,
+        "states_at_bare_speed_bytes_per_s": round(bare * bytes_per_token), "disk_probe_bytes": args.disk_probe_bytes,
         "disk_write_bytes_per_s": round(disk_bps), "writer_bytes_per_s": round(writer_bps),
         "writer_over_disk": round(writer_bps / disk_bps, 3), "startup_seconds": summary["startup_seconds"],
+        "drain_seconds": summary["drain_seconds"],
+        "extractor_busy_fraction": round(summary["extractor"]["busy_seconds"] / summary["seconds"], 3),
         "bytes_per_token": round(bytes_per_token, 1),
     }
 
@@ -184,11 +245,17 @@ def print_table(results: dict) -> None:
          f"a2/a = {results['extractor_alone_over_bare']:.3f}"),
         ("(b) full job (Ray + Parquet, fsync)", f"{results['job_tokens_per_s']:,.0f} tok/s",
          f"b/a = {results['job_over_bare']:.3f}"),
+        *([("(b2) full job, output.dir on tmpfs (no disk)", f"{results['job_in_memory_tokens_per_s']:,.0f} tok/s",
+            f"b2/a = {results['job_in_memory_over_bare']:.3f}")] if results["job_in_memory_tokens_per_s"] else []),
         ("    states at (a)'s speed", f"{states_bps / 1e6:,.0f} MB/s",
          f"{results['bytes_per_token']:,.0f} B/token"),
-        ("(c) disk sequential write (fsync)", f"{disk_bps / 1e6:,.0f} MB/s", ""),
+        ("(c) disk sequential write (fsync)", f"{disk_bps / 1e6:,.0f} MB/s",
+         f"{results['disk_probe_bytes'] / 1e9:.1f} GB written"),
         (f"    writer pool ({results['writers']} writers)", f"{results['writer_bytes_per_s'] / 1e6:,.0f} MB/s",
          f"writer/disk = {results['writer_over_disk']:.3f}"),
+        ("    extractor busy during (b)", f"{100 * results['extractor_busy_fraction']:.1f} %",
+         "forward start to states on the host"),
+        ("    last file committed after the last write", f"{results['drain_seconds']:.1f} s", ""),
         ("    time to first batch (model load)", f"{results['startup_seconds']:.1f} s", ""),
     ]
     print(f"\n{results['shape']} on {results['device']} (TP={results['tp_size']}), SGLang {results['sglang']}, "

@@ -11,15 +11,13 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from extractor.host_copy import BUFFERS
-from extractor.types import CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
 
 T = TypeVar("T")
 
 
 class Extractor:
-    MAX_CONCURRENCY = BUFFERS
-    """Calls the actor should run at once: a batch's states are handed on while the next forward runs."""
+    """Run ``spec.host_buffers`` calls at once: a batch's states are handed on while the next forward runs."""
 
     def __init__(self, spec: EngineSpec) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -38,6 +36,9 @@ class Extractor:
         """
         with self._engine.capture(input_ids) as batch:
             return hand_on(batch)
+
+    def activity(self) -> CaptureActivity:
+        return self._engine.activity()
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         return self._engine.bare_prefill(input_ids)

@@ -30,6 +30,8 @@ from extractor.types import EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_TOKENS = 2048
+
 
 class CaptureEngine:
     """SGLang ModelRunner of one TP rank, set up to capture EAGLE-3 aux states."""
@@ -59,12 +61,25 @@ class CaptureEngine:
             layers_to_capture=captured,
             drafter_layer_ids=drafter_ids,
         )
+        # Only rank 0's states leave the TP group.
         self._host_copier = HostCopier(
             spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch,
             aux_width=len(layer_ids) * self.info.hidden_size,
-            last_width=self.info.hidden_size if spec.last_hidden_state else 0,
-        )
+            last_width=self.info.hidden_size if spec.last_hidden_state else 0, count=spec.host_buffers,
+        ) if tp_rank == 0 else None
+        if spec.device == "cuda":
+            self._warm_up()
         logger.info("TP rank %d ready: %s", tp_rank, self.info)
+
+    def _warm_up(self) -> None:
+        """One forward before the first batch: kernel JIT and library setup count as startup.
+
+        Every rank calls it at the end of its own startup; the forward's collectives pair them up.
+        """
+        started = time.perf_counter()
+        self.capture_forward([np.zeros(min(WARM_UP_TOKENS, self.spec.max_tokens_per_batch), dtype=np.int64)])
+        torch.cuda.synchronize()
+        logger.info("TP rank %d: warm-up forward took %.1f s", self.tp_rank, time.perf_counter() - started)
 
     def _set_and_read_back(self, drafter_ids: list[int]) -> list[int]:
         """What SGLang's server does with a drafter config's ids; returns what the model captures."""
@@ -132,6 +147,8 @@ class CaptureEngine:
 
     def start_capture(self, input_ids: list[np.ndarray]) -> PendingCopy:
         """Run the capture forward and queue the copy of its states to the host; returns at once on CUDA."""
+        if self._host_copier is None:
+            raise RuntimeError(f"TP rank {self.tp_rank} runs capture_forward only; rank 0 returns the states")
         aux, last = self.capture_forward(input_ids)
         lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
         return self._host_copier.start(lengths, aux, last)

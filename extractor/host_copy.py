@@ -19,9 +19,6 @@ import torch
 
 from extractor.types import CapturedBatch
 
-BUFFERS = 2
-"""Host buffers per engine: one being filled while the batch before is handed on."""
-
 
 class _HostBuffer:
     def __init__(self, tokens: int, aux_width: int, last_width: int, dtype: torch.dtype, pin: bool) -> None:
@@ -62,12 +59,11 @@ class HostCopier:
     """A pool of ``count`` host buffers sized for the largest batch, filled asynchronously on CUDA."""
 
     def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, aux_width: int, last_width: int,
-                 count: int = BUFFERS) -> None:
+                 count: int) -> None:
         self._cuda = device == "cuda"
-        self._shape = (max_tokens, aux_width, last_width, dtype)
-        self._count = count
         self._free: queue.SimpleQueue[_HostBuffer] = queue.SimpleQueue()
-        self._allocated = 0
+        for _ in range(count):  # pinning takes a while: done before the first batch
+            self._free.put(_HostBuffer(max_tokens, aux_width, last_width, dtype, pin=self._cuda))
         self._stream = torch.cuda.Stream() if self._cuda else None
 
     def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
@@ -75,7 +71,7 @@ class HostCopier:
 
         One thread at a time (the engine's forward lock): forwards and their copies keep one order.
         """
-        buffer = self._take()
+        buffer = self._free.get()
         tokens = aux.shape[0]
         if tokens > buffer.aux.shape[0]:
             self.give_back(buffer)
@@ -102,13 +98,6 @@ class HostCopier:
 
     def give_back(self, buffer: _HostBuffer) -> None:
         self._free.put(buffer)
-
-    def _take(self) -> _HostBuffer:
-        if self._free.empty() and self._allocated < self._count:
-            self._allocated += 1  # allocated on first need: TP followers never copy
-            tokens, aux_width, last_width, dtype = self._shape
-            return _HostBuffer(tokens, aux_width, last_width, dtype, pin=self._cuda)
-        return self._free.get()
 
 
 def _as_numpy(states: torch.Tensor) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from extractor.types import CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,26 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
         getattr(engine, method)(input_ids)
 
 
+class _ActivityClock:
+    """Time covered by at least one batch between its forward's start and its states on the host."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy_until = 0.0
+        self._value = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+
+    def record(self, started: float, ended: float, tokens: int) -> None:
+        with self._lock:
+            value = self._value
+            busy = max(0.0, ended - max(started, self._busy_until))
+            self._busy_until = max(self._busy_until, ended)
+            self._value = CaptureActivity(value.batches + 1, value.tokens + tokens, value.busy_seconds + busy)
+
+    def snapshot(self) -> CaptureActivity:
+        with self._lock:
+            return self._value
+
+
 class TensorParallelEngine:
     """The whole TP group behind one ``capture`` call; owned by the extractor actor."""
 
@@ -95,6 +115,7 @@ class TensorParallelEngine:
             self._followers.append(process)
         self._closing = False
         self._forward_lock = threading.Lock()
+        self._activity = _ActivityClock()
         if self._followers:
             threading.Thread(target=self._watch_followers, name="tp-watchdog", daemon=True).start()
 
@@ -140,10 +161,15 @@ class TensorParallelEngine:
         the next batch's forward runs.
         """
         with self._forward_lock:
+            started = time.perf_counter()
             self._broadcast("capture_forward", input_ids)
             pending = self._engine.start_capture(input_ids)
         with pending as batch:
+            self._activity.record(started, time.perf_counter(), int(batch.lengths.sum()))
             yield batch
+
+    def activity(self) -> CaptureActivity:
+        return self._activity.snapshot()
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Seconds of the same forward without capture (benchmark baseline)."""

@@ -25,6 +25,9 @@ class EngineSpec:
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.8
     load_format: str = "auto"
+    host_buffers: int = 2
+    """Batches whose states may sit in host buffers at once: one being copied while the one
+    before is handed on. The extractor actor runs this many calls concurrently."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +57,13 @@ class CapturedBatch:
     lengths: np.ndarray
     aux_hidden_states: np.ndarray
     last_hidden_state: Optional[np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureActivity:
+    """How busy the extractor was: a job's wall time minus ``busy_seconds`` is time it waited for work."""
+
+    batches: int
+    tokens: int
+    busy_seconds: float
+    """Wall time during which some batch was between the start of its forward and its states on the host."""

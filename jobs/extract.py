@@ -125,6 +125,7 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
         "startup_seconds": round(result.startup_seconds, 3),
         "seconds": round(result.seconds, 3),
+        "drain_seconds": round(result.drain_seconds, 3),
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
         "last_hidden_state": config.extract.last_hidden_state,
         "writers": result.writers,
@@ -136,6 +137,7 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
             "blocked_seconds": round(result.blocked_seconds, 3),
         },
         "engine": dataclasses.asdict(result.engine),
+        "extractor": dataclasses.asdict(result.extractor),
     }
 
 

@@ -26,7 +26,7 @@ def start_extractor(spec: EngineSpec, **options: Any) -> ray.actor.ActorHandle:
         .options(
             num_gpus=spec.tp_size if spec.device == "cuda" else 0,
             num_cpus=EXTRACTOR_CPUS,
-            max_concurrency=ExtractorActor.MAX_CONCURRENCY,
+            max_concurrency=spec.host_buffers,
             **options,
         )
         .remote(spec)

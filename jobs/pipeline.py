@@ -28,7 +28,7 @@ from ray.experimental.tqdm_ray import tqdm
 from ray.util import metrics
 
 from extractor.config import ExtractConfig, ModelConfig
-from extractor.types import EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
 from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
@@ -74,11 +74,14 @@ class RunResult:
     """Actors up and the model loaded: the time to the first batch."""
     seconds: float
     """From the first batch to the last file committed (and uploaded)."""
+    drain_seconds: float
+    """From the last batch written (not yet fsynced) to the end: closing, syncing, uploading."""
     budget_peak: int
     budget_overshoot: int
     blocked_seconds: float
     writers: int
     max_inflight_batches: int
+    extractor: CaptureActivity
 
 
 @contextlib.contextmanager
@@ -182,6 +185,8 @@ class ExtractionRun:
         self.open: dict[int, _OpenShard] = {}
         self.writer_of: dict[int, ray.actor.ActorHandle] = {}  # shards not yet finished
         self.blocked_seconds = 0.0
+        self.activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+        self.last_write_done = 0.0
         self.last_rescan = 0.0
         self.uploaders: list[ray.actor.ActorHandle] = []
         self.next_uploader = 0
@@ -204,6 +209,7 @@ class ExtractionRun:
             writer_class.remote(str(self.output_dir), self.metadata)
             for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
         ]
+        ray.get([writer.ready.remote() for writer in self.writers])  # process start-up is start-up time
         self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
         logger.info(
             "%d writers, at most %d batches in flight (about %s of states in memory)", len(self.writers),
@@ -229,6 +235,8 @@ class ExtractionRun:
                 )
 
     def _stop_actors(self) -> None:
+        with contextlib.suppress(Exception):
+            self.activity = ray.get(self.extractor.activity.remote(), timeout=60)
         with contextlib.suppress(Exception):
             ray.get(self.extractor.close.remote(), timeout=60)
         for actor in [self.extractor, *self.writers, *self.uploaders]:
@@ -263,15 +271,18 @@ class ExtractionRun:
             self.shard_bar.close()
             self.token_bar.close()
             self._stop_actors()
+        ended = time.perf_counter()
         return RunResult(
             engine=self.engine,
             startup_seconds=startup,
-            seconds=time.perf_counter() - started,
+            seconds=ended - started,
+            drain_seconds=ended - max(started, self.last_write_done),
             budget_peak=self.budget.peak,
             budget_overshoot=self.budget.overshoot,
             blocked_seconds=self.blocked_seconds,
             writers=len(self.writers),
             max_inflight_batches=self.max_inflight,
+            extractor=self.activity,
         )
 
     def _extract_shards(self) -> None:
@@ -335,14 +346,14 @@ class ExtractionRun:
         self.finishes[shard.writer.finish.remote(index)] = index
 
     def _wait_for_disk(self, nbytes: int) -> None:
-        """Hold the next batch until its bytes fit; raise BudgetExhausted if nothing can free any."""
+        """Hold the next shard until its bytes fit; raise BudgetExhausted if nothing can free any."""
         policy = self.budget.blocking_policy(nbytes)
         if policy is None:
             return
         started = last_log = time.monotonic()
         idle_since: float | None = None
         self.metrics.waiting.set(1)
-        logger.warning("waiting for disk budget: %s (next batch needs %s)", policy.describe(self.budget), format_bytes(nbytes))
+        logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self.budget), format_bytes(nbytes))
         try:
             while policy is not None:
                 now = time.monotonic()
@@ -396,6 +407,7 @@ class ExtractionRun:
                 if tokens == 0:  # the writer dropped the shard: spend no more extraction on it
                     self._close_shard(shard)
             self.token_bar.update(tokens)
+            self.last_write_done = time.perf_counter()
             if tokens:  # Ray counters refuse increments of 0
                 self.metrics.tokens.inc(tokens)
         elif ref in self.finishes:

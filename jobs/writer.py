@@ -44,6 +44,10 @@ class WriterActor:
         self._open: dict[int, ShardWriter] = {}
         self._failed: dict[int, str] = {}
 
+    def ready(self) -> bool:
+        """Answers once the actor's process is up: the driver starts the first batch after that."""
+        return True
+
     def append(self, rows: BatchRows, captured: list[ray.ObjectRef]) -> int:
         """Write one batch; returns its token count (0 once the shard has failed)."""
         if rows.shard in self._failed:

@@ -2,11 +2,21 @@
 
 ``storage.schema`` names every column and metadata key, ``storage.writer``
 writes one shard file atomically, ``storage.reader`` reads samples back as
-torch tensors. Nothing here imports SGLang or Ray.
+torch tensors. Nothing here imports SGLang or Ray, and only the reader
+imports torch (loaded on first use: writer processes never need it).
 """
 
-from storage.reader import Sample, ShardReader
+from typing import Any
+
 from storage.schema import FORMAT_VERSION, ShardMetadata
 from storage.writer import ShardFileInfo, ShardWriter, shard_file_name
 
 __all__ = ["FORMAT_VERSION", "Sample", "ShardFileInfo", "ShardMetadata", "ShardReader", "ShardWriter", "shard_file_name"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Sample", "ShardReader"):
+        from storage import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module 'storage' has no attribute {name!r}")

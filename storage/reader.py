@@ -88,7 +88,7 @@ class ShardReader:
 
     def _sample_from(self, table: pa.Table, row: int) -> Sample:
         meta = self.metadata
-        dtype = meta.torch_dtype
+        dtype = getattr(torch, meta.dtype)
 
         def states(name: str, width: int) -> torch.Tensor:
             column = table.column(name)

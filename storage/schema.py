@@ -20,7 +20,6 @@ import json
 import sys
 
 import pyarrow as pa
-import torch
 
 FORMAT_VERSION = 1
 
@@ -35,11 +34,8 @@ STATE_COLUMNS = (AUX_HIDDEN_STATES, LAST_HIDDEN_STATE)
 # Parquet key-value metadata key under which ShardMetadata is stored as JSON.
 METADATA_KEY = b"eagle3_hidden_states"
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+# Storable element types and their bytes (the names are torch's: the reader maps them back).
+ITEMSIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +43,7 @@ class ShardMetadata:
     """What a reader needs to interpret the state columns, and where they came from."""
 
     dtype: str
-    """Element type of the state columns: one of ``DTYPES``."""
+    """Element type of the state columns: one of ``ITEMSIZES``."""
     hidden_size: int
     layer_ids: list[int]
     """Canonical ids: id k is the output of decoder layer k (0-based) = HF ``hidden_states[k+1]``."""
@@ -64,16 +60,12 @@ class ShardMetadata:
     byte_order: str = "little"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not storable; use one of {sorted(DTYPES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        if self.dtype not in ITEMSIZES:
+            raise ValueError(f"dtype {self.dtype!r} is not storable; use one of {sorted(ITEMSIZES)}")
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return ITEMSIZES[self.dtype]
 
     @property
     def aux_width(self) -> int:

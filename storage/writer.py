@@ -65,11 +65,13 @@ def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARG
 
 
 class _TrailingHasher:
-    """sha256 of a file being appended to, by a thread that reads the new bytes back behind the writer.
+    """sha256 of a file being appended to, by a thread that follows the writer.
 
-    The writer stays on pyarrow's native file (no Python call per page); the
-    bytes are hashed as they are on disk, read back from the page cache while
-    the next batch is encoded.
+    The writer stays on pyarrow's native file (no Python call per page). The
+    thread reads each batch's new bytes back from the page cache, hashes them,
+    and flushes them to disk (fdatasync) while the next batch is encoded: the
+    disk writes all along instead of when the shard commits, and the commit's
+    fsync finds little left to do.
     """
 
     CHUNK_BYTES = 8 * 1024 * 1024
@@ -112,6 +114,7 @@ class _TrailingHasher:
                         raise OSError(f"{self._file.name}: ended at byte {self._hashed}, expected {target}")
                     self._hash.update(view[:count])
                     self._hashed += count
+                os.fdatasync(self._file.fileno())
         except BaseException as error:  # reported by finish()
             self._error = error
             while self._targets.get() is not None:

@@ -157,11 +157,20 @@ def test_config_file_and_overrides(tmp_path):
         load_config(["model.path=/m"])
 
 
-def test_storage_and_jobs_do_not_import_sglang():
-    code = "import sys, storage, jobs.extract, jobs.pipeline; print([m for m in sys.modules if m.startswith('sglang')])"
+def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
+    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=python_env(),
                             capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"
+    return eval(result.stdout)
+
+
+def test_storage_and_jobs_do_not_import_sglang():
+    assert imported_by("storage, jobs.extract, jobs.pipeline", ("sglang",)) == []
+
+
+def test_writer_processes_do_not_import_torch():
+    """Eight writers each importing torch would spend seconds and GBs before their first batch."""
+    assert imported_by("jobs.writer, jobs.sink", ("torch", "sglang")) == []
 
 
 def test_readme_demo_command(tmp_path):
