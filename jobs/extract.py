@@ -129,6 +129,7 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
         "last_hidden_state": config.extract.last_hidden_state,
         "writers": result.writers,
+        "peak_open_shards": result.peak_open_shards,
         "max_inflight_batches": result.max_inflight_batches,
         "disk_budget": {
             "limit": parse_bytes(config.output.disk_budget, "output.disk_budget"),

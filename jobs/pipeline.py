@@ -80,6 +80,8 @@ class RunResult:
     budget_overshoot: int
     blocked_seconds: float
     writers: int
+    peak_open_shards: int
+    """Most shards written at once (at most one per writer; fewer when the disk budget is tight)."""
     max_inflight_batches: int
     extractor: CaptureActivity
 
@@ -184,6 +186,7 @@ class ExtractionRun:
         self.uploads: dict[ray.ObjectRef, int] = {}
         self.open: dict[int, _OpenShard] = {}
         self.writer_of: dict[int, ray.actor.ActorHandle] = {}  # shards not yet finished
+        self.peak_open_shards = 0
         self.blocked_seconds = 0.0
         self.activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
         self.last_write_done = 0.0
@@ -281,6 +284,7 @@ class ExtractionRun:
             budget_overshoot=self.budget.overshoot,
             blocked_seconds=self.blocked_seconds,
             writers=len(self.writers),
+            peak_open_shards=self.peak_open_shards,
             max_inflight_batches=self.max_inflight,
             extractor=self.activity,
         )
@@ -314,6 +318,7 @@ class ExtractionRun:
             self.metrics.disk_used.set(self.budget.used)
             self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
             self.open[record.index] = _OpenShard(record, writer, batches)
+            self.peak_open_shards = max(self.peak_open_shards, len(self.open))
             self.writer_of[record.index] = writer
 
     def _batches(self, record: ShardRecord) -> list[tuple[int, int]]:

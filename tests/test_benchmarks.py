@@ -16,7 +16,7 @@ def test_throughput_benchmark_smoke(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--shape", "tiny", "--device", "cpu", "--samples", "8",
          "--tokens-per-sample", "96", "--max-tokens-per-batch", "256", "--shard-size", "2",
-         "--disk-probe-bytes", str(64 << 20),
+         "--disk-probe-bytes", str(64 << 20), "--consume", "1MB",
          "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
