@@ -60,11 +60,11 @@ class HostCopier:
 
     def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, aux_width: int, last_width: int,
                  count: int) -> None:
-        self._cuda = device == "cuda"
+        cuda = device == "cuda"
         self._free: queue.SimpleQueue[_HostBuffer] = queue.SimpleQueue()
         for _ in range(count):  # pinning takes a while: done before the first batch
-            self._free.put(_HostBuffer(max_tokens, aux_width, last_width, dtype, pin=self._cuda))
-        self._stream = torch.cuda.Stream() if self._cuda else None
+            self._free.put(_HostBuffer(max_tokens, aux_width, last_width, dtype, pin=cuda))
+        self._stream = torch.cuda.Stream() if cuda else None
 
     def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
         """Queue the copy of ``aux`` (and ``last``) into a free buffer; blocks while all are held.
@@ -76,24 +76,19 @@ class HostCopier:
         if tokens > buffer.aux.shape[0]:
             self.give_back(buffer)
             raise ValueError(f"a batch of {tokens} tokens exceeds the host buffers' {buffer.aux.shape[0]}")
-        if not self._cuda:
-            buffer.aux[:tokens].copy_(aux)
-            if last is not None and buffer.last is not None:
-                buffer.last[:tokens].copy_(last)
+        copies = [(buffer.aux, aux)] + ([(buffer.last, last)] if last is not None and buffer.last is not None else [])
+        if self._stream is None:
+            for host, states in copies:
+                host[:tokens].copy_(states)
             return PendingCopy(self, buffer, lengths, done=None)
-        stream = self._stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream())  # the forward that produced the states
-        with torch.cuda.stream(stream):
-            buffer.aux[:tokens].copy_(aux, non_blocking=True)
-            if last is not None and buffer.last is not None:
-                buffer.last[:tokens].copy_(last, non_blocking=True)
+        self._stream.wait_stream(torch.cuda.current_stream())  # the forward that produced the states
+        with torch.cuda.stream(self._stream):
+            for host, states in copies:
+                host[:tokens].copy_(states, non_blocking=True)
+                # The allocator must not hand this block to the next forward before the copy has read it.
+                states.record_stream(self._stream)
             done = torch.cuda.Event()
-            done.record(stream)
-        # The allocator must not hand these blocks to the next forward before the copy has read them.
-        for states in (aux, last):
-            if states is not None:
-                states.record_stream(stream)
+            done.record(self._stream)
         return PendingCopy(self, buffer, lengths, done)
 
     def give_back(self, buffer: _HostBuffer) -> None:

@@ -11,11 +11,11 @@ otherwise wait in a collective forever.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import socket
-import contextlib
 import threading
 import time
 from typing import Iterator

@@ -91,15 +91,14 @@ class _TrailingHasher:
 
     def finish(self, size: int) -> str:
         """Hex sha256 of the first ``size`` bytes (the whole, closed file)."""
-        self._targets.put(size)
-        self._targets.put(None)
-        self._thread.join()
-        self._file.close()
+        self.advance(size)
+        self.stop()
         if self._error is not None:
             raise self._error
         return self._hash.hexdigest()
 
     def stop(self) -> None:
+        """Ends the thread once it has done what it was asked so far."""
         self._targets.put(None)
         self._thread.join()
         self._file.close()

@@ -8,7 +8,7 @@ import numpy as np
 import ray
 import torch
 
-from extractor.types import CapturedBatch, EngineSpec
+from extractor.types import CapturedBatch, EngineInfo, EngineSpec
 from jobs.extractor_actor import fetch_batch, start_extractor
 
 
@@ -41,6 +41,15 @@ class ExtractorHandle:
     def close(self) -> None:
         ray.get(self.actor.close.remote())
         ray.kill(self.actor)
+
+
+def extract_once(spec: EngineSpec, sequences: list[np.ndarray]) -> tuple[EngineInfo, CapturedBatch]:
+    """Start an extractor, run one packed batch, stop it."""
+    extractor = ExtractorHandle(spec)
+    try:
+        return extractor.info, extractor.extract(sequences)
+    finally:
+        extractor.close()
 
 
 def load_hf_model(model_path: Path):

@@ -10,7 +10,7 @@ import pytest
 from jobs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from storage import ShardReader
-from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, random_sequences, split_tokens
+from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, extract_once, random_sequences, split_tokens
 from tests.test_job import job_config, read_all
 
 HIDDEN = 64
@@ -33,14 +33,10 @@ def deepseek_fp32(request, tmp_path_factory):
 )
 def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, layer_ids, drafter_ids):
     sequences = random_sequences(LENGTHS, seed=3)
-    extractor = ExtractorHandle(engine_spec(deepseek_fp32, layer_ids))
-    try:
-        captured = extractor.extract(sequences)
-    finally:
-        extractor.close()
-    assert extractor.info.model_architecture == "DeepseekV3ForCausalLM"
-    assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
-    assert extractor.info.drafter_layer_ids == drafter_ids
+    info, captured = extract_once(engine_spec(deepseek_fp32, layer_ids), sequences)
+    assert info.model_architecture == "DeepseekV3ForCausalLM"
+    assert info.layers_to_capture == [k + 1 for k in layer_ids]
+    assert info.drafter_layer_ids == drafter_ids
     assert_matches_hf(deepseek_fp32, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-3)
 
 
@@ -87,14 +83,10 @@ def test_61_layers_resolve_the_missions_ids(ray_cluster, tmp_path_factory):
     """Kimi-K2.5's depth at toy width: [2, 30, 58] -> layers_to_capture [3, 31, 59] on this SGLang."""
     model = build_tiny_model(tmp_path_factory.mktemp("deepseek61") / "model", arch="deepseek_v3", num_layers=61)
     sequences = random_sequences((6, 3), seed=5)
-    extractor = ExtractorHandle(engine_spec(model, [2, 30, 58]))
-    try:
-        captured = extractor.extract(sequences)
-    finally:
-        extractor.close()
-    assert extractor.info.num_layers == 61
-    assert extractor.info.layers_to_capture == [3, 31, 59]
-    assert extractor.info.drafter_layer_ids == [3, 31, 59]
+    info, captured = extract_once(engine_spec(model, [2, 30, 58]), sequences)
+    assert info.num_layers == 61
+    assert info.layers_to_capture == [3, 31, 59]
+    assert info.drafter_layer_ids == [3, 31, 59]
     assert_matches_hf(model, [2, 30, 58], captured, sequences, HIDDEN, neighbour_gap=1e-3)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from extractor.layers import default_layer_ids
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
-from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, random_sequences, split_tokens
+from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, extract_once, random_sequences, split_tokens
 
 LENGTHS = (7, 33, 1, 18)
 HIDDEN = 64
@@ -25,16 +25,12 @@ def model_path(request, llama_fp32, qwen3_fp32):
 def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
     assert default_layer_ids(NUM_LAYERS) == [2, 4, 5]
     sequences = random_sequences(LENGTHS, seed=1)
-    extractor = ExtractorHandle(engine_spec(model_path, layer_ids))
-    try:
-        captured = extractor.extract(sequences)
-    finally:
-        extractor.close()
+    info, captured = extract_once(engine_spec(model_path, layer_ids), sequences)
     # scripts/test.sh names the release each run must use (the main and the overlay environment).
-    assert extractor.info.sglang_version in SUPPORTED_SGLANG_VERSIONS
-    assert extractor.info.sglang_version == os.environ.get("EAGLE3_EXPECT_SGLANG", extractor.info.sglang_version)
-    assert extractor.info.layer_ids == layer_ids
-    assert extractor.info.layers_to_capture == [k + 1 for k in layer_ids]
+    assert info.sglang_version in SUPPORTED_SGLANG_VERSIONS
+    assert info.sglang_version == os.environ.get("EAGLE3_EXPECT_SGLANG", info.sglang_version)
+    assert info.layer_ids == layer_ids
+    assert info.layers_to_capture == [k + 1 for k in layer_ids]
     assert captured.aux_hidden_states.shape == (sum(LENGTHS), len(layer_ids) * HIDDEN)
 
     assert_matches_hf(model_path, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-2)
