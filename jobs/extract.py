@@ -23,8 +23,9 @@ from jobs.budget import DiskBudget
 from jobs.config import JobConfig, load_config
 from jobs.dataset import load_tokenized_dataset
 from jobs.demo import prepare_demo
+from jobs.errors import EXIT_BAD_INPUT, EXIT_SHARDS_FAILED, JobStopped
 from jobs.pipeline import (
-    BudgetExhausted, ExtractionRun, RunResult, build_engine_spec, ray_session, resolve_device,
+    ExtractionRun, RunResult, build_engine_spec, ray_session, resolve_device,
 )
 from jobs.plan import plan_shards
 from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
@@ -35,9 +36,6 @@ logger = logging.getLogger("jobs.extract")
 
 SUMMARY_FILE = "summary.json"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
-EXIT_SHARDS_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_BUDGET_EXHAUSTED = 3
 
 
 def resolve_demo(config: JobConfig) -> JobConfig:
@@ -150,9 +148,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         logger.error("%s", error)
         return EXIT_BAD_INPUT
-    except BudgetExhausted as error:
+    except JobStopped as error:
         logger.error("%s", error)
-        return EXIT_BUDGET_EXHAUSTED
+        return error.exit_code
     engine = summary["engine"]
     print(
         f"\n{summary['shards_done']} shards done in {summary['output_dir']}: {summary['samples']} samples, "

@@ -31,6 +31,7 @@ from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
+from jobs.errors import BudgetExhausted
 from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
 from jobs.plan import pack_batches
 from jobs.sink import UploaderActor
@@ -61,10 +62,6 @@ class _OpenShard:
     sent: int = 0
     inflight: int = 0
     """Batches sent whose write has not finished."""
-
-
-class BudgetExhausted(RuntimeError):
-    """The job stopped cleanly: the disk budget is full and nothing in flight can free it."""
 
 
 @dataclasses.dataclass

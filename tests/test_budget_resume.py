@@ -18,7 +18,7 @@ import ray
 
 from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
-from jobs.pipeline import BudgetExhausted
+from jobs.errors import BudgetExhausted
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, MANIFEST_FILE, SINK, read_manifest
 from tests.conftest import REPO_ROOT
