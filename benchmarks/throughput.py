@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from jobs.config import load_config
-from jobs.dataset import load_tokenized_dataset
+from jobs.dataset import open_tokenized_dataset
 from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
@@ -94,7 +94,7 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
     on the job's batches of its first ``samples`` samples; a warm-up batch of each is not counted."""
     config = load_config(job_args)
     checkpoint = read_checkpoint_info(config.model.path)
-    dataset = load_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
+    dataset = open_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
     spec = build_engine_spec(
         config.model, config.extract, config.extract.layers or default_layer_ids(checkpoint.num_layers),
         resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
@@ -103,7 +103,7 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
     tokens = int(lengths.sum())
     actor = start_extractor(spec)
     try:
-        batches = [dataset.input_ids[a:b] for a, b in pack_batches(lengths, batches_of, 256)]
+        batches = [dataset.rows(a, b)[0] for a, b in pack_batches(lengths, batches_of, 256)]
         ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
         bare = tokens / sum(ray.get(actor.bare_prefill.remote(batch)) for batch in batches)
         ray.get(actor.extract.remote(batches[0]))

@@ -12,11 +12,12 @@ import ast
 import dataclasses
 import inspect
 import textwrap
-from typing import Any, Sequence
+from typing import Any, Dict, Sequence
 
 from omegaconf import OmegaConf
 
 from extractor.config import ExtractConfig, ModelConfig, validate_extract_config, validate_model_config
+from jobs.dataset import ON_INVALID
 from jobs.resume import check_selection
 from storage.config import OutputConfig, parse_bytes
 
@@ -24,9 +25,19 @@ from storage.config import OutputConfig, parse_bytes
 @dataclasses.dataclass
 class DataConfig:
     path: str = ""
-    """Tokenized dataset: .parquet or .jsonl with input_ids (and optional loss_mask). Empty: demo data."""
+    """Tokenized dataset with input_ids (and optional loss_mask): a .parquet, .jsonl or .arrow file, a directory
+    or glob of them, an HF datasets save_to_disk directory, or an fsspec URL (s3://...). Empty: demo data."""
     shard_size: int = 200
     """Samples per shard; one Parquet file per shard."""
+    on_invalid: str = "fail"
+    """A row that fails the input checks: fail (stop before anything runs, naming file, row and reason) or skip
+    (leave it out, listed in summary.json and _invalid_rows.jsonl; the other rows keep their sample ids)."""
+    storage_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments for data.path's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.on_invalid not in ON_INVALID:
+            raise ValueError(f"data.on_invalid={self.on_invalid!r}: use {' or '.join(ON_INVALID)}")
 
 
 @dataclasses.dataclass

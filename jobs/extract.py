@@ -21,7 +21,7 @@ from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.budget import DiskBudget
 from jobs.config import JobConfig, load_config
-from jobs.dataset import load_tokenized_dataset
+from jobs.dataset import InvalidRow, open_tokenized_dataset
 from jobs.demo import prepare_demo
 from jobs.errors import EXIT_BAD_INPUT, EXIT_SHARDS_FAILED, JobStopped
 from jobs.pipeline import (
@@ -36,6 +36,8 @@ logger = logging.getLogger("jobs.extract")
 
 SUMMARY_FILE = "summary.json"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
+INVALID_ROWS_FILE = "_invalid_rows.jsonl"
+INVALID_ROWS_IN_SUMMARY = 5
 
 
 def resolve_demo(config: JobConfig) -> JobConfig:
@@ -76,10 +78,13 @@ def run(config: JobConfig) -> dict:
     checkpoint = read_checkpoint_info(config.model.path)
     layer_ids = check_layer_ids(config.extract.layers or default_layer_ids(checkpoint.num_layers), checkpoint.num_layers)
     max_length = config.model.context_length or checkpoint.max_position_embeddings
-    dataset = load_tokenized_dataset(config.data.path, checkpoint.vocab_size, max_length)
+    dataset = open_tokenized_dataset(
+        config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
+    )
     output_dir = Path(config.output.dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     refuse_foreign_output(output_dir, (output_dir / MANIFEST_FILE).exists())
+    write_invalid_rows(output_dir, dataset.invalid)
     budget = DiskBudget(
         output_dir,
         parse_bytes(config.output.disk_budget, "output.disk_budget"),
@@ -89,26 +94,41 @@ def run(config: JobConfig) -> dict:
     with ray_session(config.ray.address):
         device = resolve_device(config.model.device, config.model.tp_size)
         spec = build_engine_spec(config.model, config.extract, layer_ids, device, int(dataset.lengths.max()))
-        plan = [(s.index, s.start, s.stop) for s in plan_shards(len(dataset), config.data.shard_size)]
-        content = run_content(config, dataclasses.asdict(spec), dataset.fingerprint())
-        manifest = Manifest.open(output_dir, content, plan)
+        plan = plan_shards(
+            dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+            config.extract.max_samples_per_batch,
+        )
+        content = run_content(config, dataclasses.asdict(spec), dataset.fingerprint)
+        manifest = Manifest.open(output_dir, content, [(s.index, s.start, s.stop) for s in plan])
         to_run = select_shards(manifest, config.shards)
         clean_output_dir(output_dir, manifest, to_run)
         logger.info(
             "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
             len(dataset), int(dataset.lengths.sum()), len(plan), len(to_run), output_dir,
         )
-        result = ExtractionRun(
-            spec, dataset, to_run, config.extract, config.output, output_dir, manifest, budget
-        ).run()
-    summary = build_summary(config, manifest, result)
+        try:
+            result = ExtractionRun(
+                spec, dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget
+            ).run()
+        finally:
+            manifest.close()
+    summary = build_summary(config, manifest, result, dataset.invalid)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     drafter = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": result.engine.drafter_layer_ids}}
     (output_dir / DRAFTER_CONFIG_FILE).write_text(json.dumps(drafter, indent=2) + "\n")
     return summary
 
 
-def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> dict:
+def write_invalid_rows(output_dir: Path, invalid: list[InvalidRow]) -> None:
+    """Every row left out under data.on_invalid=skip, one JSON line each (file, file_row, sample_id, reason)."""
+    if not invalid:
+        return
+    temp = output_dir / (INVALID_ROWS_FILE + ".tmp")
+    temp.write_text("".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
+    temp.replace(output_dir / INVALID_ROWS_FILE)
+
+
+def build_summary(config: JobConfig, manifest: Manifest, result: RunResult, invalid: list[InvalidRow]) -> dict:
     done = manifest.in_state(DONE)
     tokens = sum(record.tokens for record in done)
     return {
@@ -121,6 +141,11 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "tokens": tokens,
         "bytes": sum(record.bytes for record in done),
         "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
+        "invalid_rows": {
+            "count": len(invalid),
+            "first": [dataclasses.asdict(row) for row in invalid[:INVALID_ROWS_IN_SUMMARY]],
+            "file": INVALID_ROWS_FILE if invalid else "",
+        },
         "startup_seconds": round(result.startup_seconds, 3),
         "seconds": round(result.seconds, 3),
         "drain_seconds": round(result.drain_seconds, 3),

@@ -33,7 +33,7 @@ from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
 from jobs.errors import BudgetExhausted
 from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
-from jobs.plan import pack_batches
+from jobs.plan import Shard
 from jobs.sink import UploaderActor
 from jobs.writer import BatchRows, WriterActor
 from storage import ShardFileInfo, ShardMetadata, shard_file_name
@@ -165,11 +165,12 @@ class ExtractionRun:
     """Extracts ``shards`` and keeps ``manifest`` and ``budget`` true at every step."""
 
     def __init__(
-        self, spec: EngineSpec, dataset: TokenizedDataset, shards: list[ShardRecord], extract: ExtractConfig,
-        output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
+        self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
+        extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
     ) -> None:
         self.spec = spec
         self.dataset = dataset
+        self.plan = plan
         self.shards = shards
         self.extract = extract
         self.output = output
@@ -249,9 +250,8 @@ class ExtractionRun:
         self._start_actors()
         startup = time.perf_counter() - started
         started = time.perf_counter()
-        lengths = self.dataset.lengths
         self.shard_bar = tqdm(total=len(self.shards), desc="shards")
-        self.token_bar = tqdm(total=int(sum(lengths[s.start : s.stop].sum() for s in self.shards)), desc="tokens")
+        self.token_bar = tqdm(total=sum(self.plan[s.index].tokens for s in self.shards), desc="tokens")
         try:
             self._check_shards_fit()
             self._rescan(force=True)
@@ -319,22 +319,21 @@ class ExtractionRun:
             self.writer_of[record.index] = writer
 
     def _batches(self, record: ShardRecord) -> list[tuple[int, int]]:
-        lengths = self.dataset.lengths[record.start : record.stop]
-        return pack_batches(lengths, self.extract.max_tokens_per_batch, self.extract.max_samples_per_batch)
+        return list(self.plan[record.index].batches)
 
     def _predict_shard(self, record: ShardRecord, batches: int) -> int:
-        tokens = int(self.dataset.lengths[record.start : record.stop].sum())
-        return self.budget.predict(tokens, self.bytes_per_token, batches)
+        return self.budget.predict(self.plan[record.index].tokens, self.bytes_per_token, batches)
 
     def _send_batch(self, shard: _OpenShard) -> None:
         start, stop = shard.batches[shard.sent]
         shard.sent += 1
         first, last = shard.record.start + start, shard.record.start + stop
+        input_ids, loss_masks = self.dataset.rows(first, last)
         rows = BatchRows(
             shard=shard.record.index,
-            sample_ids=list(range(first, last)),
-            input_ids=self.dataset.input_ids[first:last],
-            loss_masks=self.dataset.loss_masks[first:last],
+            sample_ids=self.dataset.sample_ids[first:last].tolist(),
+            input_ids=input_ids,
+            loss_masks=loss_masks,
         )
         extracted = self.extractor.extract.remote(rows.input_ids)
         self.appends[shard.writer.append.remote(rows, [extracted])] = shard.record.index
@@ -382,7 +381,7 @@ class ExtractionRun:
 
     def _exhausted_message(self, state: str) -> str:
         remaining = [r for r in self.manifest.shards.values() if r.state != DONE]
-        tokens = sum(int(self.dataset.lengths[r.start : r.stop].sum()) for r in remaining)
+        tokens = sum(self.plan[r.index].tokens for r in remaining)
         return (
             f"stopped after waiting {self.output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
             f"in flight that could free space. {len(remaining)} shards remain, about "

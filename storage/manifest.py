@@ -1,4 +1,4 @@
-"""``manifest.json``: the state of every shard of a run, updated atomically.
+"""The manifest: the state of every shard of a run, a snapshot plus an append-only journal.
 
 One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
@@ -7,8 +7,16 @@ consumed: deleted locally by someone else). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
 
-Only the driver writes it: to ``manifest.json.tmp``, fsync, rename, so a
-crash at any point leaves the previous or the new version, never a mix.
+Only the driver writes it. An update appends one JSON line to the journal
+(``MANIFEST_JOURNAL_FILE``) and fsyncs it, so its cost does not grow with the
+number of shards. Now and then (every ``max(COMPACT_MIN_UPDATES, shards)``
+updates, at open and at close) the state is compacted into the snapshot
+(``MANIFEST_FILE``: temp file, fsync, rename) and the journal starts over.
+Each journal line carries a sequence number and the snapshot the last one it
+holds, so lines already in the snapshot are never applied twice, even after a
+crash between the rename and the journal's reset. A crash mid-append leaves a
+torn last line, which is ignored: that update never returned (and a failed
+write is never continued: the next line starts on a line of its own).
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 MANIFEST_FILE = "manifest.json"
+MANIFEST_JOURNAL_FILE = "manifest.journal"
 MANIFEST_VERSION = 1
+COMPACT_MIN_UPDATES = 1000
+"""The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 LOCAL, SINK, CONSUMED = "local", "sink", "consumed"
@@ -44,11 +55,20 @@ class ShardRecord:
     sink_url: str = ""
 
 
+_RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}
+
+
 class Manifest:
-    def __init__(self, path: Path, content: dict[str, Any], shards: dict[int, ShardRecord]) -> None:
+    def __init__(self, path: Path, content: dict[str, Any], shards: dict[int, ShardRecord], sequence: int = 0) -> None:
         self.path = path
+        self.journal_path = path.with_name(MANIFEST_JOURNAL_FILE)
         self.content = content
         self.shards = shards
+        self._sequence = sequence
+        """Updates made over the manifest's life; the snapshot holds the first `_compacted`."""
+        self._compacted = sequence
+        self._journal: Optional[int] = None
+        self._torn = False
 
     @classmethod
     def open(cls, output_dir: Path, content: dict[str, Any], plan: Iterable[tuple[int, int, int]]) -> "Manifest":
@@ -62,9 +82,7 @@ class Manifest:
             manifest = cls(path, content, shards)
             manifest.save()
             return manifest
-        stored = json.loads(path.read_text())
-        if stored.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"{path}: manifest version {stored.get('version')} is not {MANIFEST_VERSION}")
+        stored = _load(path)
         differing = sorted(
             key for key in set(stored["content"]) | set(content) if stored["content"].get(key) != content.get(key)
         )
@@ -77,11 +95,31 @@ class Manifest:
                 "settings, or write to a new output.dir"
             )
         shards = {record["index"]: ShardRecord(**record) for record in stored["shards"]}
-        return cls(path, content, shards)
+        manifest = cls(path, content, shards, stored["sequence"])
+        manifest.save()  # a journal that ends in a torn line must not be appended to
+        return manifest
+
+    def update(self, index: int, **fields: Any) -> ShardRecord:
+        """Change fields of one shard's record, durably (one fsynced journal line)."""
+        unknown = set(fields) - _RECORD_FIELDS
+        if unknown:
+            raise TypeError(f"ShardRecord has no fields {sorted(unknown)}")
+        record = self.shards[index]
+        line = json.dumps({"seq": self._sequence + 1, "index": index, "fields": fields}, separators=(",", ":"))
+        # The number is spent even if the write fails: a later line never reuses it.
+        self._sequence += 1
+        self._append(line.encode() + b"\n")
+        for name, value in fields.items():
+            setattr(record, name, value)
+        if self._sequence - self._compacted >= max(COMPACT_MIN_UPDATES, len(self.shards)):
+            self.save()
+        return record
 
     def save(self) -> None:
+        """Compact: write every record to the snapshot (temp, fsync, rename), then empty the journal."""
         payload = {
             "version": MANIFEST_VERSION,
+            "sequence": self._sequence,
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }
@@ -91,21 +129,77 @@ class Manifest:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, self.path)
+        self._close_journal()
+        # Lines left by a crash right here carry sequence numbers the snapshot already holds.
+        with open(self.journal_path, "wb") as journal:
+            os.fsync(journal.fileno())
+        self._torn = False
+        _fsync_directory(self.path.parent)
+        self._compacted = self._sequence
 
-    def update(self, index: int, **fields: Any) -> ShardRecord:
-        record = self.shards[index]
-        for name, value in fields.items():
-            setattr(record, name, value)
+    def close(self) -> None:
+        """Compact and release the journal."""
         self.save()
-        return record
 
     def in_state(self, *states: str) -> list[ShardRecord]:
         return [record for _, record in sorted(self.shards.items()) if record.state in states]
 
+    def _append(self, data: bytes) -> None:
+        if self._journal is None:
+            self._journal = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self._torn:
+            data = b"\n" + data  # never continue a line a failed write left unfinished
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._journal, view):]
+            os.fsync(self._journal)
+        except OSError:
+            self._torn = True
+            raise
+        self._torn = False
+
+    def _close_journal(self) -> None:
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """The snapshot with the journal's complete lines applied in order."""
+    # The journal first: a compaction between the two reads then finds every line it read in the
+    # newer snapshot, never a journal ahead of an older one.
+    journal = path.with_name(MANIFEST_JOURNAL_FILE)
+    data = journal.read_bytes() if journal.exists() else b""
+    stored = json.loads(path.read_text())
+    if stored.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{path}: manifest version {stored.get('version')} is not {MANIFEST_VERSION}")
+    stored.setdefault("sequence", 0)
+    records = {record["index"]: record for record in stored["shards"]}
+    for line in data.split(b"\n")[:-1]:  # what follows the last newline is a torn write (or nothing)
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a write cut short (blank or partial): that update never returned
+        if entry["seq"] <= stored["sequence"]:
+            continue  # already in the snapshot
+        records[entry["index"]].update(entry["fields"])
+        stored["sequence"] = entry["seq"]
+    stored["shards"] = [records[i] for i in sorted(records)]
+    return stored
+
 
 def read_manifest(output_dir: Path) -> dict[str, Any]:
-    """The manifest as stored, for status reports (no content check)."""
+    """The manifest as stored (snapshot + journal), for status reports (no content check)."""
     path = Path(output_dir) / MANIFEST_FILE
     if not path.exists():
         raise ValueError(f"{output_dir}: no {MANIFEST_FILE}; is this the output.dir of a run?")
-    return json.loads(path.read_text())
+    return _load(path)

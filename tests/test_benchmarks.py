@@ -27,3 +27,17 @@ def test_throughput_benchmark_smoke(tmp_path):
     assert results["tokens"] == 8 * 96
     assert results["bare_prefill_tokens_per_s"] > 0 and results["job_tokens_per_s"] > 0
     assert results["bytes_per_token"] > 4 * 64 * 2  # 3 aux layers + final state, bf16, hidden 64
+
+
+def test_driver_scale_benchmark_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.driver_scale", "--rows", "20000", "--shards", "200",
+         "--work-dir", str(tmp_path), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["data"]["rows"] == 20000 and results["open"]["arrays_bytes"] == 20000 * 16
+    assert results["plan"]["shards"] == 200 and results["manifest"]["shards"] == 200
+    assert results["rows"]["ms_per_batch"] > 0 and results["manifest"]["ms_per_full_rewrite"] > 0

@@ -20,7 +20,7 @@ from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
 from jobs.errors import BudgetExhausted
 from jobs.status import status_report
-from storage.manifest import DONE, FAILED, MANIFEST_FILE, SINK, read_manifest
+from storage.manifest import DONE, FAILED, SINK, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.test_job import job_config, read_all
 
@@ -230,8 +230,8 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
     killed_after = None
     while time.monotonic() < deadline and driver.poll() is None:
         try:
-            done = sum(r["state"] == DONE for r in json.loads((out / MANIFEST_FILE).read_text())["shards"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            done = sum(r["state"] == DONE for r in read_manifest(out)["shards"])
+        except (ValueError, KeyError):  # no manifest yet
             done = 0
         if done >= 2:
             driver.send_signal(signal.SIGKILL)

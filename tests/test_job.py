@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs.config import load_config
-from jobs.dataset import load_tokenized_dataset
+from jobs.dataset import open_tokenized_dataset
 from jobs.extract import DRAFTER_CONFIG_FILE, SUMMARY_FILE, run
 from jobs.plan import pack_batches
 from storage import ShardReader
@@ -44,7 +44,8 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
     out = tmp_path / "out"
     config = job_config(llama_fp32, demo_dataset, out, "model.dtype=bfloat16")
     summary = run(config)
-    dataset = load_tokenized_dataset(str(demo_dataset), vocab_size=512, max_length=4096)
+    dataset = open_tokenized_dataset(str(demo_dataset), vocab_size=512, max_length=4096)
+    input_ids, loss_masks = dataset.rows(0, len(dataset))
 
     # files, rows, tokens and bytes match the input and the summary
     files = sorted(out.glob("shard-*.parquet"))
@@ -62,9 +63,9 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
     samples = read_all(out)
     assert sorted(samples) == list(range(len(dataset)))
     for sample_id, sample in samples.items():
-        length = len(dataset.input_ids[sample_id])
-        assert sample.input_ids.tolist() == dataset.input_ids[sample_id].tolist()
-        assert sample.loss_mask.tolist() == dataset.loss_masks[sample_id].tolist()
+        length = len(input_ids[sample_id])
+        assert sample.input_ids.tolist() == input_ids[sample_id].tolist()
+        assert sample.loss_mask.tolist() == loss_masks[sample_id].tolist()
         assert sample.aux_hidden_states.shape == (length, 3 * HIDDEN)
         assert sample.aux_hidden_states.dtype == torch.bfloat16
         assert sample.last_hidden_state.shape == (length, HIDDEN)
@@ -78,7 +79,7 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
         for shard_start in range(0, len(dataset), 8):
             lengths = dataset.lengths[shard_start : shard_start + 8]
             for start, stop in pack_batches(lengths, 300, 256):
-                ids = dataset.input_ids[shard_start + start : shard_start + stop]
+                ids = input_ids[shard_start + start : shard_start + stop]
                 captured = extractor.extract(ids)
                 for offset, aux, last in zip(range(start, stop), split_tokens(captured.aux_hidden_states, lengths[start:stop]),
                                              split_tokens(captured.last_hidden_state, lengths[start:stop])):
