@@ -10,6 +10,10 @@ from pathlib import Path
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
     architecture: str
+    """The class that serves the checkpoint, e.g. KimiK25ForConditionalGeneration."""
+    language_model_architecture: str
+    """The language model's class: ``text_config.architectures[0]`` in a multimodal checkpoint
+    (DeepseekV3ForCausalLM in Kimi-K2.5), else the same as ``architecture``."""
     num_layers: int
     hidden_size: int
     vocab_size: int
@@ -22,9 +26,11 @@ def read_checkpoint_info(model_path: str) -> CheckpointInfo:
         raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
     config = json.loads(config_file.read_text())
     text = config.get("text_config", config)  # multimodal checkpoints nest the language model
+    architecture = (config.get("architectures") or ["unknown"])[0]
     try:
         return CheckpointInfo(
-            architecture=(config.get("architectures") or ["unknown"])[0],
+            architecture=architecture,
+            language_model_architecture=(text.get("architectures") or [architecture])[0],
             num_layers=int(text["num_hidden_layers"]),
             hidden_size=int(text["hidden_size"]),
             vocab_size=int(text["vocab_size"]),

@@ -164,10 +164,11 @@ class FinalStateTap:
     ``self.logits_processor(input_ids, hidden_states, ...)``).
     """
 
-    def __init__(self, sgl: SimpleNamespace, model: Any) -> None:
+    def __init__(self, sgl: SimpleNamespace, logits_processor: Any) -> None:
+        """``logits_processor``: the language model's (inside a multimodal wrapper, not the wrapper's)."""
         self._kept: Any = None
         if not sgl.publishes_runtime:
-            model.logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
+            logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
 
     def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
         self._kept = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
