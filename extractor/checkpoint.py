@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +21,21 @@ class CheckpointInfo:
     max_position_embeddings: int
 
 
-def read_checkpoint_info(model_path: str) -> CheckpointInfo:
+def read_config(model_path: str) -> dict[str, Any]:
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
-    config = json.loads(config_file.read_text())
-    text = config.get("text_config", config)  # multimodal checkpoints nest the language model
+    return json.loads(config_file.read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal checkpoints (Kimi-K2.5) nest it under ``text_config``."""
+    return config.get("text_config", config)
+
+
+def read_checkpoint_info(model_path: str) -> CheckpointInfo:
+    config = read_config(model_path)
+    text = text_config(config)
     architecture = (config.get("architectures") or ["unknown"])[0]
     try:
         return CheckpointInfo(
@@ -37,4 +47,6 @@ def read_checkpoint_info(model_path: str) -> CheckpointInfo:
             max_position_embeddings=int(text.get("max_position_embeddings", 0)) or 1 << 30,
         )
     except KeyError as missing:
-        raise ValueError(f"{config_file}: no {missing} key; is this a decoder-only LM checkpoint?") from None
+        raise ValueError(
+            f"{Path(model_path) / 'config.json'}: no {missing} key; is this a decoder-only LM checkpoint?"
+        ) from None

@@ -18,7 +18,7 @@ serves 0.5.17 and 0.5.23.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 class LanguageModel:
@@ -66,9 +66,10 @@ class LanguageModel:
     def logits_processor(self) -> Any:
         return self.causal_lm.logits_processor
 
-    def set_and_read_back(self, drafter_ids: list[int]) -> list[int]:
-        """What SGLang's server does with a drafter config's ids; returns what the decoder captures."""
-        self.served.set_eagle3_layers_to_capture(list(drafter_ids))
+    def set_and_read_back(self, drafter_ids: Optional[list[int]]) -> list[int]:
+        """What SGLang's server does with a drafter config's ids (None: it found none); returns what
+        the decoder captures."""
+        self.served.set_eagle3_layers_to_capture(None if drafter_ids is None else list(drafter_ids))
         return list(self.decoder.layers_to_capture)
 
     @contextlib.contextmanager

@@ -18,12 +18,16 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.shapes import KIMI_K25, kimi_k25_reduced
+from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
+from jobs.check_drafter import EXIT_MISMATCH
 from jobs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from storage import ShardReader
 from tests.conftest import REPO_ROOT
 from tests.helpers import engine_spec, random_sequences
+from tests.test_check_drafter import check_drafter, vllm_style, with_ids
 from tests.test_job import job_config, python_env, read_all
 
 KIMI = "KimiK25ForConditionalGeneration"
@@ -55,7 +59,7 @@ def bare_deepseek(tmp_path_factory, kimi_demo):
     wrapped = load_file(kimi_demo[0] / "model.safetensors")
     tensors = load_file(bare / "model.safetensors")
     assert all(torch.equal(tensor, wrapped[f"language_model.{name}"]) for name, tensor in tensors.items())
-    assert any(name.startswith("vision_tower.") for name in wrapped) and any(name.startswith("mm_projector.") for name in wrapped)
+    assert {name.split(".")[0] for name in wrapped} == {"language_model", "vision_tower", "mm_projector"}
     return bare
 
 
@@ -83,7 +87,8 @@ def assert_bit_identical(wrapped_dir, bare_dir):
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_kimi_layout_stores_the_bare_models_states_bit_for_bit(ray_cluster, kimi_demo, bare_deepseek, tp_size, tmp_path):
+def test_kimi_layout_stores_the_bare_models_states_bit_for_bit(ray_cluster, kimi_demo, bare_deepseek, tp_size,
+                                                               tmp_path):
     kimi, data, demo_output = kimi_demo
     if tp_size == 1:
         wrapped_dir = demo_output  # the subprocess run
@@ -138,3 +143,78 @@ def test_text_only_batches_never_run_the_vision_tower(ray_cluster, kimi_demo):
     assert f"{decoder}:tuple" in ran["capture"] and f"{decoder}:tensor" not in ran["capture"]
     assert f"{decoder}:tensor" in ran["bare"] and f"{decoder}:tuple" not in ran["bare"]
     assert restored
+
+
+def test_check_drafter_through_the_wrapper(kimi_demo, tmp_path):
+    """deepseek_v2 with a first id that is not 1: SGLang adds nothing, so ids off by one either way fail."""
+    _, _, run_dir = kimi_demo
+    written = json.loads((run_dir / DRAFTER_CONFIG_FILE).read_text())
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
+    code, verdicts, output = check_drafter(run_dir, {
+        "written": written,
+        "plus1": with_ids(written, [4, 6, 7]),
+        "minus1": with_ids(written, [2, 4, 5]),  # SGLang's default for this depth, and SpecForge's convention
+        "vllm": vllm_style(written, [3, 5, 6]),
+    }, tmp_path)
+    assert code == EXIT_MISMATCH, output
+    assert verdicts["written"].startswith("PASS") and KIMI in verdicts["written"], output
+    assert "would capture layers_to_capture [4, 6, 7]" in verdicts["plus1"], output
+    assert "would capture layers_to_capture [2, 4, 5]" in verdicts["minus1"], output
+    assert "which SGLang ignores" in verdicts["vllm"], output
+    assert f"would capture layers_to_capture [2, 4, 5] from {KIMI} with drafter ids none" in verdicts["vllm"], output
+
+
+@ray.remote(num_cpus=1, max_calls=1)
+def check_published_kimi_k25(model_dir, drafter_config):
+    import resource
+
+    from extractor.drafter_check import capture_with_drafters
+
+    target, (capture,) = capture_with_drafters(str(model_dir), [drafter_config])
+    return target, capture, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def test_drafter_check_on_the_published_1t_kimi_k25_needs_no_weights(ray_cluster, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K25))  # config.json alone: ~1T parameters
+    drafter = build_drafter_config(KIMI_K25["text_config"], [3, 31, 59], "bfloat16")
+    target, capture, peak_rss = ray.get(check_published_kimi_k25.remote(tmp_path, drafter))
+    assert (target.architecture, target.language_model_architecture) == (KIMI, DEEPSEEK)
+    assert (target.num_layers, target.hidden_size) == (61, 7168)
+    assert target.default_layers_to_capture == [2, 30, 58]  # what SGLang captures for a config without ids
+    assert capture.error is None and capture.drafter_architecture == "LlamaForCausalLMEagle3"
+    assert capture.layers_to_capture == [3, 31, 59]  # the outputs of layers [2, 30, 58]
+    assert peak_rss < 4 << 30, peak_rss  # the bf16/INT4 weights alone would be ~600 GB
+
+
+@ray.remote(num_cpus=1, max_calls=1)
+def quantization_methods(model_dir):
+    """The quantization method SGLang attaches to each kind of module, building the model on the meta device."""
+    import re as regex
+
+    from extractor.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
+    from extractor.sglang_compat import MetaModels, import_sglang
+
+    methods = {}
+    for name, module in MetaModels(import_sglang(), str(model_dir)).target.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            scheme = getattr(module, "scheme", None)  # 0.5.23 wraps the compressed-tensors MoE scheme
+            kind = regex.sub(r"\.\d+\.", ".N.", name)
+            methods.setdefault(kind, type(scheme or method).__name__)
+    return methods
+
+
+def test_kimi_k25_reduced_shape_gets_sglangs_int4_moe_path(ray_cluster, tmp_path):
+    """The benchmark shape parses, and SGLang routes its routed experts (only those) to the
+    compressed-tensors WNA16 MoE scheme, whose kernels (Marlin repack and GEMM) need CUDA."""
+    (tmp_path / "config.json").write_text(json.dumps(kimi_k25_reduced()))
+    methods = ray.get(quantization_methods.remote(tmp_path))
+    experts = {kind: method for kind, method in methods.items() if kind.endswith("mlp.experts")}
+    assert len({kind for kind in experts}) == 1, experts
+    assert set(experts.values()) <= {"CompressedTensorsWNA16MoE", "CompressedTensorsWNA16MarlinMoEMethod"}, experts
+    others = {method for kind, method in methods.items() if not kind.endswith("mlp.experts")}
+    assert others <= {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}, others
+    for bf16 in ("self_attn.o_proj", "mlp.shared_experts.down_proj", "layers.N.mlp.down_proj", "lm_head"):
+        assert any(kind.endswith(bf16) for kind in methods), bf16
