@@ -212,8 +212,9 @@ def test_kimi_k25_reduced_shape_gets_sglangs_int4_moe_path(ray_cluster, tmp_path
     (tmp_path / "config.json").write_text(json.dumps(kimi_k25_reduced()))
     methods = ray.get(quantization_methods.remote(tmp_path))
     experts = {kind: method for kind, method in methods.items() if kind.endswith("mlp.experts")}
-    assert len({kind for kind in experts}) == 1, experts
-    assert set(experts.values()) <= {"CompressedTensorsWNA16MoE", "CompressedTensorsWNA16MarlinMoEMethod"}, experts
+    assert len(experts) == 1, experts
+    # Logged by SGLang (0.5.17 and 0.5.23) as "Using CompressedTensorsWNA16MarlinMoEMethod".
+    assert set(experts.values()) == {"CompressedTensorsWNA16MoE"}, experts
     others = {method for kind, method in methods.items() if not kind.endswith("mlp.experts")}
     assert others <= {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}, others
     for bf16 in ("self_attn.o_proj", "mlp.shared_experts.down_proj", "layers.N.mlp.down_proj", "lm_head"):
