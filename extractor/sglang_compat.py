@@ -4,7 +4,8 @@ Supported: 0.5.23 (``runtime_context.publish`` bootstrap, capture-only mode that
 returns the post-norm final state) and 0.5.17 (``ParallelState`` passed to
 ``ModelRunner(ps=...)``, no capture-only mode). The branch is chosen by what
 the installed SGLang offers (``runtime_context.SpawnRanks``; ``ModelRunner``'s
-``ps`` parameter), never by comparing version strings.
+``ps`` parameter), never by comparing version strings. ``MetaModels`` starts the
+same runtime without a ModelRunner to build model classes on the meta device.
 """
 
 from __future__ import annotations
