@@ -20,16 +20,21 @@ from typing import Any, Optional, Sequence
 DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
 DRAFTER_LAYERS = 1
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+SOURCE_KEY = "eagle3_extract"
 
 
-def build_drafter_config(text_config: dict[str, Any], drafter_layer_ids: Sequence[int], dtype: str) -> dict[str, Any]:
+def build_drafter_config(
+    text_config: dict[str, Any], drafter_layer_ids: Sequence[int], dtype: str, source: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """A complete SGLang EAGLE-3 drafter config for the target whose language model is ``text_config``.
 
     Sizes come from the target; attention follows it too (for MLA targets such as
     Kimi-K2.5 the drafter gets plain attention with the target's head count and
     value head size, as SpecForge's Kimi-K2.5 template has it). ``draft_vocab_size``
     must be present for SGLang to build the drafter; here it is the full vocabulary
-    (a trainer that prunes the vocabulary lowers it).
+    (a trainer that prunes the vocabulary lowers it). ``source`` (the target's
+    architectures, layers, SGLang version) goes under ``SOURCE_KEY``, which SGLang
+    and the trainers keep as an inert attribute.
     """
     hidden = int(text_config["hidden_size"])
     heads = int(text_config["num_attention_heads"])
@@ -59,6 +64,7 @@ def build_drafter_config(text_config: dict[str, Any], drafter_layer_ids: Sequenc
         "eos_token_id": text_config.get("eos_token_id"),
         "dtype": dtype,
         "eagle_config": {IDS_KEY: list(drafter_layer_ids), "use_aux_hidden_state": True},
+        **({SOURCE_KEY: source} if source else {}),
     }
 
 

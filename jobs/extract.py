@@ -107,7 +107,11 @@ def run(config: JobConfig) -> dict:
     summary = build_summary(config, manifest, result)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     engine = result.engine
-    drafter = build_drafter_config(text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype)
+    source = {key: getattr(engine, key) for key in (
+        "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
+    drafter = build_drafter_config(
+        text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source
+    )
     (output_dir / DRAFTER_CONFIG_FILE).write_text(json.dumps(drafter, indent=2) + "\n")
     return summary
 

@@ -84,6 +84,9 @@ def assert_bit_identical(wrapped_dir, bare_dir):
     wrapped_drafter = json.loads((wrapped_dir / DRAFTER_CONFIG_FILE).read_text())
     bare_drafter = json.loads((bare_dir / DRAFTER_CONFIG_FILE).read_text())
     assert wrapped_drafter["eagle_config"] == bare_drafter["eagle_config"]
+    source = wrapped_drafter["eagle3_extract"]
+    assert (source["model_architecture"], source["language_model_architecture"]) == (KIMI, DEEPSEEK)
+    assert source["layers_to_capture"] == [3, 5, 6]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
