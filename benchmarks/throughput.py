@@ -10,8 +10,11 @@
     python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
     python -m benchmarks.throughput --shape llama8b --device cuda      # on a GPU machine
 
-`tiny` and `small` are saved random-weight checkpoints; `llama8b` and `deepseek_v3_reduced` use
-SGLang's dummy weights built from a config.json alone (random per process and per TP layout).
+`tiny` and `small` are saved random-weight checkpoints; `llama8b`, `deepseek_v3_reduced` and
+`kimi_k25_reduced` (Kimi-K2.5's published layout with INT4 routed experts, 10 layers: one H200)
+use SGLang's dummy weights built from a config.json alone (random per process and per TP layout),
+see benchmarks/shapes.py. Layers default to the job's [2, N//2, N-3] when that is valid for the
+shape's depth, else to the first capturable ones; `--set extract.layers=[...]` picks others.
 """
 
 from __future__ import annotations
@@ -29,35 +32,17 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from benchmarks.shapes import SHAPES
 from jobs.config import load_config
 from jobs.dataset import open_tokenized_dataset
 from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
-from extractor.layers import default_layer_ids
+from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.extractor_actor import start_extractor
 from jobs.pipeline import build_engine_spec, ray_session, resolve_device
 from jobs.plan import pack_batches
 
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "hidden_act": "silu",
-}
-# DeepSeek-V3 / Kimi-K2.5 width (7168, MLA, top-8 routing) at reduced depth and 64 experts, to fit one GPU.
-DEEPSEEK_V3_REDUCED = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4, "first_k_dense_replace": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 64, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc", "moe_layer_freq": 1, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-    "hidden_act": "silu", "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-}
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
 
 
@@ -83,10 +68,19 @@ def build_model(shape: str, directory: Path) -> tuple[Path, str]:
         return build_tiny_model(directory / "model", arch="llama", dtype="bfloat16"), "auto"
     if shape == "small":  # real (saved) random weights: every TP layout loads the same model
         return build_tiny_model(directory / "model", arch="llama", num_layers=8, hidden_size=1024, dtype="bfloat16"), "auto"
-    config = {"llama8b": LLAMA_8B, "deepseek_v3_reduced": DEEPSEEK_V3_REDUCED}[shape]
+    config = SHAPES[shape]
     (directory / "model").mkdir(parents=True, exist_ok=True)
     (directory / "model" / "config.json").write_text(json.dumps(config))
     return directory / "model", "dummy"
+
+
+def benchmark_layer_ids(num_layers: int) -> list[int]:
+    """The job's default layers when valid for this depth, else the first three capturable ones
+    (from 1: on deepseek_v2 layer 0's output cannot be named by a drafter config)."""
+    try:
+        return check_layer_ids(default_layer_ids(num_layers), num_layers)
+    except ValueError:
+        return check_layer_ids(list(range(1, num_layers - 1))[:3], num_layers)
 
 
 def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples: int) -> tuple[float, float]:
@@ -95,9 +89,10 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
     config = load_config(job_args)
     checkpoint = read_checkpoint_info(config.model.path)
     dataset = open_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
+    layer_ids = check_layer_ids(config.extract.layers, checkpoint.num_layers)  # the job's own check
     spec = build_engine_spec(
-        config.model, config.extract, config.extract.layers or default_layer_ids(checkpoint.num_layers),
-        resolve_device(config.model.device, config.model.tp_size), int(dataset.lengths.max()),
+        config.model, config.extract, layer_ids, resolve_device(config.model.device, config.model.tp_size),
+        int(dataset.lengths.max()),
     )
     lengths = dataset.lengths[:samples]
     tokens = int(lengths.sum())
@@ -123,7 +118,7 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["tiny", "small", "llama8b", "deepseek_v3_reduced"], default="tiny")
+    parser.add_argument("--shape", choices=["tiny", "small", *SHAPES], default="tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--samples", type=int, default=32)
@@ -195,15 +190,16 @@ def run_job(job_args: list[str], output_dir: Path, consume_budget: str) -> dict:
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
     model, load_format = build_model(args.shape, work)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    checkpoint = read_checkpoint_info(str(model))
     data = build_synthetic_dataset(
-        work / "data.parquet", args.samples, vocab_size=vocab, min_len=args.tokens_per_sample,
+        work / "data.parquet", args.samples, vocab_size=checkpoint.vocab_size, min_len=args.tokens_per_sample,
         max_len=args.tokens_per_sample,
     )
     job_args = [
         f"model.path={model}", f"data.path={data}", f"model.device={args.device}", f"model.tp_size={args.tp_size}",
         f"model.load_format={load_format}", f"extract.max_tokens_per_batch={args.max_tokens_per_batch}",
-        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free_bytes=1GB", *args.set,
+        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free_bytes=1GB",
+        f"extract.layers={benchmark_layer_ids(checkpoint.num_layers)}", *args.set,
     ]
     disk_bps = measure_disk(work, args.disk_probe_bytes)
     with ray_session(""):

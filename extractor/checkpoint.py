@@ -5,30 +5,48 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
     architecture: str
+    """The class that serves the checkpoint, e.g. KimiK25ForConditionalGeneration."""
+    language_model_architecture: str
+    """The language model's class: ``text_config.architectures[0]`` in a multimodal checkpoint
+    (DeepseekV3ForCausalLM in Kimi-K2.5), else the same as ``architecture``."""
     num_layers: int
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int
 
 
-def read_checkpoint_info(model_path: str) -> CheckpointInfo:
+def read_config(model_path: str) -> dict[str, Any]:
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
-    config = json.loads(config_file.read_text())
-    text = config.get("text_config", config)  # multimodal checkpoints nest the language model
+    return json.loads(config_file.read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal checkpoints (Kimi-K2.5) nest it under ``text_config``."""
+    return config.get("text_config", config)
+
+
+def read_checkpoint_info(model_path: str) -> CheckpointInfo:
+    config = read_config(model_path)
+    text = text_config(config)
+    architecture = (config.get("architectures") or ["unknown"])[0]
     try:
         return CheckpointInfo(
-            architecture=(config.get("architectures") or ["unknown"])[0],
+            architecture=architecture,
+            language_model_architecture=(text.get("architectures") or [architecture])[0],
             num_layers=int(text["num_hidden_layers"]),
             hidden_size=int(text["hidden_size"]),
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text.get("max_position_embeddings", 0)) or 1 << 30,
         )
     except KeyError as missing:
-        raise ValueError(f"{config_file}: no {missing} key; is this a decoder-only LM checkpoint?") from None
+        raise ValueError(
+            f"{Path(model_path) / 'config.json'}: no {missing} key; is this a decoder-only LM checkpoint?"
+        ) from None

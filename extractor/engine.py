@@ -24,6 +24,7 @@ import torch
 
 from extractor.cpu_shims import install_cpu_shims, register_torch_native_mla
 from extractor.host_copy import HostCopier, PendingCopy
+from extractor.language_model import LanguageModel
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
 from extractor.types import EngineInfo, EngineSpec
@@ -45,16 +46,17 @@ class CaptureEngine:
         if spec.device == "cpu":
             register_torch_native_mla()
         self._runner = build_model_runner(sgl, spec, tp_rank, nccl_port)
-        model = self._runner.model
-        self._final_state = FinalStateTap(sgl, model)
-        num_layers = model.config.num_hidden_layers
-        layer_ids = check_layer_ids(spec.layer_ids, num_layers)
-        drafter_ids, captured = resolve_drafter_layer_ids(self._set_and_read_back, layer_ids)
+        # Multimodal wrappers (Kimi-K2.5) hold the language model; bare causal LMs are their own.
+        self._model = model = LanguageModel(self._runner.model, self._runner.model_config.hf_text_config)
+        self._final_state = FinalStateTap(sgl, model.logits_processor)
+        layer_ids = check_layer_ids(spec.layer_ids, model.num_layers)
+        drafter_ids, captured = resolve_drafter_layer_ids(model.set_and_read_back, layer_ids)
         self.info = EngineInfo(
             sglang_version=sgl.version,
-            model_architecture=type(model).__name__,
-            num_layers=num_layers,
-            hidden_size=model.config.hidden_size,
+            model_architecture=model.architecture,
+            language_model_architecture=model.language_model_architecture,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
             dtype=spec.dtype,
             tp_size=spec.tp_size,
             layer_ids=layer_ids,
@@ -80,12 +82,6 @@ class CaptureEngine:
         self.capture_forward([np.zeros(min(WARM_UP_TOKENS, self.spec.max_tokens_per_batch), dtype=np.int64)])
         torch.cuda.synchronize()
         logger.info("TP rank %d: warm-up forward took %.1f s", self.tp_rank, time.perf_counter() - started)
-
-    def _set_and_read_back(self, drafter_ids: list[int]) -> list[int]:
-        """What SGLang's server does with a drafter config's ids; returns what the model captures."""
-        model = self._runner.model
-        model.set_eagle3_layers_to_capture(list(drafter_ids))
-        return list(model.model.layers_to_capture)
 
     @contextlib.contextmanager
     def _extend(self, input_ids: list[np.ndarray], capture_mode: Any) -> Iterator[Any]:
@@ -155,18 +151,12 @@ class CaptureEngine:
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds."""
-        model = self._runner.model
-        saved = model.capture_aux_hidden_states, list(model.model.layers_to_capture)
-        # Both are needed to switch capture off on a loaded model.
-        model.capture_aux_hidden_states, model.model.layers_to_capture = False, []
-        try:
+        with self._model.capture_off():
             _synchronize(self.spec.device)
             started = time.perf_counter()
             with self._extend(input_ids, self._sgl.CaptureHiddenMode.NULL):
                 _synchronize(self.spec.device)
             return time.perf_counter() - started
-        finally:
-            model.capture_aux_hidden_states, model.model.layers_to_capture = saved[0], saved[1]
 
     def _check_widths(self, aux: torch.Tensor | None, last: torch.Tensor | None, tokens: int) -> None:
         info = self.info

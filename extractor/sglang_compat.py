@@ -4,7 +4,8 @@ Supported: 0.5.23 (``runtime_context.publish`` bootstrap, capture-only mode that
 returns the post-norm final state) and 0.5.17 (``ParallelState`` passed to
 ``ModelRunner(ps=...)``, no capture-only mode). The branch is chosen by what
 the installed SGLang offers (``runtime_context.SpawnRanks``; ``ModelRunner``'s
-``ps`` parameter), never by comparing version strings.
+``ps`` parameter), never by comparing version strings. ``MetaModels`` starts the
+same runtime without a ModelRunner to build model classes on the meta device.
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ def _capture_only_mode() -> dict[str, Any]:
 
 def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
     """The sequence of sglang.benchmark.one_batch (0.5.23) load_model()/latency_test()."""
+    model_config, nccl_port = _init_runtime_0523(sgl, server_args, tp_rank)
+    return sgl.ModelRunner(
+        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
+        nccl_port=nccl_port, server_args=server_args,
+    )
+
+
+def _init_runtime_0523(sgl: SimpleNamespace, server_args: Any, tp_rank: int) -> tuple[Any, int]:
+    """0.5.23: publish the server args, start the parallel groups; returns (ModelConfig, nccl port)."""
     from sglang.benchmark.one_batch import _init_process_global_configs
     from sglang.srt.distributed import bootstrap
 
@@ -105,10 +115,7 @@ def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp
     model_config = sgl.ModelConfig.from_server_args(server_args)
     bootstrap.init_parallel_runtime(server_args=server_args, device=rc.get_device().device, dist_port=port_args.nccl_port)
     bootstrap.init_layer_runtime(model_config=model_config)
-    return sgl.ModelRunner(
-        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
-        nccl_port=port_args.nccl_port, server_args=server_args,
-    )
+    return model_config, port_args.nccl_port
 
 
 def _bootstrap_0517(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
@@ -117,34 +124,103 @@ def _bootstrap_0517(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp
     ServerArgs resolves itself in __post_init__; ModelRunner publishes the args and
     initialises torch.distributed from the ParallelState it is given.
     """
-    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
-    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+    model_config, nccl_port = _init_configs_0517(sgl, server_args)
+    return sgl.ModelRunner(
+        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
+        ps=_parallel_state_0517(server_args, tp_rank), nccl_port=nccl_port, server_args=server_args,
+    )
+
+
+def _init_configs_0517(sgl: SimpleNamespace, server_args: Any) -> tuple[Any, int]:
     from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
 
-    sa = server_args
-    sgl.set_envs_and_config(sa)
-    port_args = sgl.PortArgs.init_new(sa)
+    sgl.set_envs_and_config(server_args)
+    port_args = sgl.PortArgs.init_new(server_args)
     for initialize in (initialize_moe_config, initialize_fp8_gemm_config, initialize_fp4_gemm_config,
                        initialize_bf16_gemm_config):
-        initialize(sa)
-    model_config = sgl.ModelConfig.from_server_args(sa)
+        initialize(server_args)
+    return sgl.ModelConfig.from_server_args(server_args), port_args.nccl_port
+
+
+def _parallel_state_0517(sa: Any, tp_rank: int) -> Any:
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+
     attn_tp_rank, attn_tp_size, attn_dp_rank, attn_dp_size = compute_dp_attention_world_info(
         sa.enable_dp_attention, tp_rank, sa.tp_size, sa.dp_size, sa.attn_cp_size
     )
-    parallel_state = ParallelState(
+    return ParallelState(
         tp_rank=tp_rank, tp_size=sa.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=sa.dp_size,
         attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size, attn_cp_rank=0, attn_cp_size=sa.attn_cp_size,
         attn_dp_rank=attn_dp_rank, attn_dp_size=attn_dp_size,
         moe_ep_rank=tp_rank // (sa.tp_size // sa.ep_size), moe_ep_size=sa.ep_size, moe_dp_rank=None,
         moe_dp_size=sa.moe_dp_size, dcp_size=sa.dcp_size, gpu_id=tp_rank,
     )
-    return sgl.ModelRunner(
-        model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=tp_rank,
-        ps=parallel_state, nccl_port=port_args.nccl_port, server_args=sa,
+
+
+def _init_runtime_0517(sgl: SimpleNamespace, server_args: Any, tp_rank: int) -> tuple[Any, int]:
+    """0.5.17 without a ModelRunner: what its __init__ does before loading (global args, parallel groups)."""
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    model_config, nccl_port = _init_configs_0517(sgl, server_args)
+    set_global_server_args_for_scheduler(server_args)
+    bootstrap.init_torch_distributed(
+        server_args=server_args, model_config=model_config, device=server_args.device,
+        ps=_parallel_state_0517(server_args, tp_rank), dist_port=nccl_port, is_draft_worker=False,
+        local_omp_cpuid=None,
     )
+    return model_config, nccl_port
+
+
+class MetaModels:
+    """Model classes as SGLang builds them for serving, on the meta device: no weight is read or allocated.
+
+    A 1T-parameter target builds in about a second on a CPU box. It starts SGLang's
+    runtime for one CPU rank, so a process holds one instance. Construction follows
+    ``DummyModelLoader.load_model`` (model_loader/loader.py): the quantization config,
+    ``set_default_torch_dtype(model_config.dtype)``, then ``_initialize_model``.
+    """
+
+    def __init__(self, sgl: SimpleNamespace, target_path: str) -> None:
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self._sgl = sgl
+        self._server_args = sgl.ServerArgs(
+            model_path=target_path, device="cpu", tp_size=1, attention_backend="torch_native",
+            skip_tokenizer_init=True, disable_cuda_graph=True, disable_radix_cache=True,
+            disable_custom_all_reduce=True, chunked_prefill_size=-1, max_total_tokens=64, nccl_port=port,
+            host="127.0.0.1",
+        )
+        init_runtime = _init_runtime_0523 if sgl.publishes_runtime else _init_runtime_0517
+        self.target_config, _ = init_runtime(sgl, self._server_args, 0)
+        self.target = self._build(self.target_config)
+
+    def draft_config(self, drafter_dir: str) -> Any:
+        """The drafter's ModelConfig, parsed as the EAGLE-3 server parses ``--speculative-draft-model-path``."""
+        return self._sgl.ModelConfig.from_server_args(self._server_args, model_path=drafter_dir, is_draft_model=True)
+
+    def build_drafter(self, draft_config: Any) -> Any:
+        return self._build(draft_config)
+
+    @staticmethod
+    def _build(model_config: Any) -> Any:
+        import torch
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import (
+            _get_quantization_config, _initialize_model, set_default_torch_dtype,
+        )
+
+        load_config = LoadConfig(load_format="dummy")
+        quant_config = _get_quantization_config(model_config, load_config)
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+            return _initialize_model(model_config, load_config, quant_config)
 
 
 def set_extend_length(req: Any, length: int) -> None:
@@ -164,10 +240,11 @@ class FinalStateTap:
     ``self.logits_processor(input_ids, hidden_states, ...)``).
     """
 
-    def __init__(self, sgl: SimpleNamespace, model: Any) -> None:
+    def __init__(self, sgl: SimpleNamespace, logits_processor: Any) -> None:
+        """``logits_processor``: the language model's (inside a multimodal wrapper, not the wrapper's)."""
         self._kept: Any = None
         if not sgl.publishes_runtime:
-            model.logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
+            logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
 
     def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
         self._kept = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]

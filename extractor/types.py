@@ -36,6 +36,9 @@ class EngineInfo:
 
     sglang_version: str
     model_architecture: str
+    """The class SGLang serves, e.g. KimiK25ForConditionalGeneration."""
+    language_model_architecture: str
+    """The language model inside it, e.g. DeepseekV3ForCausalLM (the same class for a bare LM)."""
     num_layers: int
     hidden_size: int
     dtype: str

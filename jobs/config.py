@@ -51,7 +51,7 @@ class DemoConfig:
     dir: str = "eagle3-demo"
     """Where the demo writes its tiny model, dataset and output."""
     arch: str = "llama"
-    """Architecture of the tiny random-weight model: llama | qwen3 | deepseek_v3."""
+    """Architecture of the tiny random-weight model: llama | qwen3 | deepseek_v3 | kimi_k25 (a DeepSeek-V3 in Kimi-K2.5's wrapper)."""
     num_samples: int = 48
     """Synthetic samples the demo makes (lengths vary from 16 to 256 tokens)."""
     seed: int = 0

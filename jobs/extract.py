@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from extractor.checkpoint import read_checkpoint_info
+from extractor.checkpoint import read_checkpoint_info, read_config, text_config
+from extractor.drafter_config import build_drafter_config
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.budget import DiskBudget
 from jobs.config import JobConfig, load_config
@@ -114,7 +115,12 @@ def run(config: JobConfig) -> dict:
             manifest.close()
     summary = build_summary(config, manifest, result, dataset.invalid)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    drafter = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": result.engine.drafter_layer_ids}}
+    engine = result.engine
+    source = {key: getattr(engine, key) for key in (
+        "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
+    drafter = build_drafter_config(
+        text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source
+    )
     (output_dir / DRAFTER_CONFIG_FILE).write_text(json.dumps(drafter, indent=2) + "\n")
     return summary
 

@@ -138,6 +138,7 @@ def shard_metadata(engine: EngineInfo, model_path: str, has_last_hidden_state: b
         has_last_hidden_state=has_last_hidden_state,
         model_path=model_path,
         model_architecture=engine.model_architecture,
+        language_model_architecture=engine.language_model_architecture,
         sglang_version=engine.sglang_version,
         tp_size=engine.tp_size,
     )

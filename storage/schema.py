@@ -58,6 +58,9 @@ class ShardMetadata:
     tp_size: int
     format_version: int = FORMAT_VERSION
     byte_order: str = "little"
+    language_model_architecture: str = ""
+    """The language model inside ``model_architecture`` (DeepseekV3ForCausalLM inside
+    KimiK25ForConditionalGeneration; the same class for a bare LM); empty in files that predate it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZES:

@@ -7,6 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from benchmarks.shapes import SHAPES
+from benchmarks.throughput import benchmark_layer_ids
+from extractor.layers import check_layer_ids
 from tests.conftest import REPO_ROOT
 
 
@@ -41,3 +46,14 @@ def test_driver_scale_benchmark_smoke(tmp_path):
     assert results["data"]["rows"] == 20000 and results["open"]["arrays_bytes"] == 20000 * 16
     assert results["plan"]["shards"] == 200 and results["manifest"]["shards"] == 200
     assert results["rows"]["ms_per_batch"] > 0 and results["manifest"]["ms_per_full_rewrite"] > 0
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_default_layers_are_valid_for_every_shape(shape):
+    """A reduced-depth shape must not ask the job for layers it refuses (4 layers: not [2, 2, 1])."""
+    config = SHAPES[shape]
+    num_layers = config.get("text_config", config)["num_hidden_layers"]
+    layer_ids = benchmark_layer_ids(num_layers)
+    assert check_layer_ids(layer_ids, num_layers) == layer_ids
+    expected = {"llama8b": [2, 16, 29], "deepseek_v3_reduced": [1, 2], "kimi_k25_reduced": [2, 5, 7]}
+    assert layer_ids == expected[shape]

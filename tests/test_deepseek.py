@@ -74,7 +74,7 @@ def test_deepseek_job_end_to_end(ray_cluster, deepseek_q_lora, demo_dataset, tmp
     assert metadata.model_architecture == "DeepseekV3ForCausalLM"
     assert (metadata.layer_ids, metadata.layers_to_capture, metadata.drafter_layer_ids) == ([2, 4, 5], [3, 5, 6], [3, 5, 6])
     drafter = json.loads((out / DRAFTER_CONFIG_FILE).read_text())
-    assert drafter == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 5, 6]}}
+    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
     for sample in samples.values():
         assert sample.aux_hidden_states.shape == (len(sample.input_ids), 3 * HIDDEN)
 

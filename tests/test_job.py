@@ -58,7 +58,7 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
     assert summary["writers"] == 2 and summary["peak_open_shards"] == 2  # both writers worked at once
     assert json.loads((out / SUMMARY_FILE).read_text())["tokens"] == summary["tokens"]
     drafter = json.loads((out / DRAFTER_CONFIG_FILE).read_text())
-    assert drafter == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}
+    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
     samples = read_all(out)
     assert sorted(samples) == list(range(len(dataset)))

@@ -1,0 +1,82 @@
+"""Which layers the installed SGLang would capture from a target for a given EAGLE-3 drafter config.
+
+Nothing is loaded: the target and each drafter are built as SGLang builds them
+for serving, on the meta device (``sglang_compat.MetaModels``), so a
+1T-parameter target costs about a second on a CPU box. For every drafter config
+this does what SGLang's EAGLE-3 server does at start-up: parse the drafter's
+config.json with SGLang's ``ModelConfig(is_draft_model=True)``, build the
+drafter class, read its ``eagle_config`` (``drafter_config.sglang_reads``) and
+call the target's ``set_eagle3_layers_to_capture`` with those ids
+(``configure_aux_hidden_state_capture``), then read ``layers_to_capture`` back.
+
+Starts SGLang's runtime: one call per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from extractor.drafter_config import sglang_reads
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetModel:
+    sglang_version: str
+    architecture: str
+    language_model_architecture: str
+    num_layers: int
+    hidden_size: int
+    default_layers_to_capture: list[int]
+    """What SGLang captures when a drafter config names no ids."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterCapture:
+    """What SGLang makes of one drafter config on the target."""
+
+    drafter_architecture: str
+    use_aux_hidden_state: bool
+    drafter_layer_ids: Optional[list[int]]
+    """The ids SGLang read from the config; None: it found none and used its default."""
+    layers_to_capture: list[int]
+    """The target's ``layers_to_capture`` afterwards ([] when aux capture is off)."""
+    error: Optional[str] = None
+    """Why SGLang could not parse or build the drafter, if it could not."""
+
+
+def capture_with_drafters(
+    target_path: str, drafter_configs: list[dict[str, Any]]
+) -> tuple[TargetModel, list[DrafterCapture]]:
+    """Ask SGLang what each drafter config would make it capture from the target at ``target_path``."""
+    from extractor.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # before the first sglang import; a real sgl-kernel is never shadowed
+    from extractor.language_model import LanguageModel
+    from extractor.sglang_compat import MetaModels, import_sglang
+
+    sgl = import_sglang()
+    models = MetaModels(sgl, target_path)
+    target = LanguageModel(models.target, models.target_config.hf_text_config)
+    info = TargetModel(
+        sglang_version=sgl.version, architecture=target.architecture,
+        language_model_architecture=target.language_model_architecture, num_layers=target.num_layers,
+        hidden_size=target.hidden_size, default_layers_to_capture=target.set_and_read_back(None),
+    )
+    return info, [_capture_with(models, target, config) for config in drafter_configs]
+
+
+def _capture_with(models: Any, target: Any, drafter_config: dict[str, Any]) -> DrafterCapture:
+    with tempfile.TemporaryDirectory(prefix="eagle3-drafter-") as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(drafter_config))
+        try:
+            draft_config = models.draft_config(directory)
+            architecture = type(models.build_drafter(draft_config)).__name__
+        except Exception as error:  # SGLang's own complaint is the finding
+            return DrafterCapture("", False, None, [], error=f"{type(error).__name__}: {error}")
+    use_aux, ids = sglang_reads(getattr(draft_config.hf_config, "eagle_config", None))
+    captured = target.set_and_read_back(ids) if use_aux else []
+    return DrafterCapture(architecture, use_aux, ids, captured)

@@ -1,0 +1,164 @@
+"""Check a drafter config against a run: ``python -m jobs.check_drafter DRAFTER_CONFIG [...] output.dir=RUN``.
+
+Asks the installed SGLang which layers each drafter config would make it capture
+from the run's target model (built on the meta device: no weights are read, a
+1T-parameter target checks on a CPU box) and fails, naming both lists, when they
+are not the layers the run stored. A config written for vLLM's convention (a
+top-level ``eagle_aux_hidden_state_layer_ids``, which SGLang ignores) fails too.
+``model.path=DIR`` points at the target's checkpoint when it has moved since the
+run (config.json is all that is read).
+
+Exit codes: 0 every config captures the stored layers, 1 some config does not,
+2 bad input (no run, no such file, not JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from extractor.drafter_config import IDS_KEY, vllm_style_ids
+from storage import ShardReader
+
+logger = logging.getLogger("jobs.check_drafter")
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_BAD_INPUT = 2
+RUN_SUMMARY_FILE = "summary.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayers:
+    """What a run stored, from its shard metadata (or its summary when every shard went to the sink)."""
+
+    model_path: str
+    hidden_size: int
+    layer_ids: list[int]
+    layers_to_capture: list[int]
+    drafter_layer_ids: list[int]
+    sglang_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    lines: list[str]
+
+
+def read_run(output_dir: Path) -> RunLayers:
+    shards = sorted(output_dir.glob("shard-*.parquet"))
+    if shards:
+        meta = ShardReader(shards[0]).metadata
+        return RunLayers(meta.model_path, meta.hidden_size, meta.layer_ids, meta.layers_to_capture,
+                         meta.drafter_layer_ids, meta.sglang_version)
+    summary_file = output_dir / RUN_SUMMARY_FILE
+    if not summary_file.is_file():
+        raise ValueError(f"output.dir={output_dir}: no shard file and no {RUN_SUMMARY_FILE}; name a run's output dir")
+    summary = json.loads(summary_file.read_text())
+    engine = summary["engine"]
+    return RunLayers(summary["model_path"], engine["hidden_size"], engine["layer_ids"], engine["layers_to_capture"],
+                     engine["drafter_layer_ids"], engine["sglang_version"])
+
+
+def read_drafter_config(path: Path) -> dict[str, Any]:
+    """A drafter's config.json, or the directory holding it."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path}: no such drafter config (a config.json, or a drafter checkpoint directory)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}: not JSON ({error})") from None
+
+
+def judge(name: str, config: dict[str, Any], capture: Any, target: Any, run: RunLayers) -> Verdict:
+    """Compare what SGLang would capture with this drafter config against what the run stored."""
+    fix = f"set eagle_config.{IDS_KEY} to {run.drafter_layer_ids}"
+    problems: list[str] = []
+    if capture.error:
+        problems.append(f"SGLang {target.sglang_version} cannot load this drafter config: {capture.error}")
+    else:
+        vllm_ids = vllm_style_ids(config)
+        if vllm_ids is not None and capture.drafter_layer_ids is None:
+            problems.append(
+                f"written for vLLM's convention: a top-level {IDS_KEY} {vllm_ids} (vLLM uses them as they are), "
+                "which SGLang ignores"
+            )
+        if not capture.use_aux_hidden_state:
+            problems.append("eagle_config.use_aux_hidden_state is false: SGLang would feed the drafter no aux states")
+        elif capture.layers_to_capture != run.layers_to_capture:
+            ids = capture.drafter_layer_ids if capture.drafter_layer_ids is not None else "none (its default)"
+            problems.append(
+                f"SGLang {target.sglang_version} would capture layers_to_capture {capture.layers_to_capture} from "
+                f"{target.architecture} with drafter ids {ids}, but the run stored "
+                f"layers_to_capture {run.layers_to_capture} (outputs of decoder layers {run.layer_ids})"
+            )
+        width = config.get("target_hidden_size") or config.get("hidden_size")
+        if width != run.hidden_size:
+            problems.append(f"target_hidden_size {width} but the run stored hidden size {run.hidden_size}")
+    if problems:
+        return Verdict(False, [f"FAIL {name}: " + "; ".join(problems) + f". Fix: {fix}"])
+    lines = [
+        f"PASS {name}: SGLang {target.sglang_version} reads ids {capture.drafter_layer_ids} and captures "
+        f"layers_to_capture {capture.layers_to_capture} from {target.architecture}: the outputs of decoder "
+        f"layers {run.layer_ids} this run stored"
+    ]
+    if vllm_style_ids(config) not in (None, capture.drafter_layer_ids):
+        lines.append(f"NOTE {name}: a vLLM server would read the top-level {IDS_KEY} {vllm_style_ids(config)} instead")
+    if run.sglang_version != target.sglang_version:
+        lines.append(f"NOTE the run was extracted with SGLang {run.sglang_version}, this check asked "
+                     f"{target.sglang_version}")
+    return Verdict(True, lines)
+
+
+def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[str] = None) -> list[Verdict]:
+    run = read_run(output_dir)
+    configs = [read_drafter_config(path) for path in drafter_paths]
+    target_path = model_path or run.model_path
+    if not (Path(target_path) / "config.json").is_file():
+        raise ValueError(f"the run's target {target_path} has no config.json here; pass model.path=DIR")
+    from extractor.drafter_check import capture_with_drafters  # starts SGLang
+
+    target, captures = capture_with_drafters(target_path, configs)
+    return [judge(str(path), config, capture, target, run)
+            for path, config, capture in zip(drafter_paths, configs, captures)]
+
+
+def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
+    parser = argparse.ArgumentParser(prog="python -m jobs.check_drafter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
+                        help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
+    items = parser.parse_args(list(argv)).items
+    settings = dict(item.split("=", 1) for item in items if "=" in item)
+    unknown = sorted(set(settings) - {"output.dir", "model.path"})
+    if unknown or "output.dir" not in settings:
+        parser.error(f"name the run with output.dir=RUN (known keys: output.dir, model.path); got {unknown or items}")
+    paths = [Path(item) for item in items if "=" not in item]
+    if not paths:
+        parser.error("name at least one drafter config")
+    return paths, Path(settings["output.dir"]), settings.get("model.path")
+
+
+def main(argv: Sequence[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    paths, output_dir, model_path = parse_args(argv)
+    try:
+        verdicts = check(paths, output_dir, model_path)
+    except ValueError as error:
+        logger.error("%s", error)
+        return EXIT_BAD_INPUT
+    for verdict in verdicts:
+        for line in verdict.lines:
+            print(line)
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_MISMATCH
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

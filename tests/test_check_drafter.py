@@ -1,0 +1,130 @@
+"""The drafter config a run writes, and `python -m jobs.check_drafter` on the off-by-one cases.
+
+SGLang's rules (asked of SGLang itself, the check encodes none): Llama-family targets always
+add 1 to a drafter config's ids; deepseek_v2 adds 1 only when the first id is 1. vLLM reads a
+top-level key that SGLang ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.shapes import KIMI_K25
+from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
+from jobs.check_drafter import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK
+from jobs.demo import build_synthetic_dataset, build_tiny_model
+from jobs.extract import DRAFTER_CONFIG_FILE, run
+from tests.conftest import REPO_ROOT
+from tests.test_job import job_config, python_env
+
+IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+def test_drafter_config_for_kimi_k25_is_complete():
+    config = build_drafter_config(KIMI_K25["text_config"], [3, 31, 59], "bfloat16")
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert (config["hidden_size"], config["target_hidden_size"], config["vocab_size"]) == (7168, 7168, 163840)
+    assert config["draft_vocab_size"] == 163840  # SGLang's LlamaForCausalLMEagle3 cannot be built without it
+    assert (config["num_attention_heads"], config["head_dim"], config["intermediate_size"]) == (64, 128, 18432)
+    assert config["eagle_config"] == {IDS: [3, 31, 59], "use_aux_hidden_state": True}
+    assert IDS not in config  # nothing for vLLM to misread
+
+
+@pytest.mark.parametrize("eagle_config, expected", [
+    ({IDS: [3, 31, 59]}, (True, [3, 31, 59])),
+    ({IDS: [3, 31, 59], "use_aux_hidden_state": False}, (False, [3, 31, 59])),
+    ({"use_aux_hidden_state": True}, (True, None)),
+    (None, (True, None)),  # no eagle_config: SGLang captures its default layers
+])
+def test_ids_are_read_as_sglang_reads_them(eagle_config, expected):
+    assert sglang_reads(eagle_config) == expected
+
+
+def test_vllm_style_ids_are_the_top_level_key():
+    assert vllm_style_ids({IDS: [3, 5, 6]}) == [3, 5, 6]
+    assert vllm_style_ids({"eagle_config": {IDS: [3, 5, 6]}}) is None
+
+
+def check_drafter(run_dir, variants: dict[str, dict], tmp_path) -> tuple[int, dict[str, str], str]:
+    """Run the CLI on every variant at once; returns the exit code and each variant's PASS/FAIL line."""
+    paths = []
+    for name, config in variants.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        paths.append(str(path))
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.check_drafter", *paths, f"output.dir={run_dir}"],
+        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
+    )
+    verdicts = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"(PASS|FAIL) .*/([\w+-]+)\.json: (.*)", line)
+        if found:
+            verdicts[found.group(2)] = f"{found.group(1)} {found.group(3)}"
+    return result.returncode, verdicts, result.stdout + result.stderr[-3000:]
+
+
+def with_ids(config: dict, ids: list[int]) -> dict:
+    return {**config, "eagle_config": {**config["eagle_config"], IDS: ids}}
+
+
+def vllm_style(config: dict, ids: list[int]) -> dict:
+    return {**{k: v for k, v in config.items() if k != "eagle_config"}, IDS: ids}
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "data.parquet"
+    return build_synthetic_dataset(path, num_samples=2, min_len=8, max_len=24)
+
+
+def test_llama_family_adds_one_always(ray_cluster, llama_fp32, small_data, tmp_path):
+    run(job_config(llama_fp32, small_data, tmp_path / "run"))  # layers [2, 4, 5]: layers_to_capture [3, 5, 6]
+    written = json.loads((tmp_path / "run" / DRAFTER_CONFIG_FILE).read_text())
+    assert written["eagle_config"][IDS] == [2, 4, 5] and written["hidden_size"] == 64
+    code, verdicts, output = check_drafter(tmp_path / "run", {
+        "written": written,
+        "plus1": with_ids(written, [3, 5, 6]),  # captures [4, 6, 7]
+        "minus1": with_ids(written, [1, 3, 4]),  # captures [2, 4, 5]
+        "vllm": vllm_style(written, [3, 5, 6]),  # the inputs of layers 3, 5, 6 in vLLM's convention
+        "no-draft-vocab": {k: v for k, v in written.items() if k != "draft_vocab_size"},
+    }, tmp_path)
+    assert code == EXIT_MISMATCH, output
+    assert verdicts["written"].startswith("PASS") and "layers_to_capture [3, 5, 6]" in verdicts["written"], output
+    assert "would capture layers_to_capture [4, 6, 7]" in verdicts["plus1"], output
+    assert "but the run stored layers_to_capture [3, 5, 6]" in verdicts["plus1"], output
+    assert "would capture layers_to_capture [2, 4, 5]" in verdicts["minus1"], output
+    assert verdicts["vllm"].startswith("FAIL written for vLLM's convention"), output
+    assert "draft_vocab_size" in verdicts["no-draft-vocab"] and verdicts["no-draft-vocab"].startswith("FAIL"), output
+    for name in ("plus1", "minus1", "vllm"):
+        assert f"Fix: set eagle_config.{IDS} to [2, 4, 5]" in verdicts[name], output
+
+
+def test_deepseek_v2_adds_one_only_when_the_first_id_is_1(ray_cluster, small_data, tmp_path):
+    model = build_tiny_model(tmp_path / "model", arch="deepseek_v3")
+    run(job_config(model, small_data, tmp_path / "run", "extract.layers=[1,3,5]"))  # layers_to_capture [2, 4, 6]
+    written = json.loads((tmp_path / "run" / DRAFTER_CONFIG_FILE).read_text())
+    assert written["eagle_config"][IDS] == [1, 3, 5]
+    code, verdicts, output = check_drafter(tmp_path / "run", {
+        "written": written,  # first id 1: SGLang adds 1
+        # One more: the first id is no longer 1, SGLang adds nothing, and the same layers come out.
+        "plus1": with_ids(written, [2, 4, 6]),
+    }, tmp_path)
+    assert code == EXIT_OK, output
+    assert verdicts["written"].startswith("PASS") and verdicts["plus1"].startswith("PASS"), output
+    assert "layers_to_capture [2, 4, 6]" in verdicts["written"], output
+    # The ids one lower (canonical [0, 2, 4]) are the other direction; tests/test_kimi.py covers
+    # deepseek_v2 with a first id that is not 1, where both directions fail.
+
+
+def test_bad_input_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "jobs.check_drafter", str(tmp_path / "missing.json"),
+                             f"output.dir={tmp_path}"], cwd=REPO_ROOT, env=python_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == EXIT_BAD_INPUT
+    assert "no shard file and no summary.json" in result.stderr
