@@ -1,4 +1,4 @@
-"""``manifest.json``: the state of every shard of a run, updated atomically.
+"""``.manifest.json``: the state of every shard of a run, updated atomically.
 
 One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
@@ -7,8 +7,9 @@ consumed: deleted locally by someone else). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
 
-Only the driver writes it: to ``manifest.json.tmp``, fsync, rename, so a
-crash at any point leaves the previous or the new version, never a mix.
+Only the driver writes it: to ``.manifest.json.tmp``, fsync, rename, so a
+crash at any point leaves the previous or the new version, never a mix. The
+leading dot makes Parquet dataset readers skip it beside the shards.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-MANIFEST_FILE = "manifest.json"
+MANIFEST_FILE = ".manifest.json"
 MANIFEST_VERSION = 1
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
