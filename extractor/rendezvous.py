@@ -9,6 +9,14 @@ rank joins it as a client. That is torchelastic's agent-store arrangement:
 ``TORCHELASTIC_USE_AGENT_STORE=True`` with ``MASTER_ADDR``/``MASTER_PORT`` naming the
 store (torch 2.11 and 2.14 honour it for ``tcp://`` init; 2.14 only when the URL
 names that same address, which it does).
+
+The collective libraries open listening sockets of their own on the interface they
+pick: NCCL's bootstrap on the first non-loopback interface by default, gloo on the
+address the host name resolves to. With the whole group on one node loopback reaches
+every rank, so both are pointed at ``lo`` unless the environment already names an
+interface. On an H200 (torch 2.11.0+cu130, NCCL 2.28.9) this left every socket of a
+NCCL group on 127.0.0.1; without ``NCCL_SOCKET_IFNAME=lo`` its four bootstrap sockets
+listened on the host's address.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import socket
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"
 
 
 class LoopbackStore:
@@ -42,6 +51,8 @@ class LoopbackStore:
         os.environ.update(
             MASTER_ADDR=LOOPBACK, MASTER_PORT=str(self.port), TORCHELASTIC_USE_AGENT_STORE=str(True)
         )
+        for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, LOOPBACK_INTERFACE)
 
     def close(self) -> None:
         self._store = None

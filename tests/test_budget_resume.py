@@ -191,6 +191,8 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
     assert re.search(rf"pending +{len(pending)} +{sum(r['stop'] - r['start'] for r in pending)} +{planned}  \(planned\)",
                      report), report
     assert "job: not running; the last run ended" in report and "budget_exhausted (exit code 3)" in report
+    (out / "notes.txt").write_text("not the job's")
+    assert "not the job's: 1 entries this job did not write: notes.txt" in status_report(out)
 
     summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
     assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE

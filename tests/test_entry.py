@@ -27,6 +27,7 @@ import ray
 from jobs.demo import build_synthetic_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
 from jobs.status import status_report
+from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
@@ -86,6 +87,7 @@ def test_one_output_dir_runs_one_job(ray_cluster, llama_fp32, tmp_path):
 
     while not list(out.glob("shard-*.parquet")) and runner.poll() is None:
         time.sleep(0.002)
+    assert runner.poll() is None, "the runner ended before it published a shard"
     third = start_job(args)
     _, refusal = third.communicate(timeout=300)
     assert third.returncode == EXIT_LOCKED, refusal[-3000:]
@@ -97,17 +99,44 @@ def test_one_output_dir_runs_one_job(ray_cluster, llama_fp32, tmp_path):
     assert_manifest_matches_disk(out, samples)
 
 
+# -- joining a named cluster ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting, message", [
+    ("ray.address=127.0.0.1:{port}", "no Ray cluster answers at ray.address=127.0.0.1:{port}"),
+    ("RAY_ADDRESS=127.0.0.1:{port}", "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}"),
+    ("RAY_ADDRESS=http://127.0.0.1:{port}", "RAY_ADDRESS=http://127.0.0.1:{port} is a dashboard URL"),
+])
+def test_a_named_cluster_that_is_not_there_is_one_clear_line(llama_fp32, demo_dataset, tmp_path, setting, message):
+    port = free_port()
+    setting, message = setting.format(port=port), message.format(port=port)
+    args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}"]
+    env = {}
+    if setting.startswith("RAY_ADDRESS="):
+        env["RAY_ADDRESS"] = setting.split("=", 1)[1]
+    else:
+        args.append(setting)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=user_env(**env),
+                            capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "unset" in lines[0] and "Traceback" not in result.stderr
+    print(f"{setting}: refused after {elapsed:.1f} s")
+
+
 # -- the demo: loopback only, resumes, never deletes what the user named --------------------------------
 
 def listening_sockets(root: psutil.Process) -> Iterator[tuple[str, str, int]]:
-    """(process cmdline, ip, port) of every listening TCP socket of ``root`` and its descendants."""
+    """(process name and command line, ip, port) of every listening TCP socket of ``root`` and its descendants."""
     try:
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
     for process in processes:
         try:
-            command = " ".join(process.cmdline())[:80]
+            command = f"{process.name()}: {' '.join(process.cmdline())}"
             for connection in process.net_connections(kind="tcp"):
                 if connection.status == psutil.CONN_LISTEN:
                     yield command, connection.laddr.ip, connection.laddr.port
@@ -142,6 +171,7 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(tmp_path):
     out = tmp_path / "demo" / "hidden_states"
     assert f"1 shards done in {out}: 12 samples" in stdout  # the absolute path
     assert sorted(read_all(out)) == list(range(12))
+    assert read_summary(out)["samples"] == 12 and read_summary(out)["engine"]["tp_size"] == 2
 
     rerun = subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=tmp_path, env=user_env(),
                            capture_output=True, text=True, timeout=300)
@@ -264,6 +294,9 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     stop = ray_head.cli("job", "stop", "eagle3-first")
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert wait_for_status(client, "eagle3-first", {"STOPPED", "SUCCEEDED", "FAILED"}) == "STOPPED"
+    report = status_report(out)
+    assert "job: RUNNING" not in report  # the driver is gone and holds nothing
+    print("after `ray job stop`:", next(line for line in report.splitlines() if line.startswith("job:")))
     first_done = {r["index"] for r in read_manifest(out)["shards"] if r["state"] == DONE}
     print(f"stopped with {len(first_done)} of {samples // 4} shards done")
     assert 0 < len(first_done) < samples // 4, "the job finished before `ray job stop` reached it"

@@ -160,14 +160,6 @@ def test_writer_processes_do_not_import_torch():
     assert imported_by("jobs.writer, jobs.sink", ("torch", "sglang")) == []
 
 
-def test_readme_demo_command(tmp_path):
-    """`python -m jobs.extract` with no arguments: its own local Ray, tiny model, synthetic data."""
-    result = subprocess.run(
-        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "demo.num_samples=12"],
-        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "1 shards done" in result.stdout and "12 samples" in result.stdout
-    summary = json.loads((tmp_path / "demo" / "hidden_states" / SUMMARY_FILE).read_text())
-    assert summary["samples"] == 12
-    assert len(read_all(tmp_path / "demo" / "hidden_states")) == 12
+def test_status_starts_without_ray_or_torch():
+    """`jobs.status` answers in about a second, even while a job holds the machine."""
+    assert imported_by("jobs.status", ("ray", "torch", "sglang")) == []
