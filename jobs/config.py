@@ -177,7 +177,9 @@ def _read_config_file(path: str) -> Any:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ConfigError(f"--config {path}: must hold a mapping of sections (model:, data:, ...), not {type(loaded).__name__}")
+        raise ConfigError(
+            f"--config {path}: must hold a mapping of sections (model:, data:, ...), not {type(loaded).__name__}"
+        )
     return OmegaConf.create(loaded)
 
 

@@ -22,7 +22,7 @@ from jobs.budget import DiskBudget
 from jobs.cluster import inside_ray_job, ray_job_submission_id, ray_session
 from jobs.config import ConfigError, JobConfig, load_config, resolve_paths
 from jobs.dataset import TokenizedDataset, load_tokenized_dataset
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobInterrupted, JobStopped
+from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobFault, JobInterrupted, JobStopped
 from jobs.lock import OutputLock
 from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
@@ -86,7 +86,8 @@ def _read_inputs(config: JobConfig) -> _Inputs:
         raise ConfigError("output.dir is empty: name a directory on local disk for the shard files")
     checkpoint = read_checkpoint_info(config.model.path)
     refuse_pickled_weights(config.model)
-    layer_ids = check_layer_ids(config.extract.layers or default_layer_ids(checkpoint.num_layers), checkpoint.num_layers)
+    layers = config.extract.layers or default_layer_ids(checkpoint.num_layers)
+    layer_ids = check_layer_ids(layers, checkpoint.num_layers)
     max_length = config.model.context_length or checkpoint.max_position_embeddings
     dataset = load_tokenized_dataset(config.data.path, checkpoint.vocab_size, max_length)
     return _Inputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint(), Path(config.output.dir))
@@ -125,15 +126,23 @@ def _run_locked(inputs: _Inputs) -> dict:
                 spec, inputs.dataset, to_run, config.extract, config.output, output_dir, manifest, budget
             ).run()
         except JobStopped as error:
-            summary.finish(manifest, error.outcome, error.exit_code, str(error))
+            _record_end(summary, manifest, error.outcome, error.exit_code, str(error))
             raise
         except BaseException as error:
-            summary.finish(manifest, "fault", EXIT_FAULT, f"{type(error).__name__}: {error}")
+            _record_end(summary, manifest, JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}")
             raise
     write_drafter_config(output_dir, result.engine.drafter_layer_ids)
     failed = manifest.in_state(FAILED)
     outcome, code = (SHARDS_FAILED, EXIT_SHARDS_FAILED) if failed else (COMPLETE, EXIT_OK)
     return summary.finish(manifest, outcome, code, "", result)
+
+
+def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
+    """The summary of a run that ended early; failing to write it must not hide why the run ended."""
+    try:
+        summary.finish(manifest, outcome, exit_code, message)
+    except OSError as error:
+        logger.warning("could not write %s: %s", summary.path, error)
 
 
 def _resumable_manifest(inputs: _Inputs, plan: list[tuple[int, int, int]]) -> Manifest | None:

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = ".job.lock"
 # A process's start time as psutil reports it, compared with this tolerance (clock ticks).
 START_TIME_TOLERANCE_S = 1.0
+# Overrides whose values the lock's record leaves out (keys, secrets, endpoints of the sink).
+SECRET_KEYS = ("output.sink_options",)
 # How long a refused job waits for the owner's record to appear (it is written right after flock).
 RECORD_WAIT_S = 2.0
 
@@ -64,7 +66,7 @@ class LockOwner:
             pid_started=process.create_time(),
             ray_job=ray_job,
             started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            command=shlex.join(process.cmdline()),
+            command=shlex.join(_redacted(process.cmdline())),
         )
 
     def describe(self) -> str:
@@ -80,6 +82,11 @@ class LockOwner:
         except psutil.NoSuchProcess:
             return False
         return abs(started - self.pid_started) <= START_TIME_TOLERANCE_S
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line as recorded and shown to other users: sink options may hold credentials."""
+    return [f"{arg.split('=', 1)[0]}=<hidden>" if arg.startswith(SECRET_KEYS) and "=" in arg else arg for arg in argv]
 
 
 def read_owner(output_dir: Path) -> Optional[LockOwner]:

@@ -46,7 +46,9 @@ def demo_config(config: JobConfig) -> JobConfig:
     return dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, path=str(model_dir)),
-        data=dataclasses.replace(config.data, path=str(data_path), shard_size=min(config.data.shard_size, DEMO_SHARD_SIZE)),
+        data=dataclasses.replace(
+            config.data, path=str(data_path), shard_size=min(config.data.shard_size, DEMO_SHARD_SIZE)
+        ),
         output=dataclasses.replace(config.output, dir=str(output_dir)),
     )
 

@@ -67,7 +67,8 @@ def read_summary(output_dir: Path) -> Optional[dict[str, Any]]:
 
 def write_drafter_config(output_dir: Path, drafter_layer_ids: list[int]) -> None:
     """The drafter config block that makes SGLang capture the same layers when it serves the drafter."""
-    write_json(output_dir / DRAFTER_CONFIG_FILE, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": drafter_layer_ids}})
+    payload = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": drafter_layer_ids}}
+    write_json(output_dir / DRAFTER_CONFIG_FILE, payload)
 
 
 class RunSummary:

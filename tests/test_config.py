@@ -11,8 +11,8 @@ import time
 import pytest
 
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
 from jobs.cluster import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
 from storage.config import OutputConfig
 from tests.conftest import REPO_ROOT
 

@@ -182,8 +182,10 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    refused = subprocess.run([sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", f"output.dir={mine}"],
-                             cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", f"output.dir={mine}"],
+        cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=300,
+    )
     assert refused.returncode == EXIT_BAD_INPUT and "Did you forget --config?" in refused.stderr
     assert (mine / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
@@ -257,7 +259,8 @@ def submit(head: RayHead, submission_id: str, args: list[str]) -> None:
 def wait_for_status(client, submission_id: str, wanted: set[str], timeout: float = 600) -> str:
     deadline = time.monotonic() + timeout
     while (status := client.get_job_status(submission_id).value) not in wanted:
-        assert time.monotonic() < deadline, f"{submission_id} still {status}: {client.get_job_logs(submission_id)[-3000:]}"
+        logs = client.get_job_logs(submission_id)
+        assert time.monotonic() < deadline, f"{submission_id} still {status}: {logs[-3000:]}"
         time.sleep(0.5)
     return status
 

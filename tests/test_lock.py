@@ -64,6 +64,13 @@ def test_stale_record_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, 
     assert job_state(tmp_path, None) == "job: not running (no run summary yet)"
 
 
+def test_the_record_hides_sink_credentials(monkeypatch):
+    argv = ["python", "-m", "jobs.extract", "output.sink=s3://b/p", 'output.sink_options={"secret": "s3cr3t"}']
+    monkeypatch.setattr(psutil.Process, "cmdline", lambda self: argv)
+    command = LockOwner.this_process(ray_job="").command
+    assert "s3cr3t" not in command and "output.sink_options=<hidden>" in command and "output.sink=s3://b/p" in command
+
+
 def record(tmp_path, owner: LockOwner) -> None:
     (tmp_path / LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
 
@@ -77,8 +84,8 @@ def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, 
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        alive = LockOwner.this_process(ray_job="")
-        record(tmp_path, dataclasses.replace(alive, pid=sleeper.pid, pid_started=psutil.Process(sleeper.pid).create_time()))
+        started = psutil.Process(sleeper.pid).create_time()
+        record(tmp_path, dataclasses.replace(LockOwner.this_process(ray_job=""), pid=sleeper.pid, pid_started=started))
         with pytest.raises(OutputLocked, match=rf"which still runs although its lock on {LOCK_FILE} is gone"):
             OutputLock(tmp_path).acquire()
     finally:

@@ -27,8 +27,9 @@ def venv_on_main_environment(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("packaging")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
     Path(site, "zz_main_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
