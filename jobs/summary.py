@@ -97,7 +97,7 @@ class RunSummary:
         run_tokens = sum(record.tokens for record in this_run)
         # The pipeline's clock runs from the first batch to the last commit; without it (a run
         # that stopped early), from the start of this run.
-        seconds = result.seconds if result is not None else time.monotonic() - self.started
+        seconds = round(result.seconds if result is not None else time.monotonic() - self.started, 3)
         summary: dict[str, Any] = {
             "outcome": outcome,
             "exit_code": exit_code,
@@ -119,7 +119,7 @@ class RunSummary:
                 "shards_done": len(this_run),
                 "samples": sum(record.rows for record in this_run),
                 "tokens": run_tokens,
-                "seconds": round(seconds, 3),
+                "seconds": seconds,
             },
             "tokens_per_second": round(run_tokens / seconds, 1) if seconds > 0 else 0.0,
             "last_hidden_state": self.config.extract.last_hidden_state,
