@@ -16,7 +16,9 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -57,12 +59,17 @@ def ray_session(address: str) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    # ray.init replaces the SIGTERM handler with sys.exit; the program's own (a clean stop that
+    # records itself) is put back.
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     if inside_ray_job():
         ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
     elif address or os.environ.get("RAY_ADDRESS"):
         _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
     else:
         _start_private_cluster()
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:

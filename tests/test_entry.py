@@ -300,6 +300,8 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     report = status_report(out)
     assert "job: RUNNING" not in report  # the driver is gone and holds nothing
     print("after `ray job stop`:", next(line for line in report.splitlines() if line.startswith("job:")))
+    # SIGTERM is a clean stop: recorded as such if the 3 s before Ray's SIGKILL sufficed, else still "running"
+    assert read_summary(out)["outcome"] in ("interrupted", "running")
     first_done = {r["index"] for r in read_manifest(out)["shards"] if r["state"] == DONE}
     print(f"stopped with {len(first_done)} of {samples // 4} shards done")
     assert 0 < len(first_done) < samples // 4, "the job finished before `ray job stop` reached it"
