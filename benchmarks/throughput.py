@@ -40,7 +40,8 @@ from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.extractor_actor import start_extractor
-from jobs.pipeline import build_engine_spec, ray_session, resolve_device
+from jobs.cluster import ray_session
+from jobs.pipeline import build_engine_spec, resolve_device
 from jobs.plan import pack_batches
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024

@@ -20,7 +20,7 @@ from benchmarks.throughput import build_model
 from jobs.config import load_config
 from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
-from jobs.pipeline import ray_session
+from jobs.cluster import ray_session
 from storage import ShardReader
 
 

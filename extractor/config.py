@@ -1,4 +1,4 @@
-"""The ``model`` and ``extract`` sections of the job config."""
+"""The ``model`` and ``extract`` sections of the job config; each checks its own keys when built."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ from typing import Optional
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -27,6 +31,28 @@ class ModelConfig:
     """Fraction of GPU memory SGLang may hold for weights + KV cache (GPU only)."""
     load_format: str = "auto"
     """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
+    trust_remote_code: bool = False
+    """Let loading run Python code shipped with the checkpoint (auto_map classes, pickled .bin weights). Off: never."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"model.device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
+        if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 1):
+            raise ValueError(
+                f"model.context_length={self.context_length!r}: must be a positive token count, or unset "
+                "for the model's max_position_embeddings"
+            )
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(
+                f"model.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1], the share of "
+                "GPU memory SGLang may hold"
+            )
+        if not self.load_format:
+            raise ValueError("model.load_format is empty: use auto (or an SGLang load format such as dummy)")
 
 
 @dataclasses.dataclass
@@ -40,18 +66,15 @@ class ExtractConfig:
     max_samples_per_batch: int = 256
     """Cap on requests in one batch (sizes SGLang's request pool)."""
 
-
-def validate_model_config(config: ModelConfig) -> None:
-    if config.device not in DEVICES:
-        raise ValueError(f"model.device={config.device!r}: use one of {', '.join(DEVICES)}")
-    if config.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={config.dtype!r}: use one of {', '.join(DTYPES)}")
-    if config.tp_size < 1:
-        raise ValueError(f"model.tp_size={config.tp_size}: must be >= 1")
-
-
-def validate_extract_config(config: ExtractConfig) -> None:
-    if config.max_tokens_per_batch < 1:
-        raise ValueError(f"extract.max_tokens_per_batch={config.max_tokens_per_batch}: must be >= 1")
-    if config.max_samples_per_batch < 1:
-        raise ValueError(f"extract.max_samples_per_batch={config.max_samples_per_batch}: must be >= 1")
+    def __post_init__(self) -> None:
+        if self.layers is not None and (
+            not self.layers or not all(_is_int(k) and k >= 0 for k in self.layers)
+        ):
+            raise ValueError(
+                f"extract.layers={self.layers!r}: give canonical layer ids as a non-empty list of "
+                "integers >= 0 like [2,30,58], or leave it unset for [2, N//2, N-3]"
+            )
+        if not _is_int(self.max_tokens_per_batch) or self.max_tokens_per_batch < 1:
+            raise ValueError(f"extract.max_tokens_per_batch={self.max_tokens_per_batch!r}: must be an integer >= 1")
+        if not _is_int(self.max_samples_per_batch) or self.max_samples_per_batch < 1:
+            raise ValueError(f"extract.max_samples_per_batch={self.max_samples_per_batch!r}: must be an integer >= 1")

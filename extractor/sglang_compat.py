@@ -59,6 +59,7 @@ def build_model_runner(sgl: SimpleNamespace, spec: EngineSpec, tp_rank: int, ncc
         tp_size=spec.tp_size,
         attention_backend=spec.attention_backend,
         load_format=spec.load_format,
+        trust_remote_code=spec.trust_remote_code,
         skip_tokenizer_init=True,
         disable_cuda_graph=True,  # EXTEND batches of varying shape never use graphs
         disable_radix_cache=True,

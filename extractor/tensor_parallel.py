@@ -15,13 +15,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from typing import Iterator
 
 import numpy as np
 
+from extractor.rendezvous import LoopbackStore
 from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -38,12 +38,6 @@ def cpu_thread_binding(tp_size: int, cores: list[int]) -> str:
         per_rank = len(cores) // tp_size
         groups = [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(tp_size)]
     return "|".join(",".join(str(core) for core in group) for group in groups)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _set_rank_environment(spec: EngineSpec) -> None:
@@ -97,7 +91,8 @@ class TensorParallelEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         _set_rank_environment(spec)
-        nccl_port = _free_port()
+        self._store = LoopbackStore(spec.tp_size)  # before the followers spawn: they inherit where it is
+        nccl_port = self._store.port
         context = mp.get_context("spawn")
         self._status: mp.Queue = context.Queue()
         self._inboxes: list[mp.Queue] = []
@@ -186,3 +181,4 @@ class TensorParallelEngine:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        self._store.close()

@@ -25,6 +25,8 @@ class EngineSpec:
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.8
     load_format: str = "auto"
+    trust_remote_code: bool = False
+    """Let SGLang and transformers run code that ships with the checkpoint."""
     host_buffers: int = 2
     """Batches whose states may sit in host buffers at once: one being copied while the one
     before is handed on. The extractor actor runs this many calls concurrently."""

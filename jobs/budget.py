@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from storage.writer import TEMP_SUFFIX
+from storage.writer import TEMP_GLOB
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -115,5 +115,5 @@ class DiskBudget:
 
     def unwritten_reserved(self) -> int:
         """Reserved bytes not yet on disk: temp files already hold the rest."""
-        written = sum(path.stat().st_size for path in self.output_dir.glob(f"*{TEMP_SUFFIX}") if path.is_file())
+        written = sum(path.stat().st_size for path in self.output_dir.glob(TEMP_GLOB) if path.is_file())
         return max(0, sum(self.reserved.values()) - written)

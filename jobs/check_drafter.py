@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
+from jobs.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")
@@ -30,7 +31,6 @@ logger = logging.getLogger("jobs.check_drafter")
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_BAD_INPUT = 2
-RUN_SUMMARY_FILE = "summary.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +57,9 @@ def read_run(output_dir: Path) -> RunLayers:
         meta = ShardReader(shards[0]).metadata
         return RunLayers(meta.model_path, meta.hidden_size, meta.layer_ids, meta.layers_to_capture,
                          meta.drafter_layer_ids, meta.sglang_version)
-    summary_file = output_dir / RUN_SUMMARY_FILE
+    summary_file = output_dir / SUMMARY_FILE
     if not summary_file.is_file():
-        raise ValueError(f"output.dir={output_dir}: no shard file and no {RUN_SUMMARY_FILE}; name a run's output dir")
+        raise ValueError(f"output.dir={output_dir}: no shard file and no {SUMMARY_FILE}; name a run's output dir")
     summary = json.loads(summary_file.read_text())
     engine = summary["engine"]
     return RunLayers(summary["model_path"], engine["hidden_size"], engine["layer_ids"], engine["layers_to_capture"],

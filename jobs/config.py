@@ -1,8 +1,12 @@
 """The job config: dataclass defaults < YAML file (``--config``) < ``key=value`` overrides.
 
-Each package owns its section (``extractor.config``, ``storage.config``);
-this module composes them and prints the tree for ``--help``, with the
-docstring under each field as its help text.
+Each package owns its section (``extractor.config``, ``storage.config``, the
+sections below) and each section checks its own keys in ``__post_init__``:
+OmegaConf's structured merge checks every value's type and refuses unknown
+keys, then building the dataclasses runs every section's checks. Whatever is
+wrong comes out as one ``ConfigError`` line (exit code 2) before anything
+starts. ``--help`` prints the tree, with the docstring under each field as its
+help text.
 """
 
 from __future__ import annotations
@@ -10,16 +14,32 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
+import os
+import re
+import sys
 import textwrap
-from typing import Any, Dict, Sequence
+from pathlib import Path
+from typing import Any, Dict, Sequence, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from extractor.config import ExtractConfig, ModelConfig, validate_extract_config, validate_model_config
+from extractor.config import ExtractConfig, ModelConfig
 from jobs.dataset import ON_INVALID
+from jobs.demo import DEMO_ARCHS
 from jobs.resume import check_selection
-from storage.config import OutputConfig, parse_bytes
+from storage.config import OutputConfig
+
+T = TypeVar("T")
+
+_OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*", re.DOTALL)
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: one line that names the key and the fix (exit code 2)."""
 
 
 @dataclasses.dataclass
@@ -31,11 +51,13 @@ class DataConfig:
     """Samples per shard; one Parquet file per shard."""
     on_invalid: str = "fail"
     """A row that fails the input checks: fail (stop before anything runs, naming file, row and reason) or skip
-    (leave it out, listed in summary.json and _invalid_rows.jsonl; the other rows keep their sample ids)."""
+    (leave it out, listed in .summary.json and .invalid_rows.jsonl; the other rows keep their sample ids)."""
     storage_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments for data.path's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool) or self.shard_size < 1:
+            raise ValueError(f"data.shard_size={self.shard_size!r}: must be an integer >= 1 (samples per shard file)")
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"data.on_invalid={self.on_invalid!r}: use {' or '.join(ON_INVALID)}")
 
@@ -43,18 +65,37 @@ class DataConfig:
 @dataclasses.dataclass
 class RayConfig:
     address: str = ""
-    """Ray cluster to join; empty joins the one `ray job submit` runs under, or starts a local one."""
+    """Ray cluster (GCS host:port) to join. Empty: the job's own cluster under `ray job submit`, else RAY_ADDRESS, else a private one on 127.0.0.1."""
+
+    def __post_init__(self) -> None:
+        if self.address.startswith(("http://", "https://")):
+            raise ValueError(
+                f"ray.address={self.address!r} is a dashboard URL, which `ray job` commands use; the driver "
+                "joins a cluster at its GCS address (host:6379). Submit with `ray job submit --address "
+                f"{self.address} ...`, or set ray.address=HOST:6379"
+            )
 
 
 @dataclasses.dataclass
 class DemoConfig:
     dir: str = "eagle3-demo"
-    """Where the demo writes its tiny model, dataset and output."""
+    """Where the demo writes its tiny model, dataset and (unless output.dir is set) output."""
     arch: str = "llama"
     """Architecture of the tiny random-weight model: llama | qwen3 | deepseek_v3 | kimi_k25 (a DeepSeek-V3 in Kimi-K2.5's wrapper)."""
     num_samples: int = 48
     """Synthetic samples the demo makes (lengths vary from 16 to 256 tokens)."""
     seed: int = 0
+    """Seed of the demo's random weights and data."""
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("demo.dir is empty: name the directory the demo builds its model and data in")
+        if self.arch not in DEMO_ARCHS:
+            raise ValueError(f"demo.arch={self.arch!r}: use one of {', '.join(DEMO_ARCHS)}")
+        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise ValueError(f"demo.num_samples={self.num_samples!r}: must be an integer >= 1")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"demo.seed={self.seed!r}: must be an integer >= 0")
 
 
 @dataclasses.dataclass
@@ -68,43 +109,174 @@ class JobConfig:
     shards: Any = "pending"
     """Which shards to run: pending (resume: every shard not done), failed, or a list like [3,17]."""
 
+    def __post_init__(self) -> None:
+        if bool(self.model.path) != bool(self.data.path):
+            raise ValueError(
+                "set both model.path and data.path for a real run (did you forget --config?), or neither "
+                "for the embedded demo"
+            )
+        check_selection(self.shards)
+
     @property
     def is_demo(self) -> bool:
         return not self.model.path and not self.data.path
 
 
-def load_config(argv: Sequence[str]) -> JobConfig:
-    """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig."""
-    parser = argparse.ArgumentParser(
-        prog="python -m jobs.extract",
-        description="Extract EAGLE-3 hidden states with SGLang into Parquet shards.",
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} ({self.prog} --help lists the options and keys)")
+
+
+def program_name(module: str) -> str:
+    """How the user started this command: a console script (``eagle3-extract``) or ``python -m jobs.extract``."""
+    script = Path(sys.argv[0]).name if sys.argv else ""
+    return script if script.startswith("eagle3-") else f"python -m {module}"
+
+
+def build_parser(prog: str, description: str, schema: type) -> argparse.ArgumentParser:
+    """``[--config FILE] [key=value ...]`` with every key of ``schema`` and its help in the epilog."""
+    parser = _ArgumentParser(
+        prog=prog,
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="keys (key=value overrides, defaults shown):\n" + describe(JobConfig),
+        epilog="keys (key=value overrides, defaults shown):\n" + describe(schema),
     )
     parser.add_argument("--config", help="YAML file with any of the keys below")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def load_config(argv: Sequence[str]) -> JobConfig:
+    """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig; raises ConfigError."""
+    parser = build_parser(
+        program_name("jobs.extract"),
+        "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
+        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 130/143 stopped by a "
+        "signal (README: Exit codes).",
+        JobConfig,
+    )
     args = parser.parse_args(list(argv))
-    merged = OmegaConf.structured(JobConfig)
-    if args.config:
-        merged = OmegaConf.merge(merged, OmegaConf.load(args.config))
-    bad = [item for item in args.overrides if "=" not in item]
-    if bad:
-        parser.error(f"overrides must look like key=value, got {bad}")
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(args.overrides)))
-    config: JobConfig = OmegaConf.to_object(merged)
-    if bool(config.model.path) != bool(config.data.path):
-        raise ValueError(
-            "set both model.path and data.path for a real run, or neither for the embedded demo"
+    return build_config(JobConfig, args.config, args.overrides, prog=parser.prog)
+
+
+def build_config(schema: type[T], config_file: str | None, overrides: Sequence[str], prog: str) -> T:
+    """Defaults of ``schema`` < ``config_file`` < ``overrides``, type-checked, each section checked."""
+    merged = OmegaConf.structured(schema)
+    try:
+        if config_file:
+            merged = OmegaConf.merge(merged, _read_config_file(config_file))
+        merged = OmegaConf.merge(merged, _parse_overrides(overrides))
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as error:
+        raise ConfigError(_explain(error, schema, prog, [item.split("=", 1)[0] for item in overrides])) from None
+    except ValueError as error:  # a section's own check
+        raise ConfigError(str(error)) from None
+
+
+def _read_config_file(path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(error).split())})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"--config {path}: must hold a mapping of sections (model:, data:, ...), not {type(loaded).__name__}"
         )
-    check_selection(config.shards)
-    parse_bytes(config.output.disk_budget, "output.disk_budget")
-    parse_bytes(config.output.min_free_bytes, "output.min_free_bytes")
-    validate_model_config(config.model)
-    validate_extract_config(config.extract)
-    return config
+    return OmegaConf.create(loaded)
 
 
-def to_yaml(config: JobConfig) -> str:
+def _parse_overrides(overrides: Sequence[str]) -> Any:
+    bad = [item for item in overrides if not _OVERRIDE.fullmatch(item)]
+    if bad:
+        raise ConfigError(f"overrides must look like section.key=value (e.g. model.tp_size=8), got {bad[0]!r}")
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as error:
+            raise ConfigError(f"cannot parse {item!r} as key=YAML value: {_first_line(error)}") from None
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _explain(error: OmegaConfBaseException, schema: type, prog: str, given: Sequence[str]) -> str:
+    key = str(getattr(error, "full_key", None) or getattr(error, "key", None) or "")
+    if isinstance(error, ConfigKeyError) or "not in" in _first_line(error):
+        # OmegaConf names the first unknown part; the user wrote the whole dotted key
+        key = next((name for name in given if name == key or name.startswith(key + ".")), key)
+        close = difflib.get_close_matches(str(key), config_keys(schema), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"unknown key {key}{hint} ({prog} --help lists every key)"
+    return f"{key}: {_first_line(error)}" if key else _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = getattr(error, "msg", None) or str(error)
+    return str(text).strip().splitlines()[0] if str(text).strip() else type(error).__name__
+
+
+def config_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass tree."""
+    keys: list[str] = []
+    for field in dataclasses.fields(schema):
+        section = _section_type(field)
+        keys += config_keys(section, f"{prefix}{field.name}.") if section else [f"{prefix}{field.name}"]
+    return keys
+
+
+def _section_type(field: dataclasses.Field) -> type | None:
+    factory = field.default_factory
+    if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+        return factory  # type: ignore[return-value]
+    return None
+
+
+# -- paths -------------------------------------------------------------------------------------
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def resolve_paths(config: JobConfig, inside_ray_job: bool) -> JobConfig:
+    """Every local path made absolute, once, here on the driver.
+
+    Under ``ray job submit`` the driver's working directory is Ray's unpacked copy of
+    ``--working-dir`` (``/tmp/ray/session_*/runtime_resources/working_dir_files/_ray_pkg_<hash>``),
+    which changes whenever a file in it changes: a relative path there would put the
+    output somewhere new on every submit, so it is refused.
+    """
+    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.dir": config.output.dir}
+    if config.is_demo:
+        keys["demo.dir"] = config.demo.dir
+    relative = [f"{key}={value}" for key, value in keys.items() if value and not _is_url(value)
+                and not Path(value).expanduser().is_absolute()]
+    if relative and inside_ray_job:
+        raise ConfigError(
+            f"{', '.join(relative)}: relative paths under `ray job submit` resolve inside Ray's copy of "
+            f"the working dir ({os.getcwd()}), which changes on every submit; pass absolute paths "
+            "(e.g. output.dir=/mnt/nvme/eagle3/run1)"
+        )
+
+    def absolute(value: str) -> str:
+        return value if not value or _is_url(value) else os.path.abspath(Path(value).expanduser())
+
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        data=dataclasses.replace(config.data, path=absolute(config.data.path)),
+        output=dataclasses.replace(config.output, dir=absolute(config.output.dir)),
+        demo=dataclasses.replace(config.demo, dir=absolute(config.demo.dir)) if config.is_demo else config.demo,
+    )
+
+
+# -- help --------------------------------------------------------------------------------------
+
+def to_yaml(config: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
@@ -131,12 +303,16 @@ def describe(cls: type, prefix: str = "") -> str:
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         key = f"{prefix}{field.name}"
-        if dataclasses.is_dataclass(field.type) or (
-            field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory)
-        ):
-            lines.append(describe(field.default_factory, prefix=key + "."))  # type: ignore[arg-type]
+        section = _section_type(field)
+        if section is not None:
+            lines.append(describe(section, prefix=key + "."))
             continue
-        default: Any = field.default if field.default is not dataclasses.MISSING else None
+        if field.default is not dataclasses.MISSING:
+            default: Any = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = None
         doc = docs.get(field.name, "")
         lines.append(f"  {key} = {default!r}" + (f"  # {doc}" if doc else ""))
     return "\n".join(lines)

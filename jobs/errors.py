@@ -2,15 +2,18 @@
 
 | code | outcome | what the user does |
 |---|---|---|
-| 0 | every selected shard is done | nothing |
+| 0 | every selected shard is done (or already was: nothing to do) | nothing |
 | 1 | some shards failed (their errors are in the manifest) | rerun with ``shards=failed`` |
 | 2 | bad config or input, refused before any work | fix what the message names |
 | 3 | the disk budget is full and nothing can free it | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
+| 130, 143 | stopped by SIGINT (Ctrl-C) or SIGTERM (``ray job stop``, ``kill``) | rerun the same command: it resumes |
 """
 
 from __future__ import annotations
+
+import signal
 
 EXIT_OK = 0
 EXIT_SHARDS_FAILED = 1
@@ -18,27 +21,48 @@ EXIT_BAD_INPUT = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_FAULT = 4
 EXIT_LOCKED = 5
+# 128 + the signal number, as shells report a process a signal ended.
+EXIT_SIGNAL_BASE = 128
 
 
 class JobStopped(RuntimeError):
     """The job ended early but cleanly: what is done is recorded, a rerun resumes."""
 
     exit_code = EXIT_FAULT
+    outcome = "stopped"
+    """How ``.summary.json`` names this end."""
 
 
 class BudgetExhausted(JobStopped):
     """The disk budget is full and nothing in flight can free it."""
 
     exit_code = EXIT_BUDGET_EXHAUSTED
+    outcome = "budget_exhausted"
 
 
 class JobFault(JobStopped):
     """Actors died more often than the job restarts them; done shards are kept, a rerun resumes."""
 
     exit_code = EXIT_FAULT
+    outcome = "fault"
 
 
 class OutputLocked(JobStopped):
     """Another job holds output.dir."""
 
     exit_code = EXIT_LOCKED
+    outcome = "locked"
+
+
+class JobInterrupted(JobStopped):
+    """A signal asked the job to stop (``ray job stop`` sends SIGTERM, Ctrl-C SIGINT)."""
+
+    outcome = "interrupted"
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_code = EXIT_SIGNAL_BASE + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; done shards are kept and temp files removed. "
+            "Rerun the same command to resume"
+        )

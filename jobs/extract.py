@@ -1,58 +1,41 @@
-"""Entry point: ``python -m jobs.extract [--config FILE] [key=value ...]``.
+"""Entry point: ``python -m jobs.extract [--config FILE] [key=value ...]`` (or ``eagle3-extract``).
 
 With neither ``model.path`` nor ``data.path`` it runs the embedded demo: a
 tiny random Llama and a synthetic dataset, made locally. Submit to a cluster
-with ``ray job submit --working-dir . -- python -m jobs.extract ...``.
-Rerunning the same command resumes; ``shards=failed`` or ``shards=[3,17]``
-reruns only those shards.
+with ``ray job submit --working-dir . -- python -m jobs.extract ...`` and
+absolute paths. Rerunning the same command resumes; ``shards=failed`` or
+``shards=[3,17]`` reruns only those shards. Exit codes: ``jobs.errors``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from extractor.checkpoint import read_checkpoint_info, read_config, text_config
+from extractor.checkpoint import CheckpointInfo, read_checkpoint_info, read_config, text_config
 from extractor.drafter_config import build_drafter_config
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.budget import DiskBudget
-from jobs.config import JobConfig, load_config
-from jobs.dataset import InvalidRow, open_tokenized_dataset
-from jobs.demo import prepare_demo
-from jobs.errors import EXIT_BAD_INPUT, EXIT_SHARDS_FAILED, JobStopped
-from jobs.pipeline import (
-    ExtractionRun, RunResult, build_engine_spec, ray_session, resolve_device,
-)
+from jobs.cluster import inside_ray_job, ray_job_submission_id, ray_session
+from jobs.config import ConfigError, JobConfig, load_config, resolve_paths
+from jobs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobFault, JobInterrupted, JobStopped
+from jobs.lock import OutputLock
+from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
+from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
 from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
-from storage.config import parse_bytes
-from storage.manifest import DONE, FAILED, MANIFEST_FILE, SINK, Manifest
+from jobs.summary import (
+    COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
+    write_drafter_config, write_invalid_rows,
+)
+from storage.manifest import FAILED, MANIFEST_FILE, Manifest, read_manifest
 
 logger = logging.getLogger("jobs.extract")
-
-SUMMARY_FILE = "summary.json"
-DRAFTER_CONFIG_FILE = "drafter_config.json"
-INVALID_ROWS_FILE = "_invalid_rows.jsonl"
-INVALID_ROWS_IN_SUMMARY = 5
-
-
-def resolve_demo(config: JobConfig) -> JobConfig:
-    """Fill model/data/output paths with the demo's; its output dir is rewritten each run."""
-    model_dir, data_path = prepare_demo(config.demo.dir, config.demo.arch, config.demo.num_samples, config.demo.seed)
-    output_dir = Path(config.output.dir or Path(config.demo.dir) / "hidden_states")
-    shutil.rmtree(output_dir, ignore_errors=True)
-    return dataclasses.replace(
-        config,
-        model=dataclasses.replace(config.model, path=str(model_dir)),
-        data=dataclasses.replace(config.data, path=str(data_path), shard_size=min(config.data.shard_size, 16)),
-        output=dataclasses.replace(config.output, dir=str(output_dir)),
-    )
-
 
 def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
     """Everything that changes what the shard files contain: a resume must match it exactly."""
@@ -70,128 +53,163 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What the run reads and checks before it touches output.dir."""
+
+    config: JobConfig
+    checkpoint: CheckpointInfo
+    layer_ids: list[int]
+    dataset: TokenizedDataset
+    fingerprint: str
+    output_dir: Path
+
+    def content(self, device: str) -> dict[str, Any]:
+        spec = build_engine_spec(self.config.model, self.config.extract, self.layer_ids, device, 0)
+        return run_content(self.config, dataclasses.asdict(spec), self.fingerprint)
+
+
 def run(config: JobConfig) -> dict:
-    """Plan, extract and write; returns the run summary (also saved as summary.json)."""
+    """Plan, extract and write; returns the run summary (also saved as .summary.json)."""
+    inputs = _read_inputs(config)
+    inputs.output_dir.mkdir(parents=True, exist_ok=True)
+    with OutputLock(inputs.output_dir, ray_job_submission_id()):
+        refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
+        return _run_locked(inputs)
+
+
+def _read_inputs(config: JobConfig) -> _Inputs:
+    """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
+    config = resolve_paths(config, inside_ray_job())
     if config.is_demo:
-        config = resolve_demo(config)
+        config = demo_config(config)
     if not config.output.dir:
-        raise ValueError("output.dir is empty: name a directory on local disk for the shard files")
+        raise ConfigError("output.dir is empty: name a directory on local disk for the shard files")
     checkpoint = read_checkpoint_info(config.model.path)
-    layer_ids = check_layer_ids(config.extract.layers or default_layer_ids(checkpoint.num_layers), checkpoint.num_layers)
+    refuse_pickled_weights(config.model)
+    layers = config.extract.layers or default_layer_ids(checkpoint.num_layers)
+    layer_ids = check_layer_ids(layers, checkpoint.num_layers)
     max_length = config.model.context_length or checkpoint.max_position_embeddings
     dataset = open_tokenized_dataset(
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
-    output_dir = Path(config.output.dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    refuse_foreign_output(output_dir, (output_dir / MANIFEST_FILE).exists())
-    write_invalid_rows(output_dir, dataset.invalid)
-    budget = DiskBudget(
-        output_dir,
-        parse_bytes(config.output.disk_budget, "output.disk_budget"),
-        parse_bytes(config.output.min_free_bytes, "output.min_free_bytes"),
+    return _Inputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))
+
+
+def _run_locked(inputs: _Inputs) -> dict:
+    config, output_dir, lengths = inputs.config, inputs.output_dir, inputs.dataset.lengths
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    plan = plan_shards(
+        lengths, config.data.shard_size, config.extract.max_tokens_per_batch, config.extract.max_samples_per_batch
     )
+    ranges = [(s.index, s.start, s.stop) for s in plan]
+    metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
+
+    manifest = _resumable_manifest(inputs, ranges)
+    if manifest is not None:
+        selected = {record.index for record in select_shards(manifest, config.shards)}
+        if not selected:
+            return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
+        check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
+    else:
+        check_shards_fit(plan, budget, metadata)
+    write_invalid_rows(output_dir, inputs.dataset.invalid)
 
     with ray_session(config.ray.address):
         device = resolve_device(config.model.device, config.model.tp_size)
-        spec = build_engine_spec(config.model, config.extract, layer_ids, device, int(dataset.lengths.max()))
-        plan = plan_shards(
-            dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
-            config.extract.max_samples_per_batch,
-        )
-        content = run_content(config, dataclasses.asdict(spec), dataset.fingerprint)
-        manifest = Manifest.open(output_dir, content, [(s.index, s.start, s.stop) for s in plan])
+        spec = build_engine_spec(config.model, config.extract, inputs.layer_ids, device, int(lengths.max()))
+        manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
         clean_output_dir(output_dir, manifest, to_run)
         logger.info(
             "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
-            len(dataset), int(dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+            len(inputs.dataset), int(lengths.sum()), len(plan), len(to_run), output_dir,
         )
+        shard_tokens = {s.index: s.tokens for s in plan}
+        summary = RunSummary(config, output_dir, shard_tokens, [record.index for record in to_run], inputs.dataset.invalid)
+        summary.start(manifest)
         try:
             result = ExtractionRun(
-                spec, dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget
+                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget
             ).run()
+        except JobStopped as error:
+            _record_end(summary, manifest, error.outcome, error.exit_code, str(error))
+            raise
+        except BaseException as error:
+            _record_end(summary, manifest, JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}")
+            raise
         finally:
             manifest.close()
-    summary = build_summary(config, manifest, result, dataset.invalid)
-    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    engine = result.engine
+    write_drafter_config(output_dir, _drafter_config(config, result.engine))
+    failed = manifest.in_state(FAILED)
+    outcome, code = (SHARDS_FAILED, EXIT_SHARDS_FAILED) if failed else (COMPLETE, EXIT_OK)
+    return summary.finish(manifest, outcome, code, "", result)
+
+
+def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
+    """A full EAGLE-3 drafter config for SGLang whose aux ids capture what this run stored."""
     source = {key: getattr(engine, key) for key in (
         "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
-    drafter = build_drafter_config(
-        text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source
-    )
-    (output_dir / DRAFTER_CONFIG_FILE).write_text(json.dumps(drafter, indent=2) + "\n")
-    return summary
+    return build_drafter_config(text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source)
 
 
-def write_invalid_rows(output_dir: Path, invalid: list[InvalidRow]) -> None:
-    """Every row left out under data.on_invalid=skip, one JSON line each (file, file_row, sample_id, reason)."""
-    if not invalid:
-        return
-    temp = output_dir / (INVALID_ROWS_FILE + ".tmp")
-    temp.write_text("".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
-    temp.replace(output_dir / INVALID_ROWS_FILE)
+
+def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
+    """The summary of a run that ended early; failing to write it must not hide why the run ended."""
+    try:
+        summary.finish(manifest, outcome, exit_code, message)
+    except OSError as error:
+        logger.warning("could not write %s: %s", summary.path, error)
 
 
-def build_summary(config: JobConfig, manifest: Manifest, result: RunResult, invalid: list[InvalidRow]) -> dict:
-    done = manifest.in_state(DONE)
-    tokens = sum(record.tokens for record in done)
-    return {
-        "output_dir": config.output.dir,
-        "model_path": config.model.path,
-        "data_path": config.data.path,
-        "shards_done": len(done),
-        "shards_failed": {str(r.index): r.error for r in manifest.in_state(FAILED)},
-        "samples": sum(record.rows for record in done),
-        "tokens": tokens,
-        "bytes": sum(record.bytes for record in done),
-        "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
-        "invalid_rows": {
-            "count": len(invalid),
-            "first": [dataclasses.asdict(row) for row in invalid[:INVALID_ROWS_IN_SUMMARY]],
-            "file": INVALID_ROWS_FILE if invalid else "",
-        },
-        "startup_seconds": round(result.startup_seconds, 3),
-        "seconds": round(result.seconds, 3),
-        "drain_seconds": round(result.drain_seconds, 3),
-        "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
-        "last_hidden_state": config.extract.last_hidden_state,
-        "writers": result.writers,
-        "peak_open_shards": result.peak_open_shards,
-        "max_inflight_batches": result.max_inflight_batches,
-        "disk_budget": {
-            "limit": parse_bytes(config.output.disk_budget, "output.disk_budget"),
-            "peak": result.budget_peak,
-            "overshoot": result.budget_overshoot,
-            "blocked_seconds": round(result.blocked_seconds, 3),
-        },
-        "engine": dataclasses.asdict(result.engine),
-        "extractor": dataclasses.asdict(result.extractor),
-    }
+def _resumable_manifest(inputs: _Inputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
+    """The existing manifest, when its content is known to match before Ray starts.
+
+    With ``model.device=auto`` the device (and so the content) is known only once Ray
+    reports the cluster's GPUs; the stored device is assumed here and checked after.
+    """
+    if not (inputs.output_dir / MANIFEST_FILE).exists():
+        return None
+    requested = inputs.config.model.device
+    if requested == "auto":
+        requested = str(read_manifest(inputs.output_dir)["content"].get("model.device", "cpu"))
+    try:
+        return Manifest.open(inputs.output_dir, inputs.content(requested), plan)
+    except ValueError:
+        if inputs.config.model.device != "auto":
+            raise  # the content is fully known: refuse now, before Ray starts
+        return None
+
+
+def _raise_on_signal(signum: int, frame: Any) -> None:
+    raise JobInterrupted(signum)
 
 
 def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _raise_on_signal)
+    output_dir = ""
     try:
         config = load_config(argv)
+        output_dir = config.output.dir
         summary = run(config)
-    except ValueError as error:
+    except ValueError as error:  # config or input: refused before any work
         logger.error("%s", error)
         return EXIT_BAD_INPUT
     except JobStopped as error:
         logger.error("%s", error)
         return error.exit_code
-    engine = summary["engine"]
-    print(
-        f"\n{summary['shards_done']} shards done in {summary['output_dir']}: {summary['samples']} samples, "
-        f"{summary['tokens']} tokens, {summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.1f} s "
-        f"({summary['tokens_per_second']:.0f} tokens/s)\n"
-        f"layers {engine['layer_ids']} (SGLang {engine['sglang_version']} layers_to_capture "
-        f"{engine['layers_to_capture']}); drafter config: {DRAFTER_CONFIG_FILE} "
-        f"eagle_aux_hidden_state_layer_ids={engine['drafter_layer_ids']}"
-    )
-    if summary["shards_failed"]:
+    except Exception as error:  # a fault: what is done stays done
+        logger.exception("the job failed: %s", error)
+        where = f" output.dir={output_dir}" if output_dir else ""
+        logger.error(
+            "the job failed (%s); done shards are kept. Rerun the same command to resume "
+            "(python -m jobs.status%s shows where it stands)", type(error).__name__, where,
+        )
+        return EXIT_FAULT
+    print(final_message(summary))
+    if summary.get("shards_failed"):
         for shard, error in summary["shards_failed"].items():
             print(f"shard {shard} FAILED: {error}", file=sys.stderr)
         print(
@@ -199,8 +217,32 @@ def main(argv: Sequence[str]) -> int:
             "command plus shards=failed", file=sys.stderr,
         )
         return EXIT_SHARDS_FAILED
-    return 0
+    return EXIT_OK
+
+
+def final_message(summary: dict) -> str:
+    out = summary["output_dir"]
+    if summary["outcome"] == NOTHING_TO_DO:
+        return (
+            f"\nnothing to do: all {summary['shards_done']} shards in {out} are done ({summary['samples']} "
+            f"samples, {summary['tokens']} tokens); Ray was not started. Rerun chosen shards with "
+            f"shards=[...]; check the files with python -m jobs.verify output.dir={out}"
+        )
+    engine, this_run = summary["engine"], summary["this_run"]
+    return (
+        f"\n{summary['shards_done']} shards done in {out}: {summary['samples']} samples, "
+        f"{summary['tokens']} tokens, {summary['bytes'] / 1e6:.1f} MB; this run extracted "
+        f"{this_run['tokens']} tokens in {this_run['seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)\n"
+        f"layers {engine['layer_ids']} (SGLang {engine['sglang_version']} layers_to_capture "
+        f"{engine['layers_to_capture']}); drafter config: {Path(out) / DRAFTER_CONFIG_FILE} "
+        f"eagle_aux_hidden_state_layer_ids={engine['drafter_layer_ids']}"
+    )
+
+
+def cli() -> None:
+    """Console entry point ``eagle3-extract``."""
+    sys.exit(main(sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli()

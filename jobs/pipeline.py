@@ -18,10 +18,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
 
 import ray
 from ray.experimental.tqdm_ray import tqdm
@@ -43,7 +41,6 @@ from storage.writer import state_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_AUTO_WRITERS = 8
 # Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
 # on its way to the object store.
@@ -83,23 +80,6 @@ class RunResult:
     extractor: CaptureActivity
 
 
-@contextlib.contextmanager
-def ray_session(address: str) -> Iterator[None]:
-    """Join the given cluster (or the job's), else start a local one on loopback."""
-    if ray.is_initialized():
-        yield
-        return
-    # Workers import this repository's packages from its root.
-    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    joining = bool(address or os.environ.get("RAY_ADDRESS"))
-    kwargs: dict[str, Any] = {} if joining else {"_node_ip_address": "127.0.0.1"}
-    ray.init(address=address or None, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **kwargs)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def resolve_device(requested: str, tp_size: int) -> str:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if requested == "auto":
@@ -125,6 +105,7 @@ def build_engine_spec(
         context_length=model.context_length,
         mem_fraction_static=model.mem_fraction_static,
         load_format=model.load_format,
+        trust_remote_code=model.trust_remote_code,
     )
 
 
@@ -226,16 +207,6 @@ class ExtractionRun:
                 for _ in range(max(1, self.output.num_uploaders))
             ]
 
-    def _check_shards_fit(self) -> None:
-        for record in self.shards:
-            need = self._predict_shard(record, len(self._batches(record)))
-            if need > self.budget.limit:
-                raise ValueError(
-                    f"shard {record.index} needs about {format_bytes(need)} but output.disk_budget is "
-                    f"{format_bytes(self.budget.limit)}: a shard must fit the budget whole. Lower "
-                    "data.shard_size or raise output.disk_budget"
-                )
-
     def _stop_actors(self) -> None:
         with contextlib.suppress(Exception):
             self.activity = ray.get(self.extractor.activity.remote(), timeout=60)
@@ -254,7 +225,6 @@ class ExtractionRun:
         self.shard_bar = tqdm(total=len(self.shards), desc="shards")
         self.token_bar = tqdm(total=sum(self.plan[s.index].tokens for s in self.shards), desc="tokens")
         try:
-            self._check_shards_fit()
             self._rescan(force=True)
             for record in self.manifest.in_state(DONE):
                 self._maybe_upload(record)

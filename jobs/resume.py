@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from storage import shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, PENDING, SINK, Manifest, ShardRecord
-from storage.writer import TEMP_SUFFIX
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, SINK, Manifest, ShardRecord
+from storage.writer import SHARD_GLOB, TEMP_GLOB
 
 logger = logging.getLogger(__name__)
 
+# What earlier versions of the job called the manifest (before the output directory had to read
+# as a Parquet dataset).
+LEGACY_MANIFEST_FILE = "manifest.json"
 SELECT_PENDING = "pending"
 SELECT_FAILED = "failed"
 
@@ -45,7 +48,7 @@ def clean_output_dir(output_dir: Path, manifest: Manifest, to_run: list[ShardRec
     A file renamed into place right before a crash is complete but unrecorded; it is
     deleted and its shard extracted again, so that no row is ever in two files.
     """
-    for temp in output_dir.glob(f"*{TEMP_SUFFIX}"):
+    for temp in output_dir.glob(TEMP_GLOB):
         if temp.is_file():
             temp.unlink()
     rerun = {record.index for record in to_run}
@@ -64,9 +67,15 @@ def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
     """Shard files without a manifest belong to something else: never overwrite them."""
     if manifest_exists:
         return
-    existing = sorted(output_dir.glob("shard-*.parquet"))
+    existing = sorted(output_dir.glob(SHARD_GLOB))
+    if (output_dir / LEGACY_MANIFEST_FILE).exists():
+        raise ValueError(
+            f"output.dir={output_dir} was written by an earlier version of this job ({LEGACY_MANIFEST_FILE}); "
+            f"rename manifest.json, summary.json and drafter_config.json there to {MANIFEST_FILE}, "
+            ".summary.json and .drafter_config.json, then rerun"
+        )
     if existing:
         raise ValueError(
             f"output.dir={output_dir} holds {len(existing)} shard files (e.g. {existing[0].name}) but no "
-            "manifest.json: they are not from a run of this job; choose a new output.dir"
+            f"{MANIFEST_FILE}: they are not from a run of this job; choose a new output.dir"
         )

@@ -1,61 +1,160 @@
-"""``python -m jobs.status output.dir=DIR [output.disk_budget=1.3TB]``: where a run stands.
+"""``python -m jobs.status output.dir=DIR`` (or ``eagle3-status``): where a run stands.
 
-Prints shards by state, tokens, bytes on local disk and in the sink, budget
-use, and the last error of every failed shard, from ``manifest.json`` and
-the files actually present.
+From ``.manifest.json``, ``.summary.json``, the lock and the files actually
+present: whether a job is running on the directory, shards by state with their
+samples and tokens (planned ones for shards not done yet), bytes on local disk
+against the run's own budget and in the sink, every file the job does not know
+about, and the last error of every failed shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Sequence
-
-from omegaconf import OmegaConf
+from typing import Any, Optional, Sequence
 
 from jobs.budget import format_bytes
-from storage.config import OutputConfig, parse_bytes
-from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, PENDING, SINK, read_manifest
+from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.lock import LOCK_FILE, read_owner
+from jobs.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
+from storage.config import OutputConfig
+from storage.manifest import (
+    CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, MANIFEST_JOURNAL_FILE, PENDING, SINK, read_manifest,
+)
+from storage.writer import SHARD_GLOB, TEMP_GLOB
+
+# Files the job writes beside the shards, and the temp names they pass through.
+JOB_FILES = frozenset(
+    name
+    for base in (MANIFEST_FILE, MANIFEST_JOURNAL_FILE, SUMMARY_FILE, DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE)
+    for name in (base, base + ".tmp")
+) | {LOCK_FILE}
 
 
-def status_report(output_dir: Path, disk_budget: int) -> str:
+@dataclasses.dataclass
+class StatusConfig:
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+
+def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
+    """The report; ``disk_budget`` overrides the budget the run recorded in its summary."""
+    output_dir = Path(output_dir)
     manifest = read_manifest(output_dir)
+    summary = read_summary(output_dir)
     shards = manifest["shards"]
-    rows = []
+    planned = {int(k): v for k, v in ((summary or {}).get("plan", {}).get("shard_tokens") or {}).items()}
+
+    lines = [f"output.dir {output_dir}", job_state(output_dir, summary), ""]
+    lines.append(f"{'state':<8} {'shards':>7} {'samples':>9} {'tokens':>12}")
     for state in (DONE, PENDING, FAILED):
         selected = [s for s in shards if s["state"] == state]
-        rows.append((state, len(selected), sum(s["rows"] for s in selected), sum(s["tokens"] for s in selected)))
+        if state == DONE:
+            samples, tokens, note = sum(s["rows"] for s in selected), sum(s["tokens"] for s in selected), ""
+        else:
+            samples = sum(s["stop"] - s["start"] for s in selected)
+            known = [planned[s["index"]] for s in selected if s["index"] in planned]
+            tokens = sum(known) if len(known) == len(selected) else None
+            note = "  (planned)" if selected else ""
+        tokens_text = "?" if tokens is None else str(tokens)
+        lines.append(f"{state:<8} {len(selected):>7} {samples:>9} {tokens_text:>12}{note}")
+    lines.append(f"{'total':<8} {len(shards):>7} {sum(s['stop'] - s['start'] for s in shards):>9}")
+    lines.append("")
+    lines += _disk_lines(output_dir, shards, summary, disk_budget)
+    lines += _file_lines(output_dir, shards, summary)
+    for shard in shards:
+        if shard["state"] == FAILED or shard["error"]:
+            lines.append(f"shard {shard['index']} ({shard['state']}, {shard['attempts']} attempts): {shard['error']}")
+    lines.append(f"check the files themselves: python -m jobs.verify output.dir={output_dir}")
+    return "\n".join(lines)
+
+
+def job_state(output_dir: Path, summary: Optional[dict[str, Any]]) -> str:
+    """Running (the lock's owner lives), stopped (it died holding it), or how the last run ended."""
+    owner = read_owner(output_dir)
+    if owner is not None:
+        alive = owner.is_alive()
+        if alive:
+            return f"job: RUNNING, {owner.describe()}"
+        if alive is None:
+            return f"job: held by another host, which this one cannot check: {owner.describe()}"
+        return (
+            f"job: STOPPED, {owner.describe()} ended without releasing output.dir (killed?); "
+            "rerun its command to resume"
+        )
+    if summary is None:
+        return "job: not running (no run summary yet)"
+    if summary.get("outcome") == RUNNING:
+        return "job: not running; the last run ended without writing its summary (killed?); rerun to resume"
+    return (
+        f"job: not running; the last run ended {summary.get('ended_at')}: {summary.get('outcome')} "
+        f"(exit code {summary.get('exit_code')})"
+    )
+
+
+def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], disk_budget: Optional[int]) -> list[str]:
     done = [s for s in shards if s["state"] == DONE]
     local = sum(s["bytes"] for s in done if s["location"] == LOCAL and (output_dir / s["file"]).exists())
     in_sink = sum(s["bytes"] for s in done if s["location"] == SINK)
     consumed = sum(1 for s in done if s["location"] == CONSUMED)
-    lines = [f"{'state':<8} {'shards':>7} {'samples':>9} {'tokens':>12}"]
-    lines += [f"{state:<8} {count:>7} {samples:>9} {tokens:>12}" for state, count, samples, tokens in rows]
-    lines.append(f"{'total':<8} {len(shards):>7}")
-    lines.append("")
-    lines.append(f"on local disk: {format_bytes(local)} of budget {format_bytes(disk_budget)} ({100 * local / disk_budget:.1f}%)")
+    if disk_budget is not None:
+        budget, source = disk_budget, "output.disk_budget as given"
+    elif summary and summary.get("disk_budget", {}).get("limit"):
+        budget, source = int(summary["disk_budget"]["limit"]), "the run's"
+    else:
+        budget, source = OutputConfig().disk_budget_bytes, "the default; no run summary"
+    share = f"{100 * local / budget:.1f}%" if budget > 0 else "no budget"
+    lines = [f"on local disk: {format_bytes(local)} of budget {format_bytes(budget)} ({share}; {source})"]
     lines.append(f"in the sink:   {format_bytes(in_sink)}")
     if consumed:
         lines.append(f"consumed:      {consumed} shards deleted from output.dir by someone else")
-    for shard in shards:
-        if shard["state"] == FAILED or shard["error"]:
-            lines.append(f"shard {shard['index']} ({shard['state']}, {shard['attempts']} attempts): {shard['error']}")
-    return "\n".join(lines)
+    return lines
+
+
+def _file_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -> list[str]:
+    """Temp files, shard files the manifest does not vouch for, and anything else under output.dir."""
+    recorded = {s["file"] for s in shards if s["state"] == DONE and s["location"] == LOCAL}
+    temps = sorted(path.name for path in output_dir.glob(TEMP_GLOB))
+    unrecorded = sorted(path.name for path in output_dir.glob(SHARD_GLOB) if path.name not in recorded)
+    unknown = sorted(
+        path.name + ("/" if path.is_dir() else "")
+        for path in output_dir.iterdir()
+        if path.name not in JOB_FILES and path.name not in recorded
+        and path.name not in temps and path.name not in unrecorded
+    )
+    lines: list[str] = []
+    if temps:
+        lines.append(f"temp files:    {len(temps)} shards being written, or left by a stopped run "
+                     f"(the next run removes them): {', '.join(temps[:5])}")
+    if unrecorded:
+        lines.append(f"unrecorded:    {len(unrecorded)} shard files the manifest does not list as done here "
+                     f"(the next run removes them): {', '.join(unrecorded[:5])}")
+    if unknown:
+        lines.append(f"not the job's: {len(unknown)} entries this job did not write: {', '.join(unknown[:10])}")
+    return lines
 
 
 def main(argv: Sequence[str]) -> int:
-    overrides = OmegaConf.from_dotlist(list(argv))
-    output = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OutputConfig), overrides.get("output", {})))
-    if not output.dir:
-        print("usage: python -m jobs.status output.dir=DIR [output.disk_budget=1.3TB]", file=sys.stderr)
-        return 2
+    parser = build_parser(
+        program_name("jobs.status"), "Where an extraction run stands, from its output directory.", StatusConfig
+    )
     try:
-        print(status_report(Path(output.dir), parse_bytes(output.disk_budget, "output.disk_budget")))
+        args = parser.parse_args(list(argv))
+        config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
+        if not config.output.dir:
+            raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
+        given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)
+        print(status_report(Path(config.output.dir), config.output.disk_budget_bytes if given_budget else None))
     except ValueError as error:
-        print(error, file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point ``eagle3-status``."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

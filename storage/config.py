@@ -1,4 +1,4 @@
-"""The ``output`` section of the job config, and byte sizes as people write them."""
+"""The ``output`` section of the job config (checks its own keys when built), and byte sizes as people write them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _UNITS = {
 
 def parse_bytes(value: str | int, key: str) -> int:
     """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     unit = match.group(2).upper() if match else None
@@ -27,7 +27,7 @@ def parse_bytes(value: str | int, key: str) -> int:
 @dataclasses.dataclass
 class OutputConfig:
     dir: str = ""
-    """Where shard files, manifest.json and the run summary go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
     disk_budget: str = "1.3TB"
     """Most bytes of shard files kept under output.dir at once (committed + being written); 500GB, 1.3TB or bytes."""
     min_free_bytes: str = "10GB"
@@ -46,3 +46,36 @@ class OutputConfig:
     """CPU actors uploading committed shards to the sink."""
     max_inflight_batches: int = 0
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
+
+    def __post_init__(self) -> None:
+        if self.disk_budget_bytes <= 0:
+            raise ValueError(
+                f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes, or no shard could ever be written"
+            )
+        parse_bytes(self.min_free_bytes, "output.min_free_bytes")  # raises naming the key
+        for key in ("budget_wait_s", "rescan_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"output.{key}={value!r}: must be a number of seconds >= 0")
+        if self.rescan_s == 0:
+            raise ValueError("output.rescan_s=0: must be more than 0 seconds (the job re-scans output.dir that often)")
+        for key, minimum, meaning in (
+            ("num_writers", 0, "0 picks the count from the CPUs Ray has left"),
+            ("num_uploaders", 1, "at least one uploader carries shards to the sink"),
+            ("max_inflight_batches", 0, "0 picks writers + 2"),
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"output.{key}={value!r}: must be an integer >= {minimum} ({meaning})")
+        if self.sink_options and not self.sink:
+            raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        """``disk_budget`` in bytes."""
+        return parse_bytes(self.disk_budget, "output.disk_budget")
+
+    @property
+    def free_floor_bytes(self) -> int:
+        """``min_free_bytes`` in bytes."""
+        return parse_bytes(self.min_free_bytes, "output.min_free_bytes")

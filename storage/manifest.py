@@ -17,6 +17,7 @@ holds, so lines already in the snapshot are never applied twice, even after a
 crash between the rename and the journal's reset. A crash mid-append leaves a
 torn last line, which is ignored: that update never returned (and a failed
 write is never continued: the next line starts on a line of its own).
+The leading dots make Parquet dataset readers skip both files beside the shards.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-MANIFEST_FILE = "manifest.json"
-MANIFEST_JOURNAL_FILE = "manifest.journal"
+MANIFEST_FILE = ".manifest.json"
+MANIFEST_JOURNAL_FILE = ".manifest.journal"
 MANIFEST_VERSION = 1
 COMPACT_MIN_UPDATES = 1000
 """The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""

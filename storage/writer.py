@@ -1,7 +1,8 @@
 """Writes one shard file: temp name, checksum, fsync, atomic rename.
 
 A shard file is either complete under its final name or absent: rows go to
-``<name>.tmp``; ``finalize()`` closes, fsyncs and renames it; leaving the
+``.<name>.tmp`` (a hidden name in the same directory, which Parquet dataset
+readers skip); ``finalize()`` closes, fsyncs and renames it; leaving the
 ``with`` block on an exception deletes the temp file instead.
 """
 
@@ -22,7 +23,12 @@ import pyarrow.parquet as pq
 from storage import schema
 from storage.schema import ShardMetadata
 
+SHARD_GLOB = "shard-*.parquet"
+# A shard being written: hidden (pyarrow, Spark and HF datasets skip dot files), same
+# directory, so publishing it is one atomic rename.
+TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
+TEMP_GLOB = f"{TEMP_PREFIX}{SHARD_GLOB}{TEMP_SUFFIX}"
 # A row group is the unit a reader fetches. Keep it near this size so that one
 # sample (88 MB for 2K tokens of Kimi-K2.5's three layers) is not read with many others.
 ROW_GROUP_TARGET_BYTES = 256 * 1024 * 1024
@@ -51,6 +57,21 @@ class ShardFileInfo:
 def shard_file_name(shard: int) -> str:
     """File name of shard ``shard`` inside the output directory."""
     return f"shard-{shard:05d}.parquet"
+
+
+def temp_file_name(name: str) -> str:
+    """Name a shard file has while it is written."""
+    return f"{TEMP_PREFIX}{name}{TEMP_SUFFIX}"
+
+
+def column_compression(arrow_schema: pa.Schema) -> dict[str, str]:
+    """Codec per Parquet leaf column: a list column's values live at ``<name>.list.element``,
+    and a codec keyed by the list's own name would not reach them."""
+    codecs: dict[str, str] = {}
+    for field in arrow_schema:
+        leaf = f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name
+        codecs[leaf] = _COMPRESSION[field.name]
+    return codecs
 
 
 def state_bytes_per_token(metadata: ShardMetadata) -> int:
@@ -139,7 +160,7 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike, metadata: ShardMetadata) -> None:
         self.path = Path(path)
-        self.temp_path = self.path.with_name(self.path.name + TEMP_SUFFIX)
+        self.temp_path = self.path.with_name(temp_file_name(self.path.name))
         self.metadata = metadata
         self._schema = schema.build_schema(metadata)
         self._file: pa.NativeFile | None = None
@@ -152,11 +173,10 @@ class ShardWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = pa.OSFile(str(self.temp_path), "wb")
         self._hasher = _TrailingHasher(self.temp_path)
-        compression = {name: _COMPRESSION[name] for name in self._schema.names}
         self._writer = pq.ParquetWriter(
             self._file,
             self._schema,
-            compression=compression,
+            compression=column_compression(self._schema),
             use_dictionary=False,
             write_statistics=[schema.SAMPLE_ID],
             store_schema=True,

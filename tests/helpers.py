@@ -10,6 +10,7 @@ import torch
 
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec
 from jobs.extractor_actor import fetch_batch, start_extractor
+from storage import ShardReader, ShardWriter
 
 
 def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
@@ -91,3 +92,30 @@ def assert_matches_hf(model_path: Path, layer_ids, captured: CapturedBatch, sequ
             assert (got - reference[k]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k}]"
             assert (got - reference[k + 2]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k + 2}]"
         assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5
+
+
+def assert_reads_as_parquet_dataset(out: Path, rows: int) -> None:
+    """pyarrow.dataset, duckdb, polars and HF datasets open the output directory as one dataset of
+    ``rows`` rows: the job's own files (.manifest.json, .summary.json, .drafter_config.json, .job.lock)
+    and a shard being written (a hidden temp file) are skipped."""
+    import datasets
+    import duckdb
+    import polars
+    import pyarrow.dataset
+
+    cache = str(out.parent / "hf-cache")
+    meta = ShardReader(next(out.glob("shard-*.parquet"))).metadata
+    bits = np.dtype(f"u{meta.itemsize}")
+    with ShardWriter(out / "shard-99999.parquet", meta) as partial:
+        tokens = np.arange(7, dtype=np.int32)
+        partial.append([10**6], [tokens], [np.ones(7, np.uint8)], np.zeros((7, meta.aux_width), bits),
+                       np.zeros((7, meta.hidden_size), bits) if meta.has_last_hidden_state else None)
+        assert any(path.name.startswith(".shard-99999") for path in out.iterdir())  # mid-write
+        counts = {
+            "pyarrow.dataset": pyarrow.dataset.dataset(out, format="parquet").count_rows(),
+            "duckdb": duckdb.sql(f"SELECT count(*) FROM read_parquet('{out}/*.parquet')").fetchone()[0],
+            "polars": polars.scan_parquet(f"{out}/*.parquet").select(polars.len()).collect().item(),
+            "datasets by directory": datasets.load_dataset(str(out), split="train", cache_dir=cache).num_rows,
+            "datasets data_dir": datasets.load_dataset("parquet", data_dir=str(out), split="train", cache_dir=cache).num_rows,
+        }
+    assert counts == dict.fromkeys(counts, rows), counts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,11 +17,14 @@ from pathlib import Path
 import pytest
 import ray
 
+from jobs.budget import format_bytes
 from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
 from jobs.errors import BudgetExhausted
 from jobs.status import status_report
-from storage.manifest import DONE, FAILED, SINK, read_manifest
+from jobs.summary import read_summary
+from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
+from storage.writer import temp_file_name
 from tests.conftest import REPO_ROOT
 from tests.test_job import job_config, read_all
 
@@ -63,7 +67,7 @@ class DiskSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             total = 0
-            for path in list(self.directory.glob("shard-*")):
+            for path in list(self.directory.glob("*shard-*")):  # committed and temp (.shard-*.tmp)
                 try:
                     total += path.stat().st_size
                 except FileNotFoundError:
@@ -174,11 +178,27 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
     assert 1 <= len(done) < NUM_SAMPLES // SHARD_SIZE
     assert sum(r["bytes"] for r in done) <= budget
     assert not list(out.glob("*.tmp"))
-    report = status_report(out, budget)
-    assert "done" in report and "pending" in report and "of budget" in report
+    # the summary is written at exit 3 too, with this run's numbers
+    stopped = read_summary(out)
+    assert (stopped["outcome"], stopped["exit_code"]) == ("budget_exhausted", 3)
+    assert stopped["this_run"]["tokens"] == stopped["tokens"] == sum(r["tokens"] for r in done)
+    assert "Raise output.disk_budget" in stopped["message"]
+    # status: the run's own budget (not the default), planned samples and tokens of pending shards
+    report = status_report(out)
+    assert f"of budget {format_bytes(budget)} (" in report and "the run's" in report, report
+    pending = [r for r in manifest["shards"] if r["state"] != DONE]
+    planned = sum(stopped["plan"]["shard_tokens"][str(r["index"])] for r in pending)
+    assert re.search(rf"pending +{len(pending)} +{sum(r['stop'] - r['start'] for r in pending)} +{planned}  \(planned\)",
+                     report), report
+    assert "job: not running; the last run ended" in report and "budget_exhausted (exit code 3)" in report
+    (out / "notes.txt").write_text("not the job's")
+    assert "not the job's: 1 entries this job did not write: notes.txt" in status_report(out)
 
     summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
     assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
+    # this run's rate counts only what this run extracted
+    assert summary["this_run"]["tokens"] == summary["tokens"] - stopped["tokens"] == planned
+    assert summary["tokens_per_second"] == round(planned / summary["this_run"]["seconds"], 1)
     assert_every_sample_once(read_all(out))
     attempts = {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}
     assert all(attempts[r["index"]] == 1 for r in done), "done shards must not run again"
@@ -251,11 +271,11 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     # A real failure: shard 1's temp file cannot be created.
-    blocker = out / "shard-00001.parquet.tmp"
+    blocker = out / temp_file_name("shard-00001.parquet")
     blocker.mkdir()
     summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
     assert list(summary["shards_failed"]) == ["1"]
-    assert "shard-00001.parquet.tmp is a directory" in summary["shards_failed"]["1"]
+    assert ".shard-00001.parquet.tmp is a directory" in summary["shards_failed"]["1"]
     assert not (out / "shard-00001.parquet").exists()
     assert "shard 1 (failed, 1 attempts)" in status_report(out, 10**12)
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
@@ -290,6 +310,7 @@ def test_resume_with_other_content_is_refused(ray_cluster, llama_fp32, dataset, 
 
 
 def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
+    """Refused from config.json and the dataset's lengths, before Ray or the model: no manifest yet."""
     with pytest.raises(ValueError, match="a shard must fit the budget whole"):
         run(budget_config(llama_fp32, dataset, tmp_path / "out", "10KB"))
-    assert FAILED not in {r["state"] for r in read_manifest(tmp_path / "out")["shards"]}
+    assert not (tmp_path / "out" / MANIFEST_FILE).exists()

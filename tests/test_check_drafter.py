@@ -127,4 +127,4 @@ def test_bad_input_exits_2(tmp_path):
                              f"output.dir={tmp_path}"], cwd=REPO_ROOT, env=python_env(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == EXIT_BAD_INPUT
-    assert "no shard file and no summary.json" in result.stderr
+    assert "no shard file and no .summary.json" in result.stderr

@@ -11,7 +11,7 @@ import torch
 
 from storage import ShardMetadata, ShardReader, ShardWriter
 from storage.reader import read_metadata
-from storage.writer import TEMP_SUFFIX, choose_rows_per_group
+from storage.writer import choose_rows_per_group, temp_file_name
 
 HIDDEN = 16
 
@@ -84,20 +84,33 @@ def test_metadata_and_schema_are_in_the_file(tmp_path):
     assert ShardReader(info.path)[0].last_hidden_state is None
 
 
+def test_token_columns_are_zstd_and_states_are_not(tmp_path):
+    """The codec must reach a list column's leaf (``input_ids.list.element``), not just its name."""
+    aux = torch.zeros(3, 3 * HIDDEN, dtype=torch.bfloat16)
+    last = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
+    info = write_batches(tmp_path / "s.parquet", metadata(), [([0], [3], aux, last)])
+    group = pq.ParquetFile(info.path).metadata.row_group(0)
+    codecs = {group.column(i).path_in_schema: group.column(i).compression for i in range(group.num_columns)}
+    assert codecs == {
+        "sample_id": "ZSTD", "input_ids.list.element": "ZSTD", "loss_mask.list.element": "ZSTD",
+        "aux_hidden_states": "UNCOMPRESSED", "last_hidden_state": "UNCOMPRESSED",
+    }
+
+
 def test_wrong_shape_is_rejected_and_nothing_is_published(tmp_path):
     path = tmp_path / "s.parquet"
     aux = torch.zeros(4, 3 * HIDDEN, dtype=torch.bfloat16)  # 4 tokens, but the sample has 3
     with pytest.raises(ValueError, match=r"samples 7\.\.7 has shape \(4, 48\)"):
         write_batches(path, metadata(last=False), [([7], [3], aux, None)])
     assert not path.exists()
-    assert not path.with_name(path.name + TEMP_SUFFIX).exists()
+    assert not path.with_name(temp_file_name(path.name)).exists()
 
 
 def test_unfinalized_writer_leaves_no_file(tmp_path):
     path = tmp_path / "s.parquet"
     with ShardWriter(path, metadata(last=False)) as writer:
         writer.append([0], [np.arange(2)], [np.ones(2)], raw_bits(torch.zeros(2, 3 * HIDDEN, dtype=torch.bfloat16)))
-        assert path.with_name(path.name + TEMP_SUFFIX).exists()
+        assert path.with_name(temp_file_name(path.name)).exists()
     assert list(tmp_path.iterdir()) == []
 
 

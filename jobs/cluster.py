@@ -1,0 +1,166 @@
+"""Which Ray cluster the driver runs on, and joining it.
+
+- Under ``ray job submit``: the cluster that runs the job (Ray tells the driver through
+  the environment it starts it with).
+- ``ray.address`` or ``RAY_ADDRESS`` set: that cluster, after a short reachability check,
+  with an error that names the address and what to check.
+- Neither: a private cluster for this run alone, listening on 127.0.0.1 only. It never
+  joins a head that happens to run on the machine (``ray start --head``), which Ray's
+  plain ``ray.init()`` would try, at whatever address it guesses for this host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+from jobs.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+# Seconds to reach a named cluster's GCS port before giving up with an explanation.
+JOIN_TIMEOUT_S = 10.0
+# Set by Ray's job supervisor for the driver it starts: the job's runtime env and metadata.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# Ray picks its node IP from this switch (named for Windows and macOS, where it is off by
+# default): off means 127.0.0.1 for every process the cluster starts.
+RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def inside_ray_job() -> bool:
+    """True in a driver that ``ray job submit`` started."""
+    return RAY_JOB_ENV in os.environ
+
+
+def ray_job_submission_id() -> str:
+    """The submission id (``raysubmit_...``) of the Ray job this driver runs as, or ""."""
+    try:
+        metadata = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("metadata") or {}
+    except ValueError:
+        return ""
+    return str(metadata.get("job_submission_id", ""))
+
+
+@contextlib.contextmanager
+def ray_session(address: str) -> Iterator[None]:
+    """Run the body connected to Ray (see the module docstring for which cluster); disconnect after."""
+    if ray.is_initialized():
+        yield
+        return
+    # ray.init replaces the SIGTERM handler with sys.exit; the program's own (a clean stop that
+    # records itself) is put back.
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    if inside_ray_job():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
+    elif address or os.environ.get("RAY_ADDRESS"):
+        _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
+    else:
+        _start_private_cluster()
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _worker_env() -> dict[str, Any]:
+    # Workers import this repository's packages from its root (or from site-packages once installed).
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {"env_vars": {"PYTHONPATH": pythonpath}}
+
+
+def _job_runtime_env() -> dict[str, Any] | None:
+    """Under ``ray job submit --working-dir`` the workers already import from it; otherwise point them here."""
+    job = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("runtime_env") or {}
+    if job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {}):
+        return None
+    return _worker_env()
+
+
+def _start_private_cluster() -> None:
+    _use_loopback()
+    ray.init(address="local", runtime_env=_worker_env())
+    logger.info("started a private Ray cluster on %s for this run (no ray.address or RAY_ADDRESS given)", LOOPBACK)
+
+
+def _join(address: str, source: str) -> None:
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{source}={address} is a dashboard URL, which `ray job` commands use; the driver joins a "
+            "cluster at its GCS address (host:6379). Submit the job with `ray job submit --address "
+            f"{address} -- python -m jobs.extract ...`, or unset {source} to run on a private local cluster"
+        )
+    host, port = _host_port(address)
+    if host is not None:
+        _check_reachable(address, source, host, port)
+        if _is_loopback(host):
+            _use_loopback()  # a head on loopback registered its node as 127.0.0.1: this driver must too
+    try:
+        ray.init(address=address, runtime_env=_worker_env())
+    except (ConnectionError, RuntimeError, TimeoutError) as error:
+        raise ConfigError(
+            f"could not join the Ray cluster at {source}={address}: {' '.join(str(error).split())[:300]}. "
+            f"Check `ray status --address {address}` on that machine, or unset {source} to run on a "
+            "private local cluster"
+        ) from None
+
+
+def _host_port(address: str) -> tuple[str | None, int]:
+    """(host, port) of a ``host:port`` GCS address; (None, 0) for ``auto`` and ``ray://`` client URLs."""
+    if address == "auto" or "://" in address:
+        return None, 0
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray address {address!r}: write it as HOST:PORT (the head's GCS port, 6379 by default)")
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(address: str, source: str, host: str, port: int) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=JOIN_TIMEOUT_S):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"no Ray cluster answers at {source}={address} ({error}). Check that its head runs "
+            f"(`ray status --address {address}`), that {port} is its GCS port (6379 by default; the "
+            "dashboard's 8265 is for `ray job` commands) and that this machine can reach it; or unset "
+            f"{source} to run on a private local cluster"
+        ) from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _use_loopback() -> None:
+    """Make Ray pick 127.0.0.1 as this node's address, here and in every process it starts.
+
+    The environment variable reaches the processes ``ray.init`` starts (GCS, raylet,
+    agents, workers); ``ray_constants.ENABLE_RAY_CLUSTER`` is the same switch as this
+    process read it when it imported Ray (checked on Ray 2.60).
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        raise RuntimeError(
+            f"Ray {ray.__version__} has no ray_constants.ENABLE_RAY_CLUSTER; the private cluster could not "
+            "be kept on 127.0.0.1. Set ray.address to a cluster you started, or use Ray 2.60"
+        )
+    os.environ[RAY_CLUSTER_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False

@@ -1,0 +1,143 @@
+"""Config checks: every mistake is one line and exit code 2, before Ray starts; paths resolved once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from extractor.config import ExtractConfig, ModelConfig
+from jobs.cluster import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
+from storage.config import OutputConfig
+from tests.conftest import REPO_ROOT
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.pth=x", "unknown key model.pth; did you mean model.path?"),
+    ("outptu.dir=/x", "unknown key outptu.dir; did you mean output.dir?"),
+    ("output.sink_opts.a=1", "unknown key output.sink_opts.a; did you mean output.sink_options?"),
+    ("model.tp_size=abc", "model.tp_size: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("extract.last_hidden_state=maybe", "extract.last_hidden_state: Value 'maybe' is not a valid bool"),
+    ("extract.layers=[2,x]", "extract.layers[1]: Value 'x'"),
+    ("extract.layers=[2,3", "cannot parse 'extract.layers=[2,3' as key=YAML value"),
+    ("model.path", "overrides must look like section.key=value"),
+    ("=3", "overrides must look like section.key=value"),
+    ("model.tp_size=0", "model.tp_size=0: must be an integer >= 1"),
+    ("model.dtype=fp8", "model.dtype='fp8': use one of bfloat16, float16, float32"),
+    ("model.device=tpu", "model.device='tpu': use one of auto, cpu, cuda"),
+    ("model.mem_fraction_static=1.5", "model.mem_fraction_static=1.5: must be in (0, 1]"),
+    ("model.context_length=0", "model.context_length=0: must be a positive token count"),
+    ("extract.layers=[]", "extract.layers=[]: give canonical layer ids"),
+    ("extract.layers=[-1,3]", "extract.layers=[-1, 3]: give canonical layer ids"),
+    ("extract.max_tokens_per_batch=0", "extract.max_tokens_per_batch=0: must be an integer >= 1"),
+    ("data.shard_size=0", "data.shard_size=0: must be an integer >= 1"),
+    ("output.max_inflight_batches=-1", "output.max_inflight_batches=-1: must be an integer >= 0"),
+    ("output.num_uploaders=0", "output.num_uploaders=0: must be an integer >= 1"),
+    ("output.disk_budget=0", "output.disk_budget='0': must be more than 0 bytes"),
+    ("output.disk_budget=12XB", "output.disk_budget='12XB': write a size like 500GB"),
+    ("output.min_free_bytes=lots", "output.min_free_bytes='lots': write a size like 500GB"),
+    ("output.rescan_s=0", "output.rescan_s=0: must be more than 0 seconds"),
+    ("output.budget_wait_s=-1", "output.budget_wait_s=-1.0: must be a number of seconds >= 0"),
+    ("demo.arch=gpt2", "demo.arch='gpt2': use one of llama, qwen3, deepseek_v3"),
+    ("demo.num_samples=0", "demo.num_samples=0: must be an integer >= 1"),
+    ("shards=some", "shards='some': use `pending`"),
+    ("model.path=/m", "set both model.path and data.path for a real run (did you forget --config?)"),
+    ("ray.address=http://127.0.0.1:8265", "is a dashboard URL, which `ray job` commands use"),
+])
+def test_each_mistake_is_one_line(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config([override])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_config_file_and_overrides(tmp_path):
+    (tmp_path / "c.yaml").write_text("model:\n  path: /m\n  tp_size: 8\ndata:\n  path: /d.parquet\n")
+    config = load_config(["--config", str(tmp_path / "c.yaml"), "model.tp_size=4", "extract.layers=[2,30,58]"])
+    assert (config.model.path, config.model.tp_size, config.extract.layers) == ("/m", 4, [2, 30, 58])
+    assert config.output.disk_budget_bytes == 1_300_000_000_000 and config.output.free_floor_bytes == 10**10
+
+    (tmp_path / "typo.yaml").write_text("model:\n  path: /m\n  tp_szie: 8\ndata:\n  path: /d.parquet\n")
+    with pytest.raises(ConfigError, match=r"unknown key model.tp_szie; did you mean model.tp_size\?"):
+        load_config(["--config", str(tmp_path / "typo.yaml")])
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"--config .*bad.yaml: not valid YAML"):
+        load_config(["--config", str(tmp_path / "bad.yaml")])
+    with pytest.raises(ConfigError, match=r"--config .*missing.yaml: no such file"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ConfigError, match="unrecognized arguments: --cofnig"):
+        load_config(["--cofnig", "x.yaml"])
+
+
+def test_sections_check_themselves_when_built_in_python():
+    with pytest.raises(ValueError, match="model.tp_size=0"):
+        ModelConfig(tp_size=0)
+    with pytest.raises(ValueError, match="extract.max_samples_per_batch=0"):
+        ExtractConfig(max_samples_per_batch=0)
+    with pytest.raises(ValueError, match="output.max_inflight_batches=-1"):
+        OutputConfig(max_inflight_batches=-1)
+    assert OutputConfig(disk_budget="64GiB").disk_budget_bytes == 64 * 2**30
+    assert not ModelConfig().trust_remote_code
+
+
+def test_help_lists_every_key_with_its_meaning():
+    result = subprocess.run([sys.executable, "-m", "jobs.extract", "--help"], cwd=REPO_ROOT, env=python_env(),
+                            capture_output=True, text=True, check=True)
+    keys = config_keys(JobConfig)
+    assert {"model.path", "model.trust_remote_code", "output.disk_budget", "demo.seed", "shards"} <= set(keys)
+    for key in keys:
+        line = next((line for line in result.stdout.splitlines() if line.startswith(f"  {key} = ")), None)
+        assert line is not None and "  # " in line, f"--help has no documented line for {key}"
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("jobs.extract", ["model.pth=x"], "unknown key model.pth; did you mean model.path?"),
+    ("jobs.extract", ["--config", "/nonexistent/run.yaml"], "--config /nonexistent/run.yaml: no such file"),
+    ("jobs.extract", ["data.shard_size=0"], "data.shard_size=0: must be an integer >= 1"),
+    ("jobs.status", ["output.dri=/x"], "unknown key output.dri; did you mean output.dir?"),
+    ("jobs.status", ["output.dir=/nonexistent"], "/nonexistent: no .manifest.json"),
+])
+def test_cli_mistakes_exit_2_with_one_line_before_ray(module, args, message):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=python_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and "Ray" not in result.stderr + result.stdout
+    print(f"{module} {args}: exit 2 after {time.monotonic() - started:.1f} s")
+
+
+def test_paths_resolved_once_and_relative_ones_refused_under_a_ray_job(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(["model.path=m", "data.path=d.parquet", "output.dir=out"])
+    resolved = resolve_paths(config, inside_ray_job=False)
+    assert (resolved.model.path, resolved.data.path, resolved.output.dir) == (
+        str(tmp_path / "m"), str(tmp_path / "d.parquet"), str(tmp_path / "out"))
+    assert resolve_paths(load_config(["output.sink=s3://b/p", "output.dir=/abs"]), False).output.sink == "s3://b/p"
+
+    with pytest.raises(ConfigError, match=r"model.path=m, data.path=d.parquet, output.dir=out: relative paths "
+                                          r"under `ray job submit`.*pass absolute paths"):
+        resolve_paths(config, inside_ray_job=True)
+    with pytest.raises(ConfigError, match=r"demo.dir=eagle3-demo: relative"):
+        resolve_paths(load_config([]), inside_ray_job=True)
+    absolute = load_config([f"model.path={tmp_path}/m", f"data.path={tmp_path}/d.parquet", f"output.dir={tmp_path}/o"])
+    assert resolve_paths(absolute, inside_ray_job=True) == absolute
+
+
+def test_ray_job_is_detected_from_the_environment_ray_gives_its_driver(monkeypatch):
+    monkeypatch.delenv(RAY_JOB_ENV, raising=False)
+    assert not inside_ray_job() and ray_job_submission_id() == ""
+    monkeypatch.setenv(RAY_JOB_ENV, json.dumps({"runtime_env": {}, "metadata": {"job_submission_id": "raysubmit_x"}}))
+    assert inside_ray_job() and ray_job_submission_id() == "raysubmit_x"

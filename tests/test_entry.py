@@ -1,0 +1,315 @@
+"""The entry point as users run it: real processes, the output.dir lock, the demo, Ray's own job tools.
+
+Each test starts real driver processes (`python -m jobs.extract`, `ray job submit`) and checks
+the files they leave: every sample exactly once, the manifest true to the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+import ray
+
+from jobs.demo import build_synthetic_dataset
+from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
+from jobs.status import status_report
+from jobs.summary import read_summary
+from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
+from storage.writer import TEMP_GLOB
+from tests.conftest import REPO_ROOT
+from tests.test_budget_resume import free_port
+from tests.test_job import read_all
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """A user's shell: none of the test session's Ray settings (loopback switch, address)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    return dict(env, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **extra)
+
+
+def start_job(args: list[str], cwd: Path = REPO_ROOT, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=cwd, env=user_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def assert_manifest_matches_disk(out: Path, samples: int) -> None:
+    """Every shard done, its file present with the recorded size and sha256; nothing else written."""
+    manifest = read_manifest(out)
+    for record in manifest["shards"]:
+        assert record["state"] == DONE and record["location"] == LOCAL, record
+        data = (out / record["file"]).read_bytes()
+        assert len(data) == record["bytes"] and hashlib.sha256(data).hexdigest() == record["sha256"]
+    assert sorted(read_all(out)) == list(range(samples))
+    assert not list(out.glob(TEMP_GLOB))
+    report = status_report(out)
+    assert "not the job's" not in report and "unrecorded" not in report and "temp files" not in report, report
+
+
+# -- the output.dir lock, between real jobs ---------------------------------------------------------------
+
+def test_one_output_dir_runs_one_job(ray_cluster, llama_fp32, tmp_path):
+    """Two jobs started 2 s apart: exactly one runs. A third started the moment the runner publishes a
+    shard (the rename a second job's clean-up once deleted) is refused before it touches anything,
+    and the runner's result is complete and matches the disk."""
+    samples = 120
+    data = build_synthetic_dataset(tmp_path / "many.parquet", num_samples=samples, min_len=20, max_len=60, seed=11)
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", "data.shard_size=4",
+            "model.device=cpu", "output.min_free_bytes=1GB", "output.max_inflight_batches=1",
+            "extract.max_tokens_per_batch=64", f"ray.address={ray.get_runtime_context().gcs_address}"]
+    first = start_job(args)
+    time.sleep(2)
+    second = start_job(args)
+
+    deadline = time.monotonic() + 300
+    while first.poll() is None and second.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loser, runner = (first, second) if first.poll() is not None else (second, first)
+    _, refusal = loser.communicate(timeout=60)
+    assert loser.returncode == EXIT_LOCKED, refusal[-3000:]
+    assert f"is in use by another job: pid {runner.pid} on " in refusal and "Traceback" not in refusal
+
+    while not list(out.glob("shard-*.parquet")) and runner.poll() is None:
+        time.sleep(0.002)
+    assert runner.poll() is None, "the runner ended before it published a shard"
+    third = start_job(args)
+    _, refusal = third.communicate(timeout=300)
+    assert third.returncode == EXIT_LOCKED, refusal[-3000:]
+    assert f"pid {runner.pid} on " in refusal
+
+    stdout, stderr = runner.communicate(timeout=600)
+    assert runner.returncode == 0, stderr[-3000:]
+    assert f"30 shards done in {out}: {samples} samples" in stdout
+    assert_manifest_matches_disk(out, samples)
+
+
+# -- joining a named cluster ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting, message", [
+    ("ray.address=127.0.0.1:{port}", "no Ray cluster answers at ray.address=127.0.0.1:{port}"),
+    ("RAY_ADDRESS=127.0.0.1:{port}", "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}"),
+    ("RAY_ADDRESS=http://127.0.0.1:{port}", "RAY_ADDRESS=http://127.0.0.1:{port} is a dashboard URL"),
+])
+def test_a_named_cluster_that_is_not_there_is_one_clear_line(llama_fp32, demo_dataset, tmp_path, setting, message):
+    port = free_port()
+    setting, message = setting.format(port=port), message.format(port=port)
+    args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}"]
+    env = {}
+    if setting.startswith("RAY_ADDRESS="):
+        env["RAY_ADDRESS"] = setting.split("=", 1)[1]
+    else:
+        args.append(setting)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=user_env(**env),
+                            capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "unset" in lines[0] and "Traceback" not in result.stderr
+    print(f"{setting}: refused after {elapsed:.1f} s")
+
+
+# -- the demo: loopback only, resumes, never deletes what the user named --------------------------------
+
+def listening_sockets(root: psutil.Process) -> Iterator[tuple[str, str, int]]:
+    """(process name and command line, ip, port) of every listening TCP socket of ``root`` and its descendants."""
+    try:
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            command = f"{process.name()}: {' '.join(process.cmdline())}"
+            for connection in process.net_connections(kind="tcp"):
+                if connection.status == psutil.CONN_LISTEN:
+                    yield command, connection.laddr.ip, connection.laddr.port
+        except psutil.Error:
+            continue
+
+
+def is_loopback(ip: str) -> bool:
+    return ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback
+
+
+def test_demo_is_private_loopback_resumable_and_keeps_user_files(tmp_path):
+    """`python -m jobs.extract` with no paths, no address and no loopback setting in the environment:
+    a private Ray cluster whose processes (GCS, raylet, agents, workers, the TP=2 extractor and its
+    follower rank) listen on loopback only; absolute paths in the final message; a rerun does nothing
+    without starting Ray; a user-named output.dir holding something else is refused and kept."""
+    args = ["demo.dir=demo", "demo.num_samples=12", "model.tp_size=2"]  # relative: resolved on the driver
+    driver = start_job(args, cwd=tmp_path)
+    seen: dict[tuple[str, str, int], None] = {}
+    root = psutil.Process(driver.pid)
+    while driver.poll() is None:
+        seen.update(dict.fromkeys(listening_sockets(root)))
+        time.sleep(0.25)
+    stdout, stderr = driver.communicate()
+    assert driver.returncode == 0, stderr[-3000:]
+    print(f"{len(seen)} listening sockets sampled: {sorted({(ip, port) for _, ip, port in seen})}")
+    assert any("gcs_server" in command for command, _, _ in seen)
+    assert any("spawn_main" in command for command, _, _ in seen), "the TP follower rank was never sampled"
+    outside = [socket for socket in seen if not is_loopback(socket[1])]
+    assert not outside, f"listening beyond loopback: {outside}"
+
+    out = tmp_path / "demo" / "hidden_states"
+    assert f"1 shards done in {out}: 12 samples" in stdout  # the absolute path
+    assert sorted(read_all(out)) == list(range(12))
+    assert read_summary(out)["samples"] == 12 and read_summary(out)["engine"]["tp_size"] == 2
+
+    rerun = subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=tmp_path, env=user_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"nothing to do: all 1 shards in {out} are done" in rerun.stdout and "Ray was not started" in rerun.stdout
+    assert "Started a local Ray instance" not in rerun.stderr
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    refused = subprocess.run(
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", f"output.dir={mine}"],
+        cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert refused.returncode == EXIT_BAD_INPUT and "Did you forget --config?" in refused.stderr
+    assert (mine / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+# -- `ray job submit` to a head on loopback -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RayHead:
+    gcs_address: str
+    dashboard_url: str
+    metrics_port: int
+    temp_dir: Path
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A `ray` command pointed at this head's Jobs API, the way the README shows it."""
+        return subprocess.run([RAY, *args], env=user_env(RAY_ADDRESS=self.dashboard_url), capture_output=True,
+                              text=True, timeout=timeout)
+
+
+def _head_processes(temp_dir: Path) -> list[psutil.Process]:
+    """This head's processes (those naming its temp dir) and all their descendants (workers, job drivers)."""
+    found: dict[int, psutil.Process] = {}
+    for process in psutil.process_iter(["cmdline"]):
+        if str(temp_dir) in " ".join(process.info["cmdline"] or []):
+            found[process.pid] = process
+            try:
+                found.update({child.pid: child for child in process.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+    return list(found.values())
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    """A Ray head of its own (`ray start --head`) on 127.0.0.1 with free ports and its own temp dir.
+
+    `ray stop` would stop every Ray on the machine: teardown kills only this head's processes.
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths live under it
+    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+    started = subprocess.run(
+        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+         f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
+         f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
+         "--disable-usage-stats"],
+        env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=180,
+    )
+    try:
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield RayHead(f"127.0.0.1:{ports['gcs']}", f"http://127.0.0.1:{ports['dashboard']}", ports["metrics"], temp_dir)
+    finally:
+        processes = _head_processes(temp_dir)
+        for process in processes:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(processes, timeout=15)
+        for process in alive:
+            process.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def submit(head: RayHead, submission_id: str, args: list[str]) -> None:
+    result = head.cli("job", "submit", "--no-wait", f"--submission-id={submission_id}", f"--working-dir={REPO_ROOT}",
+                      "--", sys.executable, "-m", "jobs.extract", *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def wait_for_status(client, submission_id: str, wanted: set[str], timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := client.get_job_status(submission_id).value) not in wanted:
+        logs = client.get_job_logs(submission_id)
+        assert time.monotonic() < deadline, f"{submission_id} still {status}: {logs[-3000:]}"
+        time.sleep(0.5)
+    return status
+
+
+def done_shards(out: Path) -> int:
+    try:
+        return sum(record["state"] == DONE for record in json.loads((out / MANIFEST_FILE).read_text())["shards"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0
+
+
+def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
+    """The README's path: submit the demo with absolute paths, watch it through the Jobs API, stop it
+    with `ray job stop`, submit the same command again: every sample exactly once. A relative path
+    is refused (it would land in Ray's per-upload copy of the working dir)."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(ray_head.dashboard_url)
+    submit(ray_head, "eagle3-relative", ["demo.dir=eagle3-demo"])
+    assert wait_for_status(client, "eagle3-relative", {"FAILED", "SUCCEEDED"}) == "FAILED"
+    logs = client.get_job_logs("eagle3-relative")
+    assert "demo.dir=eagle3-demo: relative paths under `ray job submit`" in logs and "pass absolute paths" in logs
+
+    samples, demo = 200, tmp_path / "demo"
+    out = demo / "hidden_states"
+    args = [f"demo.dir={demo}", f"demo.num_samples={samples}", "data.shard_size=4",
+            "output.max_inflight_batches=1", "extract.max_tokens_per_batch=64"]
+    submit(ray_head, "eagle3-first", args)
+    deadline = time.monotonic() + 600
+    while done_shards(out) == 0:
+        assert time.monotonic() < deadline and client.get_job_status("eagle3-first").value in ("PENDING", "RUNNING"), \
+            client.get_job_logs("eagle3-first")[-3000:]
+        time.sleep(0.05)
+    stop = ray_head.cli("job", "stop", "eagle3-first")
+    assert stop.returncode == 0, stop.stderr[-2000:]
+    assert wait_for_status(client, "eagle3-first", {"STOPPED", "SUCCEEDED", "FAILED"}) == "STOPPED"
+    report = status_report(out)
+    assert "job: RUNNING" not in report  # the driver is gone and holds nothing
+    print("after `ray job stop`:", next(line for line in report.splitlines() if line.startswith("job:")))
+    # SIGTERM is a clean stop: recorded as such if the 3 s before Ray's SIGKILL sufficed, else still "running"
+    assert read_summary(out)["outcome"] in ("interrupted", "running")
+    first_done = {r["index"] for r in read_manifest(out)["shards"] if r["state"] == DONE}
+    print(f"stopped with {len(first_done)} of {samples // 4} shards done")
+    assert 0 < len(first_done) < samples // 4, "the job finished before `ray job stop` reached it"
+
+    submit(ray_head, "eagle3-again", args)
+    assert wait_for_status(client, "eagle3-again", {"STOPPED", "SUCCEEDED", "FAILED"}) == "SUCCEEDED", \
+        client.get_job_logs("eagle3-again")[-3000:]
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert all(records[index]["attempts"] == 1 for index in first_done), "done shards must not run again"
+    assert_manifest_matches_disk(out, samples)
+    assert re.search(rf"{samples // 4} shards done in {out}: {samples} samples", client.get_job_logs("eagle3-again"))

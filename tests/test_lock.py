@@ -1,0 +1,97 @@
+"""The output.dir lock with real processes: held, refused with who holds it, stale records taken over."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from jobs.errors import EXIT_LOCKED, OutputLocked
+from jobs.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
+from jobs.status import job_state
+from tests.conftest import REPO_ROOT
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from jobs.lock import OutputLock
+    with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process that holds tmp_path's lock until killed."""
+    process = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(REPO_ROOT)), str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_second_job_is_told_who_holds_the_lock(tmp_path, holder):
+    with pytest.raises(OutputLocked) as refused:
+        OutputLock(tmp_path).acquire()
+    message = str(refused.value)
+    assert refused.value.exit_code == EXIT_LOCKED == 5
+    assert f"pid {holder.pid} on " in message and "Ray job raysubmit_holder" in message
+    assert "time.sleep(600)" in message  # the holder's command line
+    assert "`ray job stop raysubmit_holder`" in message and "choose another output.dir" in message
+    assert job_state(tmp_path, None).startswith(f"job: RUNNING, pid {holder.pid}")
+
+    holder.kill()  # the kernel releases the lock with the process; the record stays behind
+    holder.wait()
+    assert job_state(tmp_path, None).startswith(f"job: STOPPED, pid {holder.pid}")
+
+
+def test_stale_record_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, holder, caplog):
+    holder.kill()
+    holder.wait()
+    with caplog.at_level(logging.WARNING, logger="jobs.lock"):
+        with OutputLock(tmp_path) as lock:
+            assert read_owner(tmp_path) == lock.owner
+    assert f"taking over the lock on {tmp_path} from pid {holder.pid}" in caplog.text
+    assert read_owner(tmp_path) is None  # released: an empty record
+    assert job_state(tmp_path, None) == "job: not running (no run summary yet)"
+
+
+def test_the_record_hides_sink_credentials(monkeypatch):
+    argv = ["python", "-m", "jobs.extract", "output.sink=s3://b/p", 'output.sink_options={"secret": "s3cr3t"}']
+    monkeypatch.setattr(psutil.Process, "cmdline", lambda self: argv)
+    command = LockOwner.this_process(ray_job="").command
+    assert "s3cr3t" not in command and "output.sink_options=<hidden>" in command and "output.sink=s3://b/p" in command
+
+
+def record(tmp_path, owner: LockOwner) -> None:
+    (tmp_path / LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
+
+
+def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, caplog):
+    me = LockOwner.this_process(ray_job="")
+    record(tmp_path, dataclasses.replace(me, pid_started=me.pid_started - 3600))  # same pid, other process
+    with caplog.at_level(logging.WARNING, logger="jobs.lock"), OutputLock(tmp_path):
+        pass
+    assert "taking over the lock" in caplog.text
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        started = psutil.Process(sleeper.pid).create_time()
+        record(tmp_path, dataclasses.replace(LockOwner.this_process(ray_job=""), pid=sleeper.pid, pid_started=started))
+        with pytest.raises(OutputLocked, match=rf"which still runs although its lock on {LOCK_FILE} is gone"):
+            OutputLock(tmp_path).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+    record(tmp_path, dataclasses.replace(me, host="other-host"))
+    with pytest.raises(OutputLocked, match=r"That is another host, which this one cannot check.*delete .*.job.lock"):
+        OutputLock(tmp_path).acquire()

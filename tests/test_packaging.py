@@ -1,0 +1,112 @@
+"""Packaging: pyproject.toml describes the environment the CPU lock builds, the console entry points
+run once installed, pip check reports only what the lock leaves out on purpose, cluster.yaml is valid."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+PIP_CHECK_LINE = re.compile(r"(\S+) (\S+) requires (\S+), which is not installed\.")
+
+
+@pytest.fixture(scope="module")
+def venv_on_main_environment(tmp_path_factory) -> tuple[Path, Path]:
+    """A fresh virtualenv (no pip of its own) that sees the main environment's packages behind its own,
+    and a copy of the project's files (tracked and untracked, not ignored) to install from."""
+    root = tmp_path_factory.mktemp("packaging")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    Path(site, "zz_main_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    project = root / "project"
+    for name in files:
+        if (REPO_ROOT / name).is_file():
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, project / name)
+    return venv, project
+
+
+def pip(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_pyproject_dependencies_are_what_the_lock_installs(venv_on_main_environment, tmp_path):
+    """Resolved against the installed lock alone (--no-index), `pip install .[test]` adds this package
+    and nothing else: every requirement is there, at a version the ranges accept."""
+    venv, project = venv_on_main_environment
+    report = tmp_path / "report.json"
+    result = pip(venv, "install", "--dry-run", "--no-index", "--no-build-isolation", "--report", str(report),
+                 f"{project}[test]", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installs == ["eagle3-extract"], installs
+
+
+def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
+    venv, project = venv_on_main_environment
+    result = pip(venv, "install", "--no-deps", "--no-build-isolation", str(project), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled", "HOME": str(Path.home())}
+    for command, key in (("eagle3-extract", "model.trust_remote_code"), ("eagle3-status", "output.dir")):
+        ran = subprocess.run([command, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert f"usage: {command} " in ran.stdout and f"  {key} = " in ran.stdout
+    # the installed copy is what ran, not the checkout
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout
+    assert str(venv) in where
+
+
+def test_pip_check_reports_only_what_the_lock_leaves_out():
+    """SGLang is installed --no-deps; pip check lists its CUDA-side requirements (each one named in
+    requirements/sglang-left-out.txt) and must find nothing else wrong."""
+    left_out = {
+        line.strip().lower() for line in (REPO_ROOT / "requirements" / "sglang-left-out.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+    reported = set()
+    for line in result.stdout.splitlines():
+        match = PIP_CHECK_LINE.fullmatch(line.strip())
+        assert match and match.group(1) == "sglang", f"pip check: {line}"
+        reported.add(match.group(3).lower())
+    assert reported == left_out
+
+
+def test_cluster_yaml_is_valid_and_safe():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    text = (REPO_ROOT / "cluster.yaml").read_text()
+    config = yaml.safe_load(text)
+    validate_config(prepare_config(yaml.safe_load(text)))  # Ray's own schema, as `ray up` checks it
+
+    start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in text
+    setup = " ".join(config["setup_commands"])
+    assert "lsblk" in setup and "/dev/nvme[" not in setup  # devices found, not assumed
+    assert "stops the node" in text.lower() and "output.sink" in text  # the NVMe-loss warning
+
+    # it installs the `gpu` extra, which pins what ran on the H200, with a python requires-python accepts
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert '[gpu]"' in setup
+    gpu = pyproject["project"]["optional-dependencies"]["gpu"]
+    assert "sglang==0.5.17" in gpu and "torch==2.11.0" in gpu
+    python = re.search(r"--python (3\.\d+)", setup).group(1)
+    minimum = pyproject["project"]["requires-python"].removeprefix(">=")
+    assert tuple(map(int, python.split("."))) >= tuple(map(int, minimum.split(".")))
