@@ -119,7 +119,7 @@ def test_bad_input_fails_before_any_work(ray_cluster, llama_fp32, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 999999]}\n')
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match=rf"{data} row 1: token id 999999 is outside the model's vocabulary"):
+    with pytest.raises(ValueError, match=rf"{data} row 1 \(line 2, sample id 1\): token id 999999 is outside the model.s vocabulary"):
         run(job_config(llama_fp32, data, out))
     assert not out.exists()
 
