@@ -7,6 +7,12 @@ from typing import Optional
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
+ENGINES = ("sglang", "synthetic")
+# Which final hidden state to store: after the model's final norm (SpecForge's target), the
+# residual stream entering it (speculators' verifier state), or none.
+FINAL_STATES = ("post_norm", "pre_norm", "none")
+# Booleans of earlier configs (extract.last_hidden_state=true/false), as OmegaConf hands them to a str field.
+_LEGACY_FINAL_STATES = {"true": "post_norm", "false": "none"}
 
 
 @dataclasses.dataclass
@@ -27,18 +33,33 @@ class ModelConfig:
     """Fraction of GPU memory SGLang may hold for weights + KV cache (GPU only)."""
     load_format: str = "auto"
     """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
+    engine: str = "sglang"
+    """sglang | synthetic. synthetic runs no model: random states of the checkpoint's shape, copied from
+    device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
+    synthetic_tokens_per_s: float = 0.0
+    """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
 
 
 @dataclasses.dataclass
 class ExtractConfig:
     layers: Optional[list[int]] = None
     """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
-    last_hidden_state: bool = True
-    """Also store the final hidden state (post final norm) of every token."""
+    last_hidden_state: str = "post_norm"
+    """Also store a final hidden state per token: post_norm (after the final norm; SpecForge's target),
+    pre_norm (the residual stream entering it; speculators' verifier state) or none. true/false mean post_norm/none."""
     max_tokens_per_batch: int = 16384
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256
     """Cap on requests in one batch (sizes SGLang's request pool)."""
+
+    def __post_init__(self) -> None:
+        kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
+        if kind not in FINAL_STATES:
+            raise ValueError(
+                f"extract.last_hidden_state={self.last_hidden_state!r}: use one of {', '.join(FINAL_STATES)} "
+                "(post_norm: after the model's final norm; pre_norm: the residual stream entering it)"
+            )
+        self.last_hidden_state = kind
 
 
 def validate_model_config(config: ModelConfig) -> None:
@@ -48,6 +69,10 @@ def validate_model_config(config: ModelConfig) -> None:
         raise ValueError(f"model.dtype={config.dtype!r}: use one of {', '.join(DTYPES)}")
     if config.tp_size < 1:
         raise ValueError(f"model.tp_size={config.tp_size}: must be >= 1")
+    if config.engine not in ENGINES:
+        raise ValueError(f"model.engine={config.engine!r}: use one of {', '.join(ENGINES)}")
+    if config.synthetic_tokens_per_s < 0:
+        raise ValueError(f"model.synthetic_tokens_per_s={config.synthetic_tokens_per_s}: must be >= 0 (0: unpaced)")
 
 
 def validate_extract_config(config: ExtractConfig) -> None:

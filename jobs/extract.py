@@ -62,6 +62,8 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
         "model.load_format": spec_fields["load_format"],
         "extract.layers": list(spec_fields["layer_ids"]),
         "extract.last_hidden_state": spec_fields["last_hidden_state"],
+        "output.state_dtype": spec_fields["state_dtype"],
+        "model.engine": spec_fields["engine"],
         "data.fingerprint": data_fingerprint,
         "data.shard_size": config.data.shard_size,
     }
@@ -88,7 +90,9 @@ def run(config: JobConfig) -> dict:
 
     with ray_session(config.ray.address):
         device = resolve_device(config.model.device, config.model.tp_size)
-        spec = build_engine_spec(config.model, config.extract, layer_ids, device, int(dataset.lengths.max()))
+        spec = build_engine_spec(
+            config.model, config.extract, layer_ids, device, int(dataset.lengths.max()), config.output.state_dtype
+        )
         plan = [(s.index, s.start, s.stop) for s in plan_shards(len(dataset), config.data.shard_size)]
         content = run_content(config, dataclasses.asdict(spec), dataset.fingerprint())
         manifest = Manifest.open(output_dir, content, plan)
@@ -126,6 +130,7 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         "drain_seconds": round(result.drain_seconds, 3),
         "tokens_per_second": round(tokens / result.seconds, 1) if result.seconds else 0.0,
         "last_hidden_state": config.extract.last_hidden_state,
+        "state_dtype": config.output.state_dtype,
         "writers": result.writers,
         "peak_open_shards": result.peak_open_shards,
         "max_inflight_batches": result.max_inflight_batches,
@@ -137,6 +142,10 @@ def build_summary(config: JobConfig, manifest: Manifest, result: RunResult) -> d
         },
         "engine": dataclasses.asdict(result.engine),
         "extractor": dataclasses.asdict(result.extractor),
+        "writer_seconds": {
+            clock: {stage: round(seconds, 3) for stage, seconds in stages.items()}
+            for clock, stages in result.writer_seconds.items()
+        },
     }
 
 

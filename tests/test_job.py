@@ -15,6 +15,7 @@ import torch
 from jobs.config import load_config
 from jobs.dataset import load_tokenized_dataset
 from jobs.extract import DRAFTER_CONFIG_FILE, SUMMARY_FILE, run
+from extractor.quantize import quantize_fp8
 from jobs.plan import pack_batches
 from storage import ShardReader
 from tests.conftest import REPO_ROOT
@@ -110,6 +111,46 @@ def test_tp2_job_equals_tp1(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     assert worst_last <= 1e-6 * largest_last, (worst_last, largest_last)
 
 
+def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """output.state_dtype=float8_e4m3fn with the pre-norm final state: the stored fp8 values and
+    scales are exactly the quantization of what the bf16 run of the same batches stored, at about
+    half the bytes; a resume with another state dtype is refused."""
+    common = ("model.dtype=bfloat16", "extract.last_hidden_state=pre_norm")
+    bf16 = run(job_config(llama_fp32, demo_dataset, tmp_path / "bf16", *common))
+    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common, "output.state_dtype=float8_e4m3fn"))
+    assert fp8["shards_failed"] == {} and fp8["tokens"] == bf16["tokens"]
+    metadata = ShardReader(next((tmp_path / "fp8").glob("shard-*.parquet"))).metadata
+    assert (metadata.state_dtype, metadata.dtype, metadata.last_hidden_state) == ("float8_e4m3fn", "bfloat16", "pre_norm")
+    states_bf16 = (3 + 1) * HIDDEN * 2
+    states_fp8 = (3 + 1) * HIDDEN + (3 + 1) * 4
+    # the same token ids and masks, and file overhead, around half the state bytes
+    overhead = bf16["bytes"] / bf16["tokens"] - states_bf16
+    assert fp8["bytes"] / fp8["tokens"] == pytest.approx(states_fp8 + overhead, rel=0.02)
+
+    reference, raw = read_all(tmp_path / "bf16"), {}
+    for path in sorted((tmp_path / "fp8").glob("shard-*.parquet")):
+        raw.update((sample.sample_id, sample) for sample in ShardReader(path, raw_fp8=True))
+    dequantized = read_all(tmp_path / "fp8")
+    squared_error, squared_norm = torch.zeros(4), torch.zeros(4)
+    for sample_id, expected in reference.items():
+        stored = raw[sample_id]
+        for name, groups in (("aux_hidden_states", 3), ("last_hidden_state", 1)):
+            values, scales = quantize_fp8(getattr(expected, name), groups)
+            assert torch.equal(getattr(stored, name).view(torch.uint8), values.view(torch.uint8)), (sample_id, name)
+            assert torch.equal(getattr(stored, name + "_scales"), scales), (sample_id, name)
+        both = [(s.aux_hidden_states.float(), s.last_hidden_state.float()) for s in (expected, dequantized[sample_id])]
+        original = torch.cat(both[0], dim=1).view(-1, 4, HIDDEN)
+        restored = torch.cat(both[1], dim=1).view(-1, 4, HIDDEN)
+        squared_error += (restored - original).square().sum(dim=(0, 2))
+        squared_norm += original.square().sum(dim=(0, 2))
+    errors = (squared_error / squared_norm).sqrt().tolist()
+    print("fp8 relative error per stored layer (layers 2, 4, 5, final pre-norm):", [f"{e:.4f}" for e in errors])
+    assert all(0.005 < error < 0.05 for error in errors), errors
+
+    with pytest.raises(ValueError, match="output.state_dtype: was 'float8_e4m3fn', now 'model'"):
+        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common))
+
+
 def test_bad_input_fails_before_any_work(ray_cluster, llama_fp32, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 999999]}\n')
@@ -144,7 +185,8 @@ def test_help_lists_every_key():
     result = subprocess.run([sys.executable, "-m", "jobs.extract", "--help"], cwd=REPO_ROOT, env=python_env(),
                             capture_output=True, text=True, check=True)
     for key in ("model.path", "model.tp_size", "model.dtype", "model.device", "data.path", "data.shard_size",
-                "output.dir", "extract.layers", "extract.last_hidden_state", "extract.max_tokens_per_batch"):
+                "output.dir", "extract.layers", "extract.last_hidden_state", "extract.max_tokens_per_batch",
+                "output.state_dtype", "model.engine"):
         assert f"  {key} = " in result.stdout, key
 
 
@@ -154,6 +196,16 @@ def test_config_file_and_overrides(tmp_path):
     assert (config.model.path, config.model.tp_size, config.extract.layers) == ("/m", 4, [2, 30, 58])
     with pytest.raises(ValueError, match="model.dtype='fp8'"):
         load_config(["model.dtype=fp8"])
+    # the final state: earlier configs' booleans still mean what they meant
+    assert load_config(["extract.last_hidden_state=true"]).extract.last_hidden_state == "post_norm"
+    assert load_config(["extract.last_hidden_state=false"]).extract.last_hidden_state == "none"
+    assert load_config(["extract.last_hidden_state=pre_norm"]).extract.last_hidden_state == "pre_norm"
+    with pytest.raises(ValueError, match="extract.last_hidden_state='prenorm': use one of post_norm, pre_norm, none"):
+        load_config(["extract.last_hidden_state=prenorm"])
+    with pytest.raises(ValueError, match="output.state_dtype='fp8': use one of model, float8_e4m3fn"):
+        load_config(["output.state_dtype=fp8"])
+    with pytest.raises(ValueError, match="model.engine='vllm': use one of sglang, synthetic"):
+        load_config(["model.engine=vllm"])
     with pytest.raises(ValueError, match="set both model.path and data.path"):
         load_config(["model.path=/m"])
 
