@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from extractor.quantize import FP8_DTYPE, quantize_fp8
+from extractor.quantize import quantize_fp8
 from extractor.types import CapturedBatch
 
 
@@ -33,7 +33,6 @@ class _HostBuffer:
     @property
     def tokens(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
-
 
 
 class PendingCopy:
@@ -81,7 +80,7 @@ class HostCopier:
         cuda = device == "cuda"
         self._layers = layers
         self._fp8 = fp8
-        stored = FP8_DTYPE if fp8 else dtype
+        stored = torch.uint8 if fp8 else dtype  # fp8 travels as its raw bytes (copies and numpy know uint8)
         widths = {"aux_hidden_states": (layers * hidden_size, stored)}
         if fp8:
             widths["aux_scales"] = (layers, torch.float32)
@@ -100,9 +99,11 @@ class HostCopier:
         """What goes to the host, by buffer name; with fp8 quantized here, on the compute stream."""
         if not self._fp8:
             return {"aux_hidden_states": aux, **({"last_hidden_state": last} if last is not None else {})}
-        tensors = dict(zip(("aux_hidden_states", "aux_scales"), quantize_fp8(aux, self._layers)))
+        values, scales = quantize_fp8(aux, self._layers)
+        tensors = {"aux_hidden_states": values.view(torch.uint8), "aux_scales": scales}
         if last is not None:
-            tensors.update(zip(("last_hidden_state", "last_scales"), quantize_fp8(last, 1)))
+            values, scales = quantize_fp8(last, 1)
+            tensors.update(last_hidden_state=values.view(torch.uint8), last_scales=scales)
         return tensors
 
     def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
@@ -136,9 +137,7 @@ class HostCopier:
 
 
 def _as_numpy(states: torch.Tensor) -> np.ndarray:
-    """Raw bits as numpy (numpy has no bfloat16 or fp8), sharing the buffer's memory."""
+    """Raw bits as numpy (numpy has no bfloat16), sharing the buffer's memory."""
     if states.dtype == torch.bfloat16:
         states = states.view(torch.int16)
-    elif states.dtype == FP8_DTYPE:
-        states = states.view(torch.uint8)
     return states.numpy()

@@ -32,7 +32,8 @@ def quantize_fp8(states: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch
         scale = amax / FP8_MAX
         scales[:, group : group + 1] = scale
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-        quantized[:, columns] = values.div_(divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        # Out of place: for float32 states ``.float()`` is the caller's tensor itself.
+        quantized[:, columns] = (values / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scales
 
 
@@ -44,10 +45,15 @@ def dequantize_fp8(quantized: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 
 
 def fp8_relative_errors(states: torch.Tensor, groups: int) -> list[float]:
-    """Per group: ||dequantize(quantize(x)) - x|| / ||x|| over the whole batch (float32)."""
-    quantized, scales = quantize_fp8(states, groups)
-    restored = dequantize_fp8(quantized, scales, torch.float32).view(states.shape[0], groups, -1)
-    original = states.float().view(states.shape[0], groups, -1)
-    error = (restored - original).square().sum(dim=(0, 2)).sqrt()
-    norm = original.square().sum(dim=(0, 2)).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    return (error / norm).tolist()
+    """Per group: ||dequantize(quantize(x)) - x|| / ||x|| over the whole batch, in float32.
+
+    A group at a time, so that the float32 temporaries are [T, H]."""
+    hidden = states.shape[1] // groups
+    errors = []
+    for group in range(groups):
+        original = states[:, group * hidden : (group + 1) * hidden]
+        quantized, scales = quantize_fp8(original, 1)
+        difference = dequantize_fp8(quantized, scales, torch.float32).sub_(original.float())
+        norm = original.float().norm().clamp_min(torch.finfo(torch.float32).tiny)
+        errors.append((difference.norm() / norm).item())
+    return errors

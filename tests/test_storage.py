@@ -205,6 +205,9 @@ def test_fp8_relative_error_per_layer():
     assert len(errors) == 3
     assert all(0.005 < error < 0.05 for error in errors), errors
     assert fp8_relative_errors(torch.zeros(4, HIDDEN), 1) == [0.0]
+    kept = states.clone()
+    quantize_fp8(states, 3)  # float32 states: quantizing must leave them as they were
+    assert torch.equal(states, kept)
 
 
 def test_fp8_missing_scales_are_refused(tmp_path):
