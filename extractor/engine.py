@@ -48,7 +48,9 @@ class CaptureEngine:
             register_torch_native_mla()
         self._runner = build_model_runner(sgl, spec, tp_rank, nccl_port)
         model = self._runner.model
-        self._final_state = FinalStateTap(sgl, spec.last_hidden_state, model.logits_processor, model.model.norm)
+        # The decoder stack's final norm, looked up only when its input is wanted.
+        final_norm = model.model.norm if spec.last_hidden_state == "pre_norm" else None
+        self._final_state = FinalStateTap(sgl, spec.last_hidden_state, model.logits_processor, final_norm)
         num_layers = model.config.num_hidden_layers
         layer_ids = check_layer_ids(spec.layer_ids, num_layers)
         drafter_ids, captured = resolve_drafter_layer_ids(self._set_and_read_back, layer_ids)
