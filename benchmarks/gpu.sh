@@ -2,7 +2,7 @@
 # Runs benchmarks on a lent GPU machine through the device tool. First stage SGLang 0.5.17 + Ray
 # there with ../shared/gpu/prepare-carry.sh (four back-to-back calls), then, carrying [".whl"]
 # (omegaconf + antlr4 wheels for the machine's python 3.12):
-#   bash benchmarks/gpu.sh throughput --shape llama8b --samples 384 --set extract.last_hidden_state=false
+#   bash benchmarks/gpu.sh throughput --shape llama8b --samples 384 --memory-dir /dev/shm --fp8 --set extract.last_hidden_state=none
 #   bash benchmarks/gpu.sh tp_compare --shape small --tp-size 2
 # Each run's full log and JSON go to $OUT; the output shows the machine and the result table.
 set -euo pipefail

@@ -1,13 +1,17 @@
-"""The extractor actor's body: a TensorParallelEngine behind a few methods.
+"""The extractor actor's body: an engine behind a few methods.
 
 ``jobs`` wraps this class with ``ray.remote`` (this package never imports Ray);
-SGLang is imported in ``__init__``, i.e. inside the actor process only.
+SGLang is imported in ``__init__``, i.e. inside the actor process only, and not
+at all with the synthetic engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Callable, TypeVar
+import threading
+import time
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -16,17 +20,32 @@ from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSp
 T = TypeVar("T")
 
 
+def build_engine(spec: EngineSpec) -> Any:
+    """The engine ``spec.engine`` names: SGLang's runners over the TP group, or the synthetic source."""
+    if spec.engine == "synthetic":
+        from extractor.synthetic import SyntheticEngine
+
+        return SyntheticEngine(spec)
+    from extractor.tensor_parallel import TensorParallelEngine
+
+    return TensorParallelEngine(spec)
+
+
 class Extractor:
     """Run ``spec.host_buffers`` calls at once: a batch's states are handed on while the next forward runs."""
 
     def __init__(self, spec: EngineSpec) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        from extractor.tensor_parallel import TensorParallelEngine
-
-        self._engine = TensorParallelEngine(spec)
+        self._engine = build_engine(spec)
+        self._lock = threading.Lock()
+        self._hand_on_seconds = 0.0
 
     def info(self) -> EngineInfo:
         return self._engine.info
+
+    def max_batch_bytes(self) -> int:
+        """Bytes of the largest batch's states as ``capture`` hands them on."""
+        return self._engine.max_batch_bytes
 
     def capture(self, input_ids: list[np.ndarray], hand_on: Callable[[CapturedBatch], T]) -> T:
         """Run one batch and pass its states to ``hand_on`` while its host buffer is valid.
@@ -35,13 +54,21 @@ class Extractor:
         buffer is reused by a later batch once it returns.
         """
         with self._engine.capture(input_ids) as batch:
-            return hand_on(batch)
+            started = time.perf_counter()
+            result = hand_on(batch)
+            with self._lock:
+                self._hand_on_seconds += time.perf_counter() - started
+            return result
 
     def activity(self) -> CaptureActivity:
-        return self._engine.activity()
+        with self._lock:
+            return dataclasses.replace(self._engine.activity(), hand_on_seconds=self._hand_on_seconds)
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         return self._engine.bare_prefill(input_ids)
+
+    def fp8_relative_errors(self, input_ids: list[np.ndarray]) -> list[float]:
+        return self._engine.fp8_relative_errors(input_ids)
 
     def close(self) -> None:
         self._engine.close()

@@ -7,6 +7,12 @@ from typing import Optional
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
+ENGINES = ("sglang", "synthetic")
+# Which final hidden state to store: after the model's final norm (SpecForge's target), the
+# residual stream entering it (speculators' verifier state), or none.
+FINAL_STATES = ("post_norm", "pre_norm", "none")
+# Booleans of earlier configs (extract.last_hidden_state=true/false), as OmegaConf hands them to a str field.
+_LEGACY_FINAL_STATES = {"true": "post_norm", "false": "none"}
 
 
 def _is_int(value: object) -> bool:
@@ -33,6 +39,11 @@ class ModelConfig:
     """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
     trust_remote_code: bool = False
     """Let loading run Python code shipped with the checkpoint (auto_map classes, pickled .bin weights). Off: never."""
+    engine: str = "sglang"
+    """sglang | synthetic. synthetic runs no model: random states of the checkpoint's shape, copied from
+    device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
+    synthetic_tokens_per_s: float = 0.0
+    """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -53,14 +64,21 @@ class ModelConfig:
             )
         if not self.load_format:
             raise ValueError("model.load_format is empty: use auto (or an SGLang load format such as dummy)")
+        if self.engine not in ENGINES:
+            raise ValueError(f"model.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        if not isinstance(self.synthetic_tokens_per_s, (int, float)) or self.synthetic_tokens_per_s < 0:
+            raise ValueError(
+                f"model.synthetic_tokens_per_s={self.synthetic_tokens_per_s!r}: must be >= 0 (0: unpaced)"
+            )
 
 
 @dataclasses.dataclass
 class ExtractConfig:
     layers: Optional[list[int]] = None
     """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
-    last_hidden_state: bool = True
-    """Also store the final hidden state (post final norm) of every token."""
+    last_hidden_state: str = "post_norm"
+    """Also store a final hidden state per token: post_norm (after the final norm; SpecForge's target),
+    pre_norm (the residual stream entering it; speculators' verifier state) or none. true/false mean post_norm/none."""
     max_tokens_per_batch: int = 16384
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256
@@ -78,3 +96,10 @@ class ExtractConfig:
             raise ValueError(f"extract.max_tokens_per_batch={self.max_tokens_per_batch!r}: must be an integer >= 1")
         if not _is_int(self.max_samples_per_batch) or self.max_samples_per_batch < 1:
             raise ValueError(f"extract.max_samples_per_batch={self.max_samples_per_batch!r}: must be an integer >= 1")
+        kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
+        if kind not in FINAL_STATES:
+            raise ValueError(
+                f"extract.last_hidden_state={self.last_hidden_state!r}: use one of {', '.join(FINAL_STATES)} "
+                "(post_norm: after the model's final norm; pre_norm: the residual stream entering it)"
+            )
+        self.last_hidden_state = kind

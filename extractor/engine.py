@@ -6,9 +6,10 @@ SGLang internals.
 
 One forward = one packed EXTEND batch of whole samples (no padding tokens),
 run with ``CaptureHiddenMode.FULL``: SGLang returns the aux states of every
-token, concatenated over the captured layers, and the post-norm final hidden
-state that its logits processor sees. ``extractor.host_copy`` moves them to
-the host while the next batch computes.
+token, concatenated over the captured layers; ``FinalStateTap`` keeps the final
+hidden state, after the final norm or entering it. ``extractor.host_copy``
+(quantizing to fp8 first if asked) moves them to the host while the next batch
+computes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from extractor.cpu_shims import install_cpu_shims, register_torch_native_mla
 from extractor.host_copy import HostCopier, PendingCopy
 from extractor.language_model import LanguageModel
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
+from extractor.quantize import fp8_relative_errors
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
 from extractor.types import EngineInfo, EngineSpec
 
@@ -48,7 +50,9 @@ class CaptureEngine:
         self._runner = build_model_runner(sgl, spec, tp_rank, nccl_port)
         # Multimodal wrappers (Kimi-K2.5) hold the language model; bare causal LMs are their own.
         self._model = model = LanguageModel(self._runner.model, self._runner.model_config.hf_text_config)
-        self._final_state = FinalStateTap(sgl, model.logits_processor)
+        # The decoder stack's final norm, looked up only when its input is wanted.
+        final_norm = model.decoder.norm if spec.last_hidden_state == "pre_norm" else None
+        self._final_state = FinalStateTap(sgl, spec.last_hidden_state, model.logits_processor, final_norm)
         layer_ids = check_layer_ids(spec.layer_ids, model.num_layers)
         drafter_ids, captured = resolve_drafter_layer_ids(model.set_and_read_back, layer_ids)
         self.info = EngineInfo(
@@ -65,13 +69,20 @@ class CaptureEngine:
         )
         # Only rank 0's states leave the TP group.
         self._host_copier = HostCopier(
-            spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch,
-            aux_width=len(layer_ids) * self.info.hidden_size,
-            last_width=self.info.hidden_size if spec.last_hidden_state else 0, count=spec.host_buffers,
+            spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch, layers=len(layer_ids),
+            hidden_size=self.info.hidden_size, last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8,
+            count=spec.host_buffers,
         ) if tp_rank == 0 else None
         if spec.device == "cuda":
             self._warm_up()
         logger.info("TP rank %d ready: %s", tp_rank, self.info)
+
+    @property
+    def max_batch_bytes(self) -> int:
+        """Bytes of the largest batch's states on the host (rank 0)."""
+        if self._host_copier is None:
+            raise RuntimeError(f"TP rank {self.tp_rank} keeps no states on the host")
+        return self._host_copier.batch_bytes
 
     def _warm_up(self) -> None:
         """One forward before the first batch: kernel JIT and library setup count as startup.
@@ -136,8 +147,7 @@ class CaptureEngine:
         """
         with self._extend(input_ids, self._sgl.CaptureHiddenMode.FULL) as output:
             aux = output.hidden_states
-            final = self._final_state.take(output)
-        last = final if self.spec.last_hidden_state else None
+            last = self._final_state.take(output)
         self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
         return aux, last
 
@@ -149,6 +159,12 @@ class CaptureEngine:
         lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
         return self._host_copier.start(lengths, aux, last)
 
+    def fp8_relative_errors(self, input_ids: list[np.ndarray]) -> list[float]:
+        """Benchmark: per captured layer (then the final state), ||fp8 round trip - x|| / ||x|| on the device."""
+        aux, last = self.capture_forward(input_ids)
+        errors = fp8_relative_errors(aux, len(self.info.layer_ids))
+        return errors + (fp8_relative_errors(last, 1) if last is not None else [])
+
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds."""
         with self._model.capture_off():
@@ -156,7 +172,9 @@ class CaptureEngine:
             started = time.perf_counter()
             with self._extend(input_ids, self._sgl.CaptureHiddenMode.NULL):
                 _synchronize(self.spec.device)
-            return time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self._final_state.take(None)  # a final-norm hook kept this forward's state: let it go
+            return seconds
 
     def _check_widths(self, aux: torch.Tensor | None, last: torch.Tensor | None, tokens: int) -> None:
         info = self.info
@@ -167,10 +185,10 @@ class CaptureEngine:
                 f"SGLang returned aux states of shape {got}, expected {want} for layers_to_capture "
                 f"{info.layers_to_capture}; this model/SGLang version does not capture as configured"
             )
-        if self.spec.last_hidden_state and (last is None or tuple(last.shape) != (tokens, info.hidden_size)):
+        if self.spec.has_last_hidden_state and (last is None or tuple(last.shape) != (tokens, info.hidden_size)):
             raise RuntimeError(
-                "SGLang returned no final hidden state for every token; "
-                "run with extract.last_hidden_state=false or use a supported SGLang version"
+                f"SGLang returned no {self.spec.last_hidden_state} final hidden state for every token; "
+                "run with extract.last_hidden_state=none or use a supported SGLang version"
             )
 
 

@@ -5,7 +5,8 @@ buffers are pinned and the copy is queued on a side stream right after the
 forward, so the compute stream can start the next batch while the DMA engines
 drain this one; nothing waits on a copy until its caller asks for the bytes.
 A caller holds its buffer (``with pending as batch:``) until it has handed the
-bytes on, then the buffer goes back to the pool.
+bytes on, then the buffer goes back to the pool. With fp8 storage the states
+are quantized on the device before the copy, so the copy moves half the bytes.
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ from typing import Optional
 import numpy as np
 import torch
 
+from extractor.quantize import quantize_fp8
 from extractor.types import CapturedBatch
 
 
 class _HostBuffer:
-    def __init__(self, tokens: int, aux_width: int, last_width: int, dtype: torch.dtype, pin: bool) -> None:
-        self.aux = torch.empty((tokens, aux_width), dtype=dtype, pin_memory=pin)
-        self.last = torch.empty((tokens, last_width), dtype=dtype, pin_memory=pin) if last_width else None
+    """Host tensors for the largest batch: the states in the stored dtype and, with fp8, their scales."""
+
+    def __init__(self, tokens: int, widths: dict[str, tuple[int, torch.dtype]], pin: bool) -> None:
+        self.tensors = {
+            name: torch.empty((tokens, width), dtype=dtype, pin_memory=pin) for name, (width, dtype) in widths.items()
+        }
+
+    @property
+    def tokens(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
 
 
 class PendingCopy:
@@ -43,10 +52,13 @@ class PendingCopy:
         buffer = self._buffer
         assert buffer is not None, "a PendingCopy is entered once"
         tokens = int(self._lengths.sum())
+        arrays = {name: _as_numpy(tensor[:tokens]) for name, tensor in buffer.tensors.items()}
         return CapturedBatch(
             lengths=self._lengths,
-            aux_hidden_states=_as_numpy(buffer.aux[:tokens]),
-            last_hidden_state=None if buffer.last is None else _as_numpy(buffer.last[:tokens]),
+            aux_hidden_states=arrays["aux_hidden_states"],
+            last_hidden_state=arrays.get("last_hidden_state"),
+            aux_scales=arrays.get("aux_scales"),
+            last_scales=arrays.get("last_scales"),
         )
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -56,15 +68,43 @@ class PendingCopy:
 
 
 class HostCopier:
-    """A pool of ``count`` host buffers sized for the largest batch, filled asynchronously on CUDA."""
+    """A pool of ``count`` host buffers sized for the largest batch, filled asynchronously on CUDA.
 
-    def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, aux_width: int, last_width: int,
-                 count: int) -> None:
+    With ``fp8`` the states are quantized on their device first (``extractor.quantize``), so
+    the copy and everything after it carry one byte per element plus a float32 scale per
+    token and layer.
+    """
+
+    def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, layers: int, hidden_size: int,
+                 last_hidden_state: bool, fp8: bool, count: int) -> None:
         cuda = device == "cuda"
+        self._layers = layers
+        self._fp8 = fp8
+        stored = torch.uint8 if fp8 else dtype  # fp8 travels as its raw bytes (copies and numpy know uint8)
+        widths = {"aux_hidden_states": (layers * hidden_size, stored)}
+        if fp8:
+            widths["aux_scales"] = (layers, torch.float32)
+        if last_hidden_state:
+            widths["last_hidden_state"] = (hidden_size, stored)
+            if fp8:
+                widths["last_scales"] = (1, torch.float32)
         self._free: queue.SimpleQueue[_HostBuffer] = queue.SimpleQueue()
         for _ in range(count):  # pinning takes a while: done before the first batch
-            self._free.put(_HostBuffer(max_tokens, aux_width, last_width, dtype, pin=cuda))
+            self._free.put(_HostBuffer(max_tokens, widths, pin=cuda))
         self._stream = torch.cuda.Stream() if cuda else None
+        self.batch_bytes = sum(width * dtype.itemsize for width, dtype in widths.values()) * max_tokens
+        """Bytes of the largest batch's states as they leave the host buffer."""
+
+    def _device_tensors(self, aux: torch.Tensor, last: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What goes to the host, by buffer name; with fp8 quantized here, on the compute stream."""
+        if not self._fp8:
+            return {"aux_hidden_states": aux, **({"last_hidden_state": last} if last is not None else {})}
+        values, scales = quantize_fp8(aux, self._layers)
+        tensors = {"aux_hidden_states": values.view(torch.uint8), "aux_scales": scales}
+        if last is not None:
+            values, scales = quantize_fp8(last, 1)
+            tensors.update(last_hidden_state=values.view(torch.uint8), last_scales=scales)
+        return tensors
 
     def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
         """Queue the copy of ``aux`` (and ``last``) into a free buffer; blocks while all are held.
@@ -73,10 +113,11 @@ class HostCopier:
         """
         buffer = self._free.get()
         tokens = aux.shape[0]
-        if tokens > buffer.aux.shape[0]:
+        if tokens > buffer.tokens:
             self.give_back(buffer)
-            raise ValueError(f"a batch of {tokens} tokens exceeds the host buffers' {buffer.aux.shape[0]}")
-        copies = [(buffer.aux, aux)] + ([(buffer.last, last)] if last is not None and buffer.last is not None else [])
+            raise ValueError(f"a batch of {tokens} tokens exceeds the host buffers' {buffer.tokens}")
+        copies = [(buffer.tensors[name], states) for name, states in self._device_tensors(aux, last).items()
+                  if name in buffer.tensors]
         if self._stream is None:
             for host, states in copies:
                 host[:tokens].copy_(states)

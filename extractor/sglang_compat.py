@@ -233,24 +233,47 @@ def set_extend_length(req: Any, length: int) -> None:
 
 
 class FinalStateTap:
-    """The post-norm final hidden state of every token.
+    """The final hidden state of every token, after the model's final norm or entering it.
 
-    0.5.23 returns it as ``LogitsProcessorOutput.last_hidden_states``; 0.5.17 does not,
-    so a forward pre-hook keeps the ``hidden_states`` the model hands its logits
+    post_norm: 0.5.23 returns it as ``LogitsProcessorOutput.last_hidden_states``; 0.5.17
+    does not, so a forward pre-hook keeps the ``hidden_states`` the model hands its logits
     processor, which is the same tensor (llama.py, deepseek_v2.py: norm, then
     ``self.logits_processor(input_ids, hidden_states, ...)``).
+
+    pre_norm: the residual stream entering the final norm (HF: the input of
+    ``model.norm``). Neither release returns it for these models: 0.5.23's
+    ``ForwardBatch.return_hidden_states_before_norm`` is honoured only by model files
+    that hand ``hidden_states_before_norm`` to the logits processor (DeepSeek-V4,
+    MiMo-V2), and 0.5.17's logits processor takes that argument but llama.py,
+    qwen2/3.py and deepseek_v2.py never pass it. In both releases those models call
+    the final norm as ``norm(hidden_states, residual)`` (0.5.23 through
+    ``residual.batch.final_norm`` -> ``access.final_norm_pair``), and RMSNorm returns
+    ``(normed, hidden_states + residual)``; the fused CUDA kernel writes that sum into
+    ``residual`` in place and returns it. A forward hook on the norm keeps the second
+    output: the sum the norm itself normalised. Called with no residual (a stack that
+    hands over one tensor), the norm's input is that state.
     """
 
-    def __init__(self, sgl: SimpleNamespace, logits_processor: Any) -> None:
-        """``logits_processor``: the language model's (inside a multimodal wrapper, not the wrapper's)."""
+    def __init__(self, sgl: SimpleNamespace, kind: str, logits_processor: Any, final_norm: Any) -> None:
+        """``logits_processor``: the language model's (inside a multimodal wrapper, not the wrapper's);
+        ``final_norm``: its decoder stack's final norm (needed for pre_norm only)."""
+        self._kind = kind
         self._kept: Any = None
-        if not sgl.publishes_runtime:
-            logits_processor.register_forward_pre_hook(self._keep, with_kwargs=True)
+        if kind == "pre_norm":
+            final_norm.register_forward_hook(self._keep_norm_input)
+        elif kind == "post_norm" and not sgl.publishes_runtime:
+            logits_processor.register_forward_pre_hook(self._keep_logits_input, with_kwargs=True)
 
-    def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _keep_logits_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         self._kept = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
 
+    def _keep_norm_input(self, module: Any, args: tuple, output: Any) -> None:
+        self._kept = output[1] if isinstance(output, tuple) else args[0]
+
     def take(self, logits_output: Any) -> Any:
+        """This forward's final state (None when not asked for); forget it for the next one."""
         kept, self._kept = self._kept, None
-        returned = getattr(logits_output, "last_hidden_states", None)
-        return returned if returned is not None else kept
+        if self._kind == "post_norm":
+            returned = getattr(logits_output, "last_hidden_states", None)
+            return returned if returned is not None else kept
+        return kept

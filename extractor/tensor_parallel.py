@@ -12,6 +12,7 @@ otherwise wait in a collective forever.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -66,7 +67,7 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
         getattr(engine, method)(input_ids)
 
 
-class _ActivityClock:
+class ActivityClock:
     """Time covered by at least one batch between its forward's start and its states on the host."""
 
     def __init__(self) -> None:
@@ -79,7 +80,9 @@ class _ActivityClock:
             value = self._value
             busy = max(0.0, ended - max(started, self._busy_until))
             self._busy_until = max(self._busy_until, ended)
-            self._value = CaptureActivity(value.batches + 1, value.tokens + tokens, value.busy_seconds + busy)
+            self._value = dataclasses.replace(
+                value, batches=value.batches + 1, tokens=value.tokens + tokens, busy_seconds=value.busy_seconds + busy
+            )
 
     def snapshot(self) -> CaptureActivity:
         with self._lock:
@@ -110,7 +113,7 @@ class TensorParallelEngine:
             self._followers.append(process)
         self._closing = False
         self._forward_lock = threading.Lock()
-        self._activity = _ActivityClock()
+        self._activity = ActivityClock()
         if self._followers:
             threading.Thread(target=self._watch_followers, name="tp-watchdog", daemon=True).start()
 
@@ -122,6 +125,10 @@ class TensorParallelEngine:
     @property
     def info(self) -> EngineInfo:
         return self._engine.info
+
+    @property
+    def max_batch_bytes(self) -> int:
+        return self._engine.max_batch_bytes
 
     def _wait_for_followers(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -165,6 +172,12 @@ class TensorParallelEngine:
 
     def activity(self) -> CaptureActivity:
         return self._activity.snapshot()
+
+    def fp8_relative_errors(self, input_ids: list[np.ndarray]) -> list[float]:
+        """Benchmark: fp8 round-trip error per captured layer (then the final state), on rank 0's device."""
+        with self._forward_lock:
+            self._broadcast("capture_forward", input_ids)
+            return self._engine.fp8_relative_errors(input_ids)
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         """Seconds of the same forward without capture (benchmark baseline)."""

@@ -18,7 +18,8 @@ class EngineSpec:
     tp_size: int
     attention_backend: str
     layer_ids: tuple[int, ...]
-    last_hidden_state: bool
+    last_hidden_state: str
+    """post_norm | pre_norm | none (``extractor.config.FINAL_STATES``)."""
     max_tokens_per_batch: int
     """KV-pool size: the largest packed batch (or single sample) a forward sees."""
     max_samples_per_batch: int
@@ -30,6 +31,19 @@ class EngineSpec:
     host_buffers: int = 2
     """Batches whose states may sit in host buffers at once: one being copied while the one
     before is handed on. The extractor actor runs this many calls concurrently."""
+    state_dtype: str = "model"
+    """model | float8_e4m3fn: quantized on the device, before the host copy."""
+    engine: str = "sglang"
+    """sglang | synthetic (no model: states of the checkpoint's shape from device memory)."""
+    synthetic_tokens_per_s: float = 0.0
+
+    @property
+    def has_last_hidden_state(self) -> bool:
+        return self.last_hidden_state != "none"
+
+    @property
+    def fp8(self) -> bool:
+        return self.state_dtype == "float8_e4m3fn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +69,17 @@ class CapturedBatch:
     """States of one packed batch, stacked token-wise in request order.
 
     ``aux_hidden_states`` is [sum(lengths), L*H], ``last_hidden_state`` is
-    [sum(lengths), H]; both hold the model dtype's raw bits (bfloat16 as int16)
-    so that Ray moves them as zero-copy numpy buffers.
+    [sum(lengths), H]; both hold the raw bits of the stored dtype (bfloat16 as
+    int16, float8_e4m3fn as uint8) so that Ray moves them as zero-copy numpy
+    buffers. With fp8, ``aux_scales`` [T, L] and ``last_scales`` [T, 1] hold the
+    float32 scale of each token and layer: state = fp8 value * scale.
     """
 
     lengths: np.ndarray
     aux_hidden_states: np.ndarray
     last_hidden_state: Optional[np.ndarray]
+    aux_scales: Optional[np.ndarray] = None
+    last_scales: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +90,5 @@ class CaptureActivity:
     tokens: int
     busy_seconds: float
     """Wall time during which some batch was between the start of its forward and its states on the host."""
+    hand_on_seconds: float = 0.0
+    """Time spent handing states on (the job: ``ray.put`` into the object store), summed over batches."""

@@ -48,6 +48,8 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
         "model.load_format": spec_fields["load_format"],
         "extract.layers": list(spec_fields["layer_ids"]),
         "extract.last_hidden_state": spec_fields["last_hidden_state"],
+        "output.state_dtype": spec_fields["state_dtype"],
+        "model.engine": spec_fields["engine"],
         "data.fingerprint": data_fingerprint,
         "data.shard_size": config.data.shard_size,
     }
@@ -65,7 +67,9 @@ class _Inputs:
     output_dir: Path
 
     def content(self, device: str) -> dict[str, Any]:
-        spec = build_engine_spec(self.config.model, self.config.extract, self.layer_ids, device, 0)
+        spec = build_engine_spec(
+            self.config.model, self.config.extract, self.layer_ids, device, 0, self.config.output.state_dtype
+        )
         return run_content(self.config, dataclasses.asdict(spec), self.fingerprint)
 
 
@@ -117,7 +121,9 @@ def _run_locked(inputs: _Inputs) -> dict:
 
     with ray_session(config.ray.address):
         device = resolve_device(config.model.device, config.model.tp_size)
-        spec = build_engine_spec(config.model, config.extract, inputs.layer_ids, device, int(lengths.max()))
+        spec = build_engine_spec(
+            config.model, config.extract, inputs.layer_ids, device, int(lengths.max()), config.output.state_dtype
+        )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
         clean_output_dir(output_dir, manifest, to_run)
@@ -151,7 +157,6 @@ def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
     source = {key: getattr(engine, key) for key in (
         "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
     return build_drafter_config(text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source)
-
 
 
 def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:

@@ -45,6 +45,9 @@ MAX_AUTO_WRITERS = 8
 # Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
 # on its way to the object store.
 INFLIGHT_BEYOND_WRITERS = 2
+# Objects beyond max_inflight_batches the extractor writes into the object store before the run: the
+# store does not always hand a freed block to the next object of the same size.
+OBJECT_STORE_WARM_EXTRA = 2
 WAIT_LOG_PERIOD_S = 30.0
 
 
@@ -78,6 +81,8 @@ class RunResult:
     """Most shards written at once (at most one per writer; fewer when the disk budget is tight)."""
     max_inflight_batches: int
     extractor: CaptureActivity
+    writer_seconds: dict[str, dict[str, float]]
+    """Wall and CPU seconds per stage, summed over writers (``WriterActor.stats``)."""
 
 
 def resolve_device(requested: str, tp_size: int) -> str:
@@ -90,7 +95,8 @@ def resolve_device(requested: str, tp_size: int) -> str:
 
 
 def build_engine_spec(
-    model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int
+    model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int,
+    state_dtype: str = "model",
 ) -> EngineSpec:
     return EngineSpec(
         model_path=str(Path(model.path).resolve()),
@@ -100,6 +106,9 @@ def build_engine_spec(
         attention_backend=model.attention_backend or ("torch_native" if device == "cpu" else "flashinfer"),
         layer_ids=tuple(layer_ids),
         last_hidden_state=extract.last_hidden_state,
+        state_dtype=state_dtype,
+        engine=model.engine,
+        synthetic_tokens_per_s=model.synthetic_tokens_per_s,
         max_tokens_per_batch=max(extract.max_tokens_per_batch, longest_sample),
         max_samples_per_batch=extract.max_samples_per_batch,
         context_length=model.context_length,
@@ -109,15 +118,16 @@ def build_engine_spec(
     )
 
 
-def shard_metadata(engine: EngineInfo, model_path: str, has_last_hidden_state: bool) -> ShardMetadata:
+def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
     return ShardMetadata(
         dtype=engine.dtype,
+        state_dtype=engine.dtype if spec.state_dtype == "model" else spec.state_dtype,
         hidden_size=engine.hidden_size,
         layer_ids=engine.layer_ids,
         layers_to_capture=engine.layers_to_capture,
         drafter_layer_ids=engine.drafter_layer_ids,
-        has_last_hidden_state=has_last_hidden_state,
-        model_path=model_path,
+        last_hidden_state=spec.last_hidden_state,
+        model_path=spec.model_path,
         model_architecture=engine.model_architecture,
         language_model_architecture=engine.language_model_architecture,
         sglang_version=engine.sglang_version,
@@ -169,6 +179,7 @@ class ExtractionRun:
         self.peak_open_shards = 0
         self.blocked_seconds = 0.0
         self.activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+        self.writer_seconds: dict[str, dict[str, float]] = {}
         self.last_write_done = 0.0
         self.last_rescan = 0.0
         self.uploaders: list[ray.actor.ActorHandle] = []
@@ -185,18 +196,21 @@ class ExtractionRun:
             time.perf_counter() - started, self.engine.model_architecture, self.engine.layers_to_capture,
             self.engine.layer_ids, self.engine.drafter_layer_ids,
         )
-        self.metadata = shard_metadata(self.engine, self.spec.model_path, self.spec.last_hidden_state)
+        self.metadata = shard_metadata(self.engine, self.spec)
         self.bytes_per_token = state_bytes_per_token(self.metadata)
         writer_class = ray.remote(WriterActor).options(num_cpus=1)
         self.writers = [
             writer_class.remote(str(self.output_dir), self.metadata)
             for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
         ]
-        ray.get([writer.ready.remote() for writer in self.writers])  # process start-up is start-up time
         self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
+        # While the writers start: the batches in flight, and a little more, touch the object store's pages.
+        warmed = self.extractor.warm_object_store.remote(self.max_inflight + OBJECT_STORE_WARM_EXTRA)
+        ray.get([writer.ready.remote() for writer in self.writers])  # process start-up is start-up time
         logger.info(
-            "%d writers, at most %d batches in flight (about %s of states in memory)", len(self.writers),
-            self.max_inflight, format_bytes(self.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token),
+            "%d writers, at most %d batches in flight (about %s of states in memory); object store warmed in %.1f s",
+            len(self.writers), self.max_inflight,
+            format_bytes(self.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token), ray.get(warmed),
         )
         if self.output.sink:
             # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
@@ -212,6 +226,12 @@ class ExtractionRun:
             self.activity = ray.get(self.extractor.activity.remote(), timeout=60)
         with contextlib.suppress(Exception):
             ray.get(self.extractor.close.remote(), timeout=60)
+        with contextlib.suppress(Exception):
+            for stats in ray.get([writer.stats.remote() for writer in self.writers], timeout=60):
+                for clock, stages in stats.items():
+                    totals = self.writer_seconds.setdefault(clock, {})
+                    for stage, seconds in stages.items():
+                        totals[stage] = totals.get(stage, 0.0) + seconds
         for actor in [self.extractor, *self.writers, *self.uploaders]:
             ray.kill(actor)
 
@@ -255,6 +275,7 @@ class ExtractionRun:
             peak_open_shards=self.peak_open_shards,
             max_inflight_batches=self.max_inflight,
             extractor=self.activity,
+            writer_seconds=self.writer_seconds,
         )
 
     def _extract_shards(self) -> None:

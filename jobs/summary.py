@@ -144,6 +144,7 @@ class RunSummary:
                 "file": INVALID_ROWS_FILE if self.invalid else "",
             },
             "last_hidden_state": self.config.extract.last_hidden_state,
+            "state_dtype": self.config.output.state_dtype,
             "disk_budget": {
                 "limit": self.config.output.disk_budget_bytes,
                 "min_free_bytes": self.config.output.free_floor_bytes,
@@ -169,4 +170,8 @@ def _result_fields(result: Any) -> dict[str, Any]:
         "max_inflight_batches": result.max_inflight_batches,
         "engine": dataclasses.asdict(result.engine),
         "extractor": dataclasses.asdict(result.extractor),
+        "writer_seconds": {
+            clock: {stage: round(seconds, 3) for stage, seconds in stages.items()}
+            for clock, stages in result.writer_seconds.items()
+        },
     }

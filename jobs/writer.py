@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from jobs.extractor_actor import fetch_batch
+from extractor.types import CapturedBatch
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
+from storage.writer import StageClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class WriterActor:
         self._metadata = metadata
         self._open: dict[int, ShardWriter] = {}
         self._failed: dict[int, str] = {}
+        self._clock = StageClock(("wait", "fetch"))
 
     def ready(self) -> bool:
         """Answers once the actor's process is up: the driver starts the first batch after that."""
@@ -53,13 +55,17 @@ class WriterActor:
         if rows.shard in self._failed:
             return 0
         try:
-            batch = fetch_batch(captured[0])
+            with self._clock.stage("wait"):  # for the extractor to return the batch's object reference
+                states = ray.get(captured[0])
+            with self._clock.stage("fetch"):  # from the object store into this process (zero-copy)
+                batch: CapturedBatch = ray.get(states)
             writer = self._open.get(rows.shard)
             if writer is None:
                 writer = ShardWriter(self._dir / shard_file_name(rows.shard), self._metadata).__enter__()
                 self._open[rows.shard] = writer
             writer.append(
-                rows.sample_ids, rows.input_ids, rows.loss_masks, batch.aux_hidden_states, batch.last_hidden_state
+                rows.sample_ids, rows.input_ids, rows.loss_masks, batch.aux_hidden_states, batch.last_hidden_state,
+                batch.aux_scales, batch.last_scales,
             )
         except Exception as error:  # the shard is lost, the job goes on
             self._fail(rows.shard, error, rows.sample_ids)
@@ -80,6 +86,13 @@ class WriterActor:
         except BaseException:
             writer.abort()
             raise
+        finally:
+            self._clock.add(writer.clock)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Where this writer's time went over the shards it finished: ``{"wall": {stage: s}, "cpu": {...}}``
+        for waiting on the extractor, fetching from the object store, then ``storage.writer.STAGES``."""
+        return {"wall": dict(self._clock.wall), "cpu": dict(self._clock.cpu)}
 
     def discard(self, shard: int) -> None:
         """Drop a shard the driver stopped feeding (the job is ending); its temp file goes."""

@@ -13,6 +13,11 @@ _UNITS = {
 }
 
 
+# Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
+# float32 scale per token and layer (half the bytes through the host copy, object store and disk).
+STATE_DTYPES = ("model", "float8_e4m3fn")
+
+
 def parse_bytes(value: str | int, key: str) -> int:
     """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -46,6 +51,10 @@ class OutputConfig:
     """CPU actors uploading committed shards to the sink."""
     max_inflight_batches: int = 0
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
+    state_dtype: str = "model"
+    """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
+    per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
+
 
     def __post_init__(self) -> None:
         if self.disk_budget_bytes <= 0:
@@ -67,6 +76,8 @@ class OutputConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"output.{key}={value!r}: must be an integer >= {minimum} ({meaning})")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"output.state_dtype={self.state_dtype!r}: use one of {', '.join(STATE_DTYPES)}")
         if self.sink_options and not self.sink:
             raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
 

@@ -4,7 +4,8 @@ The file is memory-mapped; a sample's state tensors are views on the Arrow
 buffer of the row group that holds it (states are stored uncompressed), so
 reading one sample decodes only its row group and copies no state bytes
 beyond that. The tensors are read-only views: ``.clone()`` before writing
-into them.
+into them. fp8 shards are dequantized to the model dtype (a new tensor per
+sample) unless the reader is asked for the raw fp8 values and their scales.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ class Sample:
     loss_mask: torch.Tensor
     """[T] uint8"""
     aux_hidden_states: torch.Tensor
-    """[T, L*H] in the model dtype; layer j is columns [j*H, (j+1)*H)."""
+    """[T, L*H] in the model dtype (float8_e4m3fn when read raw); layer j is columns [j*H, (j+1)*H)."""
     last_hidden_state: torch.Tensor | None
-    """[T, H] in the model dtype, post final norm; None when not extracted."""
+    """[T, H] like ``aux_hidden_states``, post or pre final norm (``metadata.last_hidden_state``); None when not extracted."""
+    aux_hidden_states_scales: torch.Tensor | None = None
+    """[T, L] float32 when an fp8 shard is read raw: layer j of token t is ``fp8 values * scales[t, j]``."""
+    last_hidden_state_scales: torch.Tensor | None = None
+    """[T, 1] float32 when an fp8 shard is read raw."""
 
 
 def read_metadata(path: str | os.PathLike) -> ShardMetadata:
@@ -57,11 +62,23 @@ def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -
     return flat.view(-1, width)
 
 
-class ShardReader:
-    """Random and sequential access to the samples of one shard file."""
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [T, G*H] and float32 scales [T, G] -> [T, G*H] in ``dtype`` (computed in float32)."""
+    tokens, groups = scales.shape
+    return (values.view(tokens, groups, -1).float() * scales.unsqueeze(-1)).view(tokens, -1).to(dtype)
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+class ShardReader:
+    """Random and sequential access to the samples of one shard file.
+
+    States come back in the model dtype (``metadata.dtype``). For fp8 shards
+    ``raw_fp8=True`` returns the stored float8_e4m3fn values and their float32
+    scales instead of dequantizing them.
+    """
+
+    def __init__(self, path: str | os.PathLike, raw_fp8: bool = False) -> None:
         self.path = str(path)
+        self.raw_fp8 = raw_fp8
         self.metadata = read_metadata(path)
         self._file = pq.ParquetFile(self.path, memory_map=True)
         rows = [self._file.metadata.row_group(i).num_rows for i in range(self._file.num_row_groups)]
@@ -88,21 +105,33 @@ class ShardReader:
 
     def _sample_from(self, table: pa.Table, row: int) -> Sample:
         meta = self.metadata
-        dtype = getattr(torch, meta.dtype)
+        stored = getattr(torch, meta.state_dtype)
 
-        def states(name: str, width: int) -> torch.Tensor:
-            column = table.column(name)
-            chunk, local = _locate(column, row)
+        def column(name: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+            chunk, local = _locate(table.column(name), row)
             return _states_tensor(chunk, local, dtype, width)
 
+        def states(name: str, layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            values = column(name, stored, layers * meta.hidden_size)
+            if not meta.fp8:
+                return values, None
+            scales = column(name + schema.SCALES_SUFFIX, torch.float32, layers)
+            if self.raw_fp8:
+                return values, scales
+            return dequantize(values, scales, getattr(torch, meta.dtype)), None
+
+        aux, aux_scales = states(schema.AUX_HIDDEN_STATES, len(meta.layer_ids))
+        last, last_scales = states(schema.LAST_HIDDEN_STATE, 1) if meta.has_last_hidden_state else (None, None)
         input_ids = table.column(schema.INPUT_IDS)[row].values.to_numpy()
         loss_mask = table.column(schema.LOSS_MASK)[row].values.to_numpy()
         return Sample(
             sample_id=table.column(schema.SAMPLE_ID)[row].as_py(),
             input_ids=torch.from_numpy(input_ids.astype(np.int64)),
             loss_mask=torch.from_numpy(loss_mask.copy()),
-            aux_hidden_states=states(schema.AUX_HIDDEN_STATES, meta.aux_width),
-            last_hidden_state=states(schema.LAST_HIDDEN_STATE, meta.hidden_size) if meta.has_last_hidden_state else None,
+            aux_hidden_states=aux,
+            last_hidden_state=last,
+            aux_hidden_states_scales=aux_scales,
+            last_hidden_state_scales=last_scales,
         )
 
 

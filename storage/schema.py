@@ -1,16 +1,27 @@
-"""Parquet format v1: one row per sample, hidden states as raw little-endian bytes.
+"""Parquet format v2: one row per sample, hidden states as raw little-endian bytes.
 
 Columns
-  sample_id          int64           row index of the sample in the input dataset
-  input_ids          list<int32>     the sample's tokens
-  loss_mask          list<uint8>     1 where the token is trained on (all ones if the input had none)
-  aux_hidden_states  large_binary    row-major [T, L*H] in the model dtype, layers in ``layer_ids`` order
-  last_hidden_state  large_binary    row-major [T, H], post final norm (only when extracted)
+  sample_id                int64         row index of the sample in the input dataset
+  input_ids                list<int32>   the sample's tokens
+  loss_mask                list<uint8>   1 where the token is trained on (all ones if the input had none)
+  aux_hidden_states        large_binary  row-major [T, L*H] in ``state_dtype``, layers in ``layer_ids`` order
+  aux_hidden_states_scales large_binary  row-major [T, L] float32 (only with fp8 states)
+  last_hidden_state        large_binary  row-major [T, H] in ``state_dtype``: the final state, post_norm
+                                         or pre_norm as ``last_hidden_state`` in the metadata says
+                                         (only when extracted)
+  last_hidden_state_scales large_binary  row-major [T, 1] float32 (only with fp8 states)
 
-Hidden states are stored as bytes, not as Arrow floats: Arrow has no bfloat16,
-and ``FixedSizeList<halffloat>`` writes ~8x slower. Shape and dtype live in the
-file's key-value metadata (``ShardMetadata``), so a reader rebuilds tensors
-without parsing anything per row.
+``state_dtype`` is the model dtype (bit-exact with SGLang) or float8_e4m3fn, where
+token t's slice of layer j is ``fp8 values * scales[t, j]`` (scale = amax / 448;
+0 for a slice of zeros).
+
+Hidden states are stored as bytes, not as Arrow floats: Arrow has no bfloat16
+or fp8, and ``FixedSizeList<halffloat>`` writes ~8x slower. Shape and dtype live
+in the file's key-value metadata (``ShardMetadata``), so a reader rebuilds
+tensors without parsing anything per row.
+
+Format v1 (no scale columns; ``has_last_hidden_state`` in the metadata, always
+post-norm; states in the model dtype) is read as the v2 metadata it implies.
 """
 
 from __future__ import annotations
@@ -21,21 +32,30 @@ import sys
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 SAMPLE_ID = "sample_id"
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 AUX_HIDDEN_STATES = "aux_hidden_states"
 LAST_HIDDEN_STATE = "last_hidden_state"
+SCALES_SUFFIX = "_scales"
+AUX_HIDDEN_STATES_SCALES = AUX_HIDDEN_STATES + SCALES_SUFFIX
+LAST_HIDDEN_STATE_SCALES = LAST_HIDDEN_STATE + SCALES_SUFFIX
 
 STATE_COLUMNS = (AUX_HIDDEN_STATES, LAST_HIDDEN_STATE)
+SCALE_COLUMNS = (AUX_HIDDEN_STATES_SCALES, LAST_HIDDEN_STATE_SCALES)
 
 # Parquet key-value metadata key under which ShardMetadata is stored as JSON.
 METADATA_KEY = b"eagle3_hidden_states"
 
 # Storable element types and their bytes (the names are torch's: the reader maps them back).
-ITEMSIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+FP8 = "float8_e4m3fn"
+ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
+SCALE_ITEMSIZE = 4  # float32
+FINAL_STATES = ("post_norm", "pre_norm", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +63,9 @@ class ShardMetadata:
     """What a reader needs to interpret the state columns, and where they came from."""
 
     dtype: str
-    """Element type of the state columns: one of ``ITEMSIZES``."""
+    """The model's dtype: what SGLang computed and what the reader returns (one of ``MODEL_DTYPES``)."""
+    state_dtype: str
+    """Element type of the state columns: ``dtype`` (bit-exact) or float8_e4m3fn (with scale columns)."""
     hidden_size: int
     layer_ids: list[int]
     """Canonical ids: id k is the output of decoder layer k (0-based) = HF ``hidden_states[k+1]``."""
@@ -51,7 +73,9 @@ class ShardMetadata:
     """What SGLang's ``model.layers_to_capture`` reported while extracting (its own indices)."""
     drafter_layer_ids: list[int]
     """Ids for ``eagle_config.eagle_aux_hidden_state_layer_ids`` that make this SGLang capture ``layer_ids``."""
-    has_last_hidden_state: bool
+    last_hidden_state: str
+    """What the last_hidden_state column holds: post_norm (after the model's final norm), pre_norm
+    (the residual stream entering it) or none (no such column)."""
     model_path: str
     model_architecture: str
     sglang_version: str
@@ -63,12 +87,25 @@ class ShardMetadata:
     KimiK25ForConditionalGeneration; the same class for a bare LM); empty in files that predate it."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ITEMSIZES:
-            raise ValueError(f"dtype {self.dtype!r} is not storable; use one of {sorted(ITEMSIZES)}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not a model dtype; use one of {sorted(MODEL_DTYPES)}")
+        if self.state_dtype not in (self.dtype, FP8):
+            raise ValueError(f"state_dtype {self.state_dtype!r}: store {self.dtype} or {FP8}")
+        if self.last_hidden_state not in FINAL_STATES:
+            raise ValueError(f"last_hidden_state {self.last_hidden_state!r}: one of {', '.join(FINAL_STATES)}")
+
+    @property
+    def has_last_hidden_state(self) -> bool:
+        return self.last_hidden_state != "none"
+
+    @property
+    def fp8(self) -> bool:
+        return self.state_dtype == FP8
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZES[self.dtype]
+        """Bytes per stored state element."""
+        return ITEMSIZES[self.state_dtype]
 
     @property
     def aux_width(self) -> int:
@@ -82,31 +119,38 @@ class ShardMetadata:
     def from_json(cls, text: str, source: str) -> "ShardMetadata":
         fields = json.loads(text)
         version = fields.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise ValueError(
                 f"{source}: format_version {version} is not readable by this version "
-                f"(reads {FORMAT_VERSION}); re-extract or use the matching release"
+                f"(reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); re-extract or use the matching release"
             )
+        if version == 1:  # the final state was post-norm or absent; states in the model dtype
+            fields["last_hidden_state"] = "post_norm" if fields.pop("has_last_hidden_state") else "none"
+            fields["state_dtype"] = fields["dtype"]
         return cls(**fields)
 
 
 def build_schema(metadata: ShardMetadata) -> pa.Schema:
     """The Arrow schema every shard file is written with; the metadata rides in it."""
     if sys.byteorder != "little":
-        raise RuntimeError("format v1 stores little-endian bytes; this host is big-endian")
+        raise RuntimeError("the shard format stores little-endian bytes; this host is big-endian")
+    states = [AUX_HIDDEN_STATES] + ([LAST_HIDDEN_STATE] if metadata.has_last_hidden_state else [])
     fields = [
         pa.field(SAMPLE_ID, pa.int64(), nullable=False),
         pa.field(INPUT_IDS, pa.list_(pa.int32()), nullable=False),
         pa.field(LOSS_MASK, pa.list_(pa.uint8()), nullable=False),
-        pa.field(AUX_HIDDEN_STATES, pa.large_binary(), nullable=False),
     ]
-    if metadata.has_last_hidden_state:
-        fields.append(pa.field(LAST_HIDDEN_STATE, pa.large_binary(), nullable=False))
+    for name in states:
+        fields.append(pa.field(name, pa.large_binary(), nullable=False))
+        if metadata.fp8:
+            fields.append(pa.field(name + SCALES_SUFFIX, pa.large_binary(), nullable=False))
     flat = {
         METADATA_KEY: metadata.to_json().encode(),
         # Plain keys too, so `parquet-tools meta` or pyarrow users see them without our reader.
         b"format_version": str(metadata.format_version).encode(),
         b"dtype": metadata.dtype.encode(),
+        b"state_dtype": metadata.state_dtype.encode(),
+        b"last_hidden_state": metadata.last_hidden_state.encode(),
         b"hidden_size": str(metadata.hidden_size).encode(),
         b"layer_ids": json.dumps(metadata.layer_ids).encode(),
         b"layers_to_capture": json.dumps(metadata.layers_to_capture).encode(),

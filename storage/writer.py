@@ -8,13 +8,15 @@ readers skip); ``finalize()`` closes, fsyncs and renames it; leaving the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import queue
 import threading
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +42,35 @@ _COMPRESSION = {
     schema.LOSS_MASK: "zstd",
     schema.AUX_HIDDEN_STATES: "none",
     schema.LAST_HIDDEN_STATE: "none",
+    schema.AUX_HIDDEN_STATES_SCALES: "none",
+    schema.LAST_HIDDEN_STATE_SCALES: "none",
 }
+# Where a writer's time goes, summed over its shards (``ShardWriter.clock``): building the Arrow
+# table, Parquet encoding + write() into the page cache, sha256 (reading the bytes back), fdatasync
+# behind the writes and at commit, and closing + renaming. The hasher thread's stages overlap the others.
+STAGES = ("encode", "write", "hash", "sync", "commit")
+
+
+class StageClock:
+    """Wall and CPU seconds per named stage, for one thread at a time (CPU time is the thread's)."""
+
+    def __init__(self, stages: Sequence[str] = STAGES) -> None:
+        self.wall = dict.fromkeys(stages, 0.0)
+        self.cpu = dict.fromkeys(stages, 0.0)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall[name] += time.perf_counter() - wall
+            self.cpu[name] += time.thread_time() - cpu
+
+    def add(self, other: "StageClock") -> None:
+        for name in other.wall:
+            self.wall[name] = self.wall.get(name, 0.0) + other.wall[name]
+            self.cpu[name] = self.cpu.get(name, 0.0) + other.cpu[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +105,10 @@ def column_compression(arrow_schema: pa.Schema) -> dict[str, str]:
 
 
 def state_bytes_per_token(metadata: ShardMetadata) -> int:
-    """Bytes of hidden states one token adds to a shard file."""
+    """Bytes of hidden states one token adds to a shard file (with fp8, their scales too)."""
     layers = len(metadata.layer_ids) + (1 if metadata.has_last_hidden_state else 0)
-    return layers * metadata.hidden_size * metadata.itemsize
+    scales = layers * schema.SCALE_ITEMSIZE if metadata.fp8 else 0
+    return layers * metadata.hidden_size * metadata.itemsize + scales
 
 
 def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARGET_BYTES) -> int:
@@ -101,6 +132,8 @@ class _TrailingHasher:
         self._file = open(path, "rb", buffering=0)
         self._hash = hashlib.sha256()
         self._hashed = 0
+        self.clock = StageClock(("hash", "sync"))
+        """This thread's time hashing and in fdatasync; read it once ``finish`` or ``stop`` returned."""
         self._targets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
@@ -128,17 +161,33 @@ class _TrailingHasher:
         view = memoryview(bytearray(self.CHUNK_BYTES))
         try:
             while (target := self._targets.get()) is not None:
-                while self._hashed < target:
-                    count = self._file.readinto(view[: min(len(view), target - self._hashed)])
-                    if not count:
-                        raise OSError(f"{self._file.name}: ended at byte {self._hashed}, expected {target}")
-                    self._hash.update(view[:count])
-                    self._hashed += count
-                os.fdatasync(self._file.fileno())
+                with self.clock.stage("hash"):
+                    while self._hashed < target:
+                        count = self._file.readinto(view[: min(len(view), target - self._hashed)])
+                        if not count:
+                            raise OSError(f"{self._file.name}: ended at byte {self._hashed}, expected {target}")
+                        self._hash.update(view[:count])
+                        self._hashed += count
+                with self.clock.stage("sync"):
+                    os.fdatasync(self._file.fileno())
         except BaseException as error:  # reported by finish()
             self._error = error
             while self._targets.get() is not None:
                 pass
+
+
+# Columns are built from buffers: ``pa.array`` of numpy data imports pandas (0.5-1 s on a
+# writer's first batch) and walks lists of arrays in Python.
+def _flat_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(arrow_type, len(values), [None, pa.py_buffer(values)])
+
+
+def _list_column(rows: Sequence[np.ndarray], dtype: type, arrow_type: pa.DataType, row_offsets: np.ndarray) -> pa.Array:
+    """One list value per sample, from the rows' values concatenated and their offsets."""
+    values = np.concatenate([np.asarray(row, dtype=dtype) for row in rows]) if len(rows) else np.empty(0, dtype)
+    offsets = pa.py_buffer(row_offsets.astype(np.int32))
+    return pa.Array.from_buffers(pa.list_(arrow_type), len(rows), [None, offsets], children=[_flat_column(values, arrow_type)])
 
 
 def _binary_column(states: np.ndarray, row_offsets: np.ndarray, row_width_bytes: int) -> pa.Array:
@@ -168,6 +217,8 @@ class ShardWriter:
         self._writer: pq.ParquetWriter | None = None
         self._rows = 0
         self._tokens = 0
+        self.clock = StageClock()
+        """Time per stage (``STAGES``); the hasher's is added once the file is finalized or aborted."""
 
     def __enter__(self) -> "ShardWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,14 +245,42 @@ class ShardWriter:
         loss_masks: Sequence[np.ndarray],
         aux_hidden_states: np.ndarray,
         last_hidden_state: np.ndarray | None = None,
+        aux_scales: np.ndarray | None = None,
+        last_scales: np.ndarray | None = None,
     ) -> None:
         """Append samples whose states are stacked token-wise: aux is [sum(T_i), L*H].
 
-        State arrays hold the raw element bits in any numpy dtype of the model
-        dtype's itemsize (bfloat16 travels as int16), C-contiguous.
+        State arrays hold the raw element bits in any numpy dtype of the stored
+        dtype's itemsize (bfloat16 travels as int16, fp8 as uint8), C-contiguous.
+        With fp8 states, ``aux_scales`` [sum(T_i), L] and ``last_scales``
+        [sum(T_i), 1] are float32.
         """
         if self._writer is None:
             raise RuntimeError(f"{self.path}: append() outside the writer's `with` block")
+        with self.clock.stage("encode"):
+            table, tokens = self._table(
+                sample_ids, input_ids, loss_masks, aux_hidden_states, last_hidden_state, aux_scales, last_scales
+            )
+        with self.clock.stage("write"):
+            bytes_per_row = table.nbytes // max(1, table.num_rows)
+            self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
+        assert self._hasher is not None and self._file is not None
+        self._hasher.advance(self._file.tell())
+        self._rows += table.num_rows
+        self._tokens += tokens
+
+    def _table(
+        self,
+        sample_ids: Sequence[int],
+        input_ids: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        aux_hidden_states: np.ndarray,
+        last_hidden_state: np.ndarray | None,
+        aux_scales: np.ndarray | None,
+        last_scales: np.ndarray | None,
+    ) -> tuple[pa.Table, int]:
+        """The batch as an Arrow table of the file's schema, and its tokens; state columns share the
+        arrays' memory."""
         meta = self.metadata
         lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
         if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
@@ -211,52 +290,55 @@ class ShardWriter:
             )
         row_offsets = np.concatenate([[0], np.cumsum(lengths)])
         total = int(row_offsets[-1])
-        self._check_states("aux_hidden_states", aux_hidden_states, total, meta.aux_width, sample_ids)
         columns = {
-            schema.SAMPLE_ID: pa.array(np.asarray(sample_ids, dtype=np.int64)),
-            schema.INPUT_IDS: pa.array([np.asarray(ids, dtype=np.int32) for ids in input_ids], pa.list_(pa.int32())),
-            schema.LOSS_MASK: pa.array([np.asarray(m, dtype=np.uint8) for m in loss_masks], pa.list_(pa.uint8())),
-            schema.AUX_HIDDEN_STATES: _binary_column(aux_hidden_states, row_offsets, meta.aux_width * meta.itemsize),
+            schema.SAMPLE_ID: _flat_column(np.asarray(sample_ids, dtype=np.int64), pa.int64()),
+            schema.INPUT_IDS: _list_column(input_ids, np.int32, pa.int32(), row_offsets),
+            schema.LOSS_MASK: _list_column(loss_masks, np.uint8, pa.uint8(), row_offsets),
         }
+        states = [(schema.AUX_HIDDEN_STATES, aux_hidden_states, aux_scales, len(meta.layer_ids))]
         if meta.has_last_hidden_state:
             if last_hidden_state is None:
                 raise ValueError(f"{self.path}: the shard stores last_hidden_state but none was given")
-            self._check_states("last_hidden_state", last_hidden_state, total, meta.hidden_size, sample_ids)
-            columns[schema.LAST_HIDDEN_STATE] = _binary_column(
-                last_hidden_state, row_offsets, meta.hidden_size * meta.itemsize
-            )
-        table = pa.Table.from_pydict(columns, schema=self._schema)
-        bytes_per_row = table.nbytes // max(1, table.num_rows)
-        self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
-        assert self._hasher is not None and self._file is not None
-        self._hasher.advance(self._file.tell())
-        self._rows += len(sample_ids)
-        self._tokens += total
+            states.append((schema.LAST_HIDDEN_STATE, last_hidden_state, last_scales, 1))
+        for name, values, scales, layers in states:
+            width = layers * meta.hidden_size
+            self._check(name, values, (total, width), meta.itemsize, sample_ids)
+            columns[name] = _binary_column(values, row_offsets, width * meta.itemsize)
+            if meta.fp8:
+                self._check(name + schema.SCALES_SUFFIX, scales, (total, layers), schema.SCALE_ITEMSIZE, sample_ids)
+                columns[name + schema.SCALES_SUFFIX] = _binary_column(
+                    scales, row_offsets, layers * schema.SCALE_ITEMSIZE
+                )
+        return pa.Table.from_pydict(columns, schema=self._schema), total
 
-    def _check_states(
-        self, name: str, states: np.ndarray, tokens: int, width: int, sample_ids: Sequence[int]
+    def _check(
+        self, name: str, states: np.ndarray | None, expected: tuple[int, int], itemsize: int, sample_ids: Sequence[int]
     ) -> None:
-        expected = (tokens, width)
-        if states.shape != expected or states.dtype.itemsize != self.metadata.itemsize:
+        if states is None or states.shape != expected or states.dtype.itemsize != itemsize:
             first, last = (sample_ids[0], sample_ids[-1]) if len(sample_ids) else (None, None)
+            got = "none" if states is None else f"shape {states.shape} and itemsize {states.dtype.itemsize}"
             raise ValueError(
-                f"{self.path}: {name} for samples {first}..{last} has shape {states.shape} and "
-                f"itemsize {states.dtype.itemsize}; expected {expected} with itemsize "
-                f"{self.metadata.itemsize} ({self.metadata.dtype})"
+                f"{self.path}: {name} for samples {first}..{last} has {got}; expected {expected} with itemsize "
+                f"{itemsize} ({self.metadata.state_dtype if itemsize == self.metadata.itemsize else 'float32'})"
             )
 
     def finalize(self) -> ShardFileInfo:
         """Close, fsync and atomically publish the file under its final name."""
         if self._writer is None or self._file is None or self._hasher is None:
             raise RuntimeError(f"{self.path}: finalize() called twice or outside `with`")
-        self._writer.close()
-        self._writer = None
-        size = self._file.tell()
-        self._file.close()
-        sha256 = self._hasher.finish(size)
-        _fsync_path(self.temp_path)
-        os.replace(self.temp_path, self.path)
-        _fsync_path(self.path.parent)
+        with self.clock.stage("commit"):
+            self._writer.close()
+            self._writer = None
+            size = self._file.tell()
+            self._file.close()
+        hasher, self._hasher = self._hasher, None
+        sha256 = hasher.finish(size)  # waits for the hasher, whose time its own clock counts
+        self.clock.add(hasher.clock)
+        with self.clock.stage("sync"):
+            _fsync_path(self.temp_path)
+        with self.clock.stage("commit"):
+            os.replace(self.temp_path, self.path)
+            _fsync_path(self.path.parent)
         return ShardFileInfo(path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256)
 
     def abort(self) -> None:
@@ -270,6 +352,7 @@ class ShardWriter:
                 self._file.close()
             if self._hasher is not None:
                 self._hasher.stop()
+                self.clock.add(self._hasher.clock)
             self.temp_path.unlink(missing_ok=True)
 
 

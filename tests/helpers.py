@@ -21,7 +21,7 @@ def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1
         tp_size=tp_size,
         attention_backend="torch_native",
         layer_ids=tuple(layer_ids),
-        last_hidden_state=True,
+        last_hidden_state="post_norm",
         max_tokens_per_batch=2048,
         max_samples_per_batch=32,
     )
@@ -66,6 +66,18 @@ def hf_hidden_states(model, input_ids: np.ndarray) -> tuple[torch.Tensor, ...]:
     return tuple(h[0] for h in out.hidden_states)
 
 
+def hf_final_states(model, input_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """HF's final state of one sequence both ways: the input of ``model.model.norm`` (pre_norm) and
+    the last ``output_hidden_states`` entry (post_norm)."""
+    kept = {}
+    hook = model.model.norm.register_forward_hook(lambda module, args, output: kept.update(pre_norm=args[0][0]))
+    try:
+        post_norm = hf_hidden_states(model, input_ids)[-1]
+    finally:
+        hook.remove()
+    return {"pre_norm": kept["pre_norm"], "post_norm": post_norm}
+
+
 def split_tokens(states: np.ndarray, lengths) -> list[np.ndarray]:
     return np.split(states, np.cumsum(lengths)[:-1])
 
@@ -76,12 +88,13 @@ def random_sequences(lengths, vocab_size: int = 512, seed: int = 0) -> list[np.n
 
 
 def assert_matches_hf(model_path: Path, layer_ids, captured: CapturedBatch, sequences, hidden: int,
-                      neighbour_gap: float) -> None:
+                      neighbour_gap: float, final: str = "post_norm") -> None:
     """Aux states equal HF ``hidden_states[k+1]`` within 1e-5 and are at least ``neighbour_gap``
     away from ``[k]`` and ``[k+2]`` (an off-by-one convention fails loudly); the final state
-    equals HF's last entry."""
+    equals HF's ``final`` one (post_norm or pre_norm) and is far from the other kind."""
     hf = load_hf_model(model_path)
     lengths = [len(ids) for ids in sequences]
+    other = {"post_norm": "pre_norm", "pre_norm": "post_norm"}[final]
     for ids, aux, last in zip(sequences, split_tokens(captured.aux_hidden_states, lengths),
                               split_tokens(captured.last_hidden_state, lengths)):
         reference = hf_hidden_states(hf, ids)
@@ -91,7 +104,11 @@ def assert_matches_hf(model_path: Path, layer_ids, captured: CapturedBatch, sequ
             assert (got - reference[k + 1]).abs().max() < 1e-5, f"layer {k}"
             assert (got - reference[k]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k}]"
             assert (got - reference[k + 2]).abs().max() > neighbour_gap, f"layer {k} looks like HF[{k + 2}]"
-        assert (torch.from_numpy(last) - reference[-1]).abs().max() < 1e-5
+        finals = hf_final_states(hf, ids)
+        last = torch.from_numpy(last)
+        scale = max(1.0, finals[final].abs().max().item())
+        assert (last - finals[final]).abs().max() < 1e-5 * scale, f"final state is not HF's {final}"
+        assert (last - finals[other]).abs().max() > neighbour_gap, f"final state looks like HF's {other}"
 
 
 def assert_reads_as_parquet_dataset(out: Path, rows: int) -> None:

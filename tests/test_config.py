@@ -28,7 +28,9 @@ def python_env(**extra: str) -> dict[str, str]:
     ("outptu.dir=/x", "unknown key outptu.dir; did you mean output.dir?"),
     ("output.sink_opts.a=1", "unknown key output.sink_opts.a; did you mean output.sink_options?"),
     ("model.tp_size=abc", "model.tp_size: Value 'abc' of type 'str' could not be converted to Integer"),
-    ("extract.last_hidden_state=maybe", "extract.last_hidden_state: Value 'maybe' is not a valid bool"),
+    ("extract.last_hidden_state=maybe", "extract.last_hidden_state='maybe': use one of post_norm, pre_norm, none"),
+    ("output.state_dtype=fp8", "output.state_dtype='fp8': use one of model, float8_e4m3fn"),
+    ("model.engine=vllm", "model.engine='vllm': use one of sglang, synthetic"),
     ("extract.layers=[2,x]", "extract.layers[1]: Value 'x'"),
     ("extract.layers=[2,3", "cannot parse 'extract.layers=[2,3' as key=YAML value"),
     ("model.path", "overrides must look like section.key=value"),
@@ -89,6 +91,13 @@ def test_sections_check_themselves_when_built_in_python():
         OutputConfig(max_inflight_batches=-1)
     assert OutputConfig(disk_budget="64GiB").disk_budget_bytes == 64 * 2**30
     assert not ModelConfig().trust_remote_code
+
+
+def test_final_state_kinds_and_earlier_booleans():
+    """Earlier configs' extract.last_hidden_state=true/false still mean what they meant."""
+    assert load_config(["extract.last_hidden_state=true"]).extract.last_hidden_state == "post_norm"
+    assert load_config(["extract.last_hidden_state=false"]).extract.last_hidden_state == "none"
+    assert load_config(["extract.last_hidden_state=pre_norm"]).extract.last_hidden_state == "pre_norm"
 
 
 def test_help_lists_every_key_with_its_meaning():

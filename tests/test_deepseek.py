@@ -45,6 +45,14 @@ def deepseek_q_lora(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("deepseek_q") / "model", arch="deepseek_v3")
 
 
+def test_deepseek_pre_norm_final_state_matches_hf(ray_cluster, deepseek_q_lora):
+    sequences = random_sequences(LENGTHS, seed=8)
+    spec = engine_spec(deepseek_q_lora, [1, 3, 5], last_hidden_state="pre_norm")
+    info, captured = extract_once(spec, sequences)
+    assert info.drafter_layer_ids == [1, 3, 5]  # first id 1: deepseek_v2 adds +1 itself
+    assert_matches_hf(deepseek_q_lora, [1, 3, 5], captured, sequences, HIDDEN, neighbour_gap=1e-3, final="pre_norm")
+
+
 def test_deepseek_bf16_is_deterministic_across_runs_and_packings(ray_cluster, deepseek_q_lora):
     """In bf16 SGLang routes with bf16 router logits (HF upcasts), so near-ties pick other
     experts than HF: compare SGLang with SGLang, bit for bit."""

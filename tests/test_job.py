@@ -16,6 +16,7 @@ from jobs.config import load_config
 from jobs.dataset import open_tokenized_dataset
 from jobs.extract import run
 from jobs.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE
+from extractor.quantize import quantize_fp8
 from jobs.plan import pack_batches
 from storage import ShardReader
 from tests.conftest import REPO_ROOT
@@ -113,6 +114,46 @@ def test_tp2_job_equals_tp1(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     assert worst_aux <= 1e-6, worst_aux
     # The final state is post-norm with |x| up to ~10 here: compare at fp32 resolution of that scale.
     assert worst_last <= 1e-6 * largest_last, (worst_last, largest_last)
+
+
+def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """output.state_dtype=float8_e4m3fn with the pre-norm final state: the stored fp8 values and
+    scales are exactly the quantization of what the bf16 run of the same batches stored, at about
+    half the bytes; a resume with another state dtype is refused."""
+    common = ("model.dtype=bfloat16", "extract.last_hidden_state=pre_norm")
+    bf16 = run(job_config(llama_fp32, demo_dataset, tmp_path / "bf16", *common))
+    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common, "output.state_dtype=float8_e4m3fn"))
+    assert fp8["shards_failed"] == {} and fp8["tokens"] == bf16["tokens"]
+    metadata = ShardReader(next((tmp_path / "fp8").glob("shard-*.parquet"))).metadata
+    assert (metadata.state_dtype, metadata.dtype, metadata.last_hidden_state) == ("float8_e4m3fn", "bfloat16", "pre_norm")
+    states_bf16 = (3 + 1) * HIDDEN * 2
+    states_fp8 = (3 + 1) * HIDDEN + (3 + 1) * 4
+    # the same token ids and masks, and file overhead, around half the state bytes
+    overhead = bf16["bytes"] / bf16["tokens"] - states_bf16
+    assert fp8["bytes"] / fp8["tokens"] == pytest.approx(states_fp8 + overhead, rel=0.02)
+
+    reference, raw = read_all(tmp_path / "bf16"), {}
+    for path in sorted((tmp_path / "fp8").glob("shard-*.parquet")):
+        raw.update((sample.sample_id, sample) for sample in ShardReader(path, raw_fp8=True))
+    dequantized = read_all(tmp_path / "fp8")
+    squared_error, squared_norm = torch.zeros(4), torch.zeros(4)
+    for sample_id, expected in reference.items():
+        stored = raw[sample_id]
+        for name, groups in (("aux_hidden_states", 3), ("last_hidden_state", 1)):
+            values, scales = quantize_fp8(getattr(expected, name), groups)
+            assert torch.equal(getattr(stored, name).view(torch.uint8), values.view(torch.uint8)), (sample_id, name)
+            assert torch.equal(getattr(stored, name + "_scales"), scales), (sample_id, name)
+        both = [(s.aux_hidden_states.float(), s.last_hidden_state.float()) for s in (expected, dequantized[sample_id])]
+        original = torch.cat(both[0], dim=1).view(-1, 4, HIDDEN)
+        restored = torch.cat(both[1], dim=1).view(-1, 4, HIDDEN)
+        squared_error += (restored - original).square().sum(dim=(0, 2))
+        squared_norm += original.square().sum(dim=(0, 2))
+    errors = (squared_error / squared_norm).sqrt().tolist()
+    print("fp8 relative error per stored layer (layers 2, 4, 5, final pre-norm):", [f"{e:.4f}" for e in errors])
+    assert all(0.005 < error < 0.05 for error in errors), errors
+
+    with pytest.raises(ValueError, match="output.state_dtype: was 'float8_e4m3fn', now 'model'"):
+        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common))
 
 
 def test_bad_input_fails_before_any_work(ray_cluster, llama_fp32, tmp_path):

@@ -36,6 +36,16 @@ def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
     assert_matches_hf(model_path, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-2)
 
 
+def test_pre_norm_final_state_matches_hf(ray_cluster, llama_fp32):
+    """extract.last_hidden_state=pre_norm: the residual stream entering the final norm (HF: the
+    input of model.norm), captured from SGLang's forward."""
+    sequences = random_sequences(LENGTHS, seed=6)
+    info, captured = extract_once(engine_spec(llama_fp32, [0, 3, 5], last_hidden_state="pre_norm"), sequences)
+    assert info.sglang_version == os.environ.get("EAGLE3_EXPECT_SGLANG", info.sglang_version)
+    assert captured.last_hidden_state.shape == (sum(LENGTHS), HIDDEN)
+    assert_matches_hf(llama_fp32, [0, 3, 5], captured, sequences, HIDDEN, neighbour_gap=1e-2, final="pre_norm")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packing_does_not_change_states(ray_cluster, llama_fp32, dtype):
     """One packed batch gives the states each sample gets alone: bit-identical in bf16, and
