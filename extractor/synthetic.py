@@ -44,6 +44,7 @@ class SyntheticEngine:
         self.info = EngineInfo(
             sglang_version=SYNTHETIC_VERSION,
             model_architecture="synthetic",
+            language_model_architecture="synthetic",
             num_layers=checkpoint.num_layers,
             hidden_size=hidden,
             dtype=spec.dtype,

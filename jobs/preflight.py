@@ -89,11 +89,12 @@ def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: l
     """The shard metadata as far as config.json tells it (what SGLang captures is known after loading)."""
     return ShardMetadata(
         dtype=config.model.dtype,
+        state_dtype=config.model.dtype if config.output.state_dtype == "model" else config.output.state_dtype,
         hidden_size=checkpoint.hidden_size,
         layer_ids=list(layer_ids),
         layers_to_capture=[],
         drafter_layer_ids=[],
-        has_last_hidden_state=config.extract.last_hidden_state,
+        last_hidden_state=config.extract.last_hidden_state,
         model_path=config.model.path,
         model_architecture=checkpoint.architecture,
         sglang_version="",
