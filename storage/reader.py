@@ -44,10 +44,15 @@ class Sample:
 
 def read_metadata(path: str | os.PathLike) -> ShardMetadata:
     """The ``ShardMetadata`` of a shard file, from its footer alone."""
-    kv = pq.read_schema(path).metadata or {}
+    return metadata_from_schema(pq.read_schema(path), source=str(path))
+
+
+def metadata_from_schema(arrow_schema: pa.Schema, source: str) -> ShardMetadata:
+    """The ``ShardMetadata`` a shard file's Arrow schema carries; ``source`` names the file in errors."""
+    kv = arrow_schema.metadata or {}
     if schema.METADATA_KEY not in kv:
-        raise ValueError(f"{path}: not a hidden-states shard (no {schema.METADATA_KEY.decode()} metadata)")
-    return ShardMetadata.from_json(kv[schema.METADATA_KEY].decode(), source=str(path))
+        raise ValueError(f"{source}: not a hidden-states shard (no {schema.METADATA_KEY.decode()} metadata)")
+    return ShardMetadata.from_json(kv[schema.METADATA_KEY].decode(), source=source)
 
 
 def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -95,44 +100,49 @@ class ShardReader:
             raise IndexError(f"{self.path}: sample index {index} out of range (0..{len(self) - 1})")
         group = bisect.bisect_right(self._group_starts, index) - 1
         table = self._file.read_row_group(group)
-        return self._sample_from(table, index - self._group_starts[group])
+        return sample_from_table(table, index - self._group_starts[group], self.metadata, self.raw_fp8)
 
     def __iter__(self) -> Iterator[Sample]:
         for group in range(self._file.num_row_groups):
             table = self._file.read_row_group(group)
             for row in range(table.num_rows):
-                yield self._sample_from(table, row)
+                yield sample_from_table(table, row, self.metadata, self.raw_fp8)
 
-    def _sample_from(self, table: pa.Table, row: int) -> Sample:
-        meta = self.metadata
-        stored = getattr(torch, meta.state_dtype)
 
-        def column(name: str, dtype: torch.dtype, width: int) -> torch.Tensor:
-            chunk, local = _locate(table.column(name), row)
-            return _states_tensor(chunk, local, dtype, width)
+def sample_from_table(table: pa.Table, row: int, meta: ShardMetadata, raw_fp8: bool = False) -> Sample:
+    """Row ``row`` of a table read from a shard file (a row group, or any slice of one) as a ``Sample``.
 
-        def states(name: str, layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            values = column(name, stored, layers * meta.hidden_size)
-            if not meta.fp8:
-                return values, None
-            scales = column(name + schema.SCALES_SUFFIX, torch.float32, layers)
-            if self.raw_fp8:
-                return values, scales
-            return dequantize(values, scales, getattr(torch, meta.dtype)), None
+    State tensors are views on the table's buffers; fp8 states are dequantized to the model dtype
+    unless ``raw_fp8``.
+    """
+    stored = getattr(torch, meta.state_dtype)
 
-        aux, aux_scales = states(schema.AUX_HIDDEN_STATES, len(meta.layer_ids))
-        last, last_scales = states(schema.LAST_HIDDEN_STATE, 1) if meta.has_last_hidden_state else (None, None)
-        input_ids = table.column(schema.INPUT_IDS)[row].values.to_numpy()
-        loss_mask = table.column(schema.LOSS_MASK)[row].values.to_numpy()
-        return Sample(
-            sample_id=table.column(schema.SAMPLE_ID)[row].as_py(),
-            input_ids=torch.from_numpy(input_ids.astype(np.int64)),
-            loss_mask=torch.from_numpy(loss_mask.copy()),
-            aux_hidden_states=aux,
-            last_hidden_state=last,
-            aux_hidden_states_scales=aux_scales,
-            last_hidden_state_scales=last_scales,
-        )
+    def column(name: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+        chunk, local = _locate(table.column(name), row)
+        return _states_tensor(chunk, local, dtype, width)
+
+    def states(name: str, layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        values = column(name, stored, layers * meta.hidden_size)
+        if not meta.fp8:
+            return values, None
+        scales = column(name + schema.SCALES_SUFFIX, torch.float32, layers)
+        if raw_fp8:
+            return values, scales
+        return dequantize(values, scales, getattr(torch, meta.dtype)), None
+
+    aux, aux_scales = states(schema.AUX_HIDDEN_STATES, len(meta.layer_ids))
+    last, last_scales = states(schema.LAST_HIDDEN_STATE, 1) if meta.has_last_hidden_state else (None, None)
+    input_ids = table.column(schema.INPUT_IDS)[row].values.to_numpy()
+    loss_mask = table.column(schema.LOSS_MASK)[row].values.to_numpy()
+    return Sample(
+        sample_id=table.column(schema.SAMPLE_ID)[row].as_py(),
+        input_ids=torch.from_numpy(input_ids.astype(np.int64)),
+        loss_mask=torch.from_numpy(loss_mask.copy()),
+        aux_hidden_states=aux,
+        last_hidden_state=last,
+        aux_hidden_states_scales=aux_scales,
+        last_hidden_state_scales=last_scales,
+    )
 
 
 def _locate(column: pa.ChunkedArray, row: int) -> tuple[pa.Array, int]:

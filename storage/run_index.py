@@ -1,0 +1,228 @@
+"""A run's shard files, and an index over their samples built from the files' footers.
+
+A run is an ``output.dir`` or a URL holding shard files. In an ``output.dir`` the
+manifest (``.manifest.json`` + ``.manifest.journal``) names the shards: every done
+shard's file, local or, once uploaded, at its ``sink_url``. Where there is no
+manifest (a sink URL, a copy of the files), the ``shard-*.parquet`` files there are
+the run: a file under its final name is complete (the writer renames it when it
+is), and temp files are hidden names that do not match.
+
+Each file's footer (one small read, a range request for a URL) gives its row groups
+and their rows, the range of its sample ids (the ``sample_id`` column statistics)
+and its ``ShardMetadata``; the index keeps only those, so it pickles small, and
+finding a sample is two bisects. Files of different runs mix only when everything
+that shapes a training sample agrees (``TRAINING_FIELDS``); the error names both
+files and the field.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import fsspec
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from storage import schema
+from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
+from storage.reader import metadata_from_schema
+from storage.schema import ShardMetadata
+from storage.writer import SHARD_GLOB
+
+logger = logging.getLogger(__name__)
+
+TRAINING_FIELDS = (
+    "dtype", "state_dtype", "hidden_size", "layer_ids", "layers_to_capture", "last_hidden_state",
+    "language_model_architecture",
+)
+"""Metadata that must agree between shards read as one dataset: what a sample's tensors mean."""
+FOOTER_THREADS = 16
+"""Footers read at once when the index is built (remote files: one round trip each)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+    url: str
+    """Absolute local path, or an fsspec URL."""
+    group_rows: tuple[int, ...]
+    """Rows of each row group, in file order."""
+    first_sample_id: int
+    last_sample_id: int
+    run: int = 0
+    """Which of the dataset's runs the file belongs to (its position in the list given)."""
+    sha256: str = ""
+    """As the manifest recorded it (empty for files listed without a manifest)."""
+
+    @property
+    def rows(self) -> int:
+        return sum(self.group_rows)
+
+
+def is_local(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    return isinstance(fsspec.core.url_to_fs(url, **(storage_options or {}))[0], LocalFileSystem)
+
+
+def local_path(url: str) -> str:
+    """A local path or ``file://`` URL as a plain absolute path."""
+    return os.path.abspath(fsspec.core.url_to_fs(url)[1]) if "://" in url else os.path.abspath(url)
+
+
+def list_run_files(run: str, storage_options: Mapping[str, Any] | None = None) -> tuple[list[tuple[str, str]], str]:
+    """The run's shard files as (url, sha256), and a note on what was left out (empty when nothing was)."""
+    options = dict(storage_options or {})
+    if is_local(run, options):
+        directory = Path(local_path(run))
+        if (directory / MANIFEST_FILE).is_file():
+            return _files_from_manifest(directory)
+        if not directory.is_dir():
+            raise ValueError(f"{run}: no such directory; name a run's output.dir or a URL holding its shard files")
+        files = [(str(path), "") for path in sorted(directory.glob(SHARD_GLOB))]
+    else:
+        fs, root = fsspec.core.url_to_fs(run, **options)
+        protocol = run.split("://", 1)[0]
+        files = [(f"{protocol}://{path}", "") for path in sorted(fs.glob(root.rstrip("/") + "/" + SHARD_GLOB))]
+    if not files:
+        raise ValueError(f"{run}: no {SHARD_GLOB} files and no {MANIFEST_FILE}; name a run's output.dir")
+    return files, ""
+
+
+def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
+    shards = read_manifest(output_dir)["shards"]
+    files: list[tuple[str, str]] = []
+    left_out: dict[str, int] = {}
+    for record in shards:
+        if record["state"] != DONE or record["location"] == CONSUMED:
+            why = record["state"] if record["state"] != DONE else "consumed (deleted from output.dir by someone else)"
+            left_out[why] = left_out.get(why, 0) + 1
+        elif record["location"] == SINK:
+            files.append((record["sink_url"], record["sha256"]))
+        else:
+            path = output_dir / record["file"]
+            if not path.is_file():
+                node = f" (written on node {record['node']})" if record.get("node") else ""
+                raise ValueError(
+                    f"{path}: shard {record['index']} is done in {output_dir / MANIFEST_FILE} but its file is not "
+                    f"here{node}; copy it back, or read the run where its files are"
+                )
+            files.append((str(path), record["sha256"]))
+    if not files:
+        raise ValueError(f"{output_dir}: the manifest lists no done shard yet; nothing to read")
+    note = ""
+    if left_out:
+        counts = ", ".join(f"{count} {state}" for state, count in sorted(left_out.items()))
+        note = f"{output_dir}: {len(files)} of {len(shards)} shards are read; left out: {counts}"
+    return files, note
+
+
+def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:
+    """A shard file opened for reading: memory-mapped when local, range reads through fsspec otherwise."""
+    if is_local(url, storage_options):
+        return pq.ParquetFile(local_path(url), memory_map=True)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs.
+    return pq.ParquetFile(fs.open(path, "rb", cache_type="none"))
+
+
+def read_footer(url: str, run: int, sha256: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardFile, ShardMetadata]:
+    parquet = open_parquet(url, storage_options)
+    try:
+        footer = parquet.metadata
+        metadata = metadata_from_schema(parquet.schema_arrow, source=url)
+        column = footer.schema.names.index(schema.SAMPLE_ID)
+        groups = [footer.row_group(g) for g in range(footer.num_row_groups)]
+        stats = [group.column(column).statistics for group in groups]
+        if all(s is not None and s.has_min_max for s in stats) and groups:
+            first, last = min(s.min for s in stats), max(s.max for s in stats)
+        else:  # files written without statistics: the column itself (8 bytes a sample)
+            ids = parquet.read(columns=[schema.SAMPLE_ID]).column(0).to_numpy()
+            first, last = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+        shard = ShardFile(url, tuple(g.num_rows for g in groups), int(first), int(last), run, sha256)
+    finally:
+        parquet.close()
+    return shard, metadata
+
+
+class RunIndex:
+    """Every sample of one or more runs: global index -> (file, row group, row), from footers alone."""
+
+    def __init__(self, files: Sequence[ShardFile], metadata: ShardMetadata, notes: Sequence[str] = ()) -> None:
+        self.files = list(files)
+        self.metadata = metadata
+        self.notes = list(notes)
+        self._file_starts = _starts(file.rows for file in self.files)
+        self._group_starts = [_starts(file.group_rows) for file in self.files]
+
+    @classmethod
+    def build(cls, runs: str | os.PathLike | Sequence[str | os.PathLike],
+              storage_options: Mapping[str, Any] | None = None) -> "RunIndex":
+        """Read the footers of every shard file of ``runs`` (a run, or a list of runs read as one)."""
+        sources = [os.fspath(runs)] if isinstance(runs, (str, os.PathLike)) else [os.fspath(r) for r in runs]
+        if not sources:
+            raise ValueError("name at least one run (an output.dir, or a URL holding its shard files)")
+        listed, notes = [], []
+        for number, source in enumerate(sources):
+            files, note = list_run_files(source, storage_options)
+            listed += [(url, number, sha256) for url, sha256 in files]
+            if note:
+                notes.append(note)
+                logger.warning("%s", note)
+        with concurrent.futures.ThreadPoolExecutor(min(FOOTER_THREADS, len(listed))) as pool:
+            footers = list(pool.map(lambda item: read_footer(*item, storage_options), listed))
+        metadata = _common_metadata(footers)
+        files = sorted((shard for shard, _ in footers), key=lambda f: (f.run, f.first_sample_id))
+        _check_disjoint(files)
+        return cls(files, metadata, notes)
+
+    def __len__(self) -> int:
+        return self._file_starts[-1]
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """Global sample index -> (file number, row group, row within the group)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range (0..{len(self) - 1})")
+        file = bisect.bisect_right(self._file_starts, index) - 1
+        row = index - self._file_starts[file]
+        starts = self._group_starts[file]
+        group = bisect.bisect_right(starts, row) - 1
+        return file, group, row - starts[group]
+
+    def file_start(self, file: int) -> int:
+        """Global index of the first sample of file number ``file``."""
+        return self._file_starts[file]
+
+
+def _starts(counts: Any) -> list[int]:
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return starts
+
+
+def _common_metadata(footers: Sequence[tuple[ShardFile, ShardMetadata]]) -> ShardMetadata:
+    first_file, first = footers[0]
+    for shard, metadata in footers[1:]:
+        for field in TRAINING_FIELDS:
+            mine, theirs = getattr(first, field), getattr(metadata, field)
+            if mine != theirs and (field != "language_model_architecture" or (mine and theirs)):
+                raise ValueError(
+                    f"cannot read these shards as one dataset: {first_file.url} has {field}={mine!r} but "
+                    f"{shard.url} has {field}={theirs!r} (different runs); read each run on its own"
+                )
+    return first
+
+
+def _check_disjoint(files: Sequence[ShardFile]) -> None:
+    for before, after in zip(files, files[1:]):
+        if before.run == after.run and after.first_sample_id <= before.last_sample_id:
+            raise ValueError(
+                f"{before.url} (sample ids {before.first_sample_id}..{before.last_sample_id}) and {after.url} "
+                f"({after.first_sample_id}..{after.last_sample_id}) hold the same sample ids: shard files of two "
+                "runs in one place? Read each run on its own"
+            )
+
