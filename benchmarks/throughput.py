@@ -160,10 +160,16 @@ def main() -> None:
                         help="rate of the synthetic source in (d); 0: as fast as the host copy goes (capacity)")
     parser.add_argument("--capacity-only", action="store_true",
                         help="only the (d) rows: no model is loaded (any shape runs on CPU from its config.json)")
+    parser.add_argument("--rows", default="",
+                        help="comma-separated job rows to run (b,b2,b-fp8,d,d2,d-fp8,d2-fp8); default: all that apply. "
+                             "Splits one shape's rows over several calls of a time-limited machine")
     parser.add_argument("--work-dir", default="", help="kept afterwards; default: a temp dir, removed")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
+    unknown = set(args.rows.split(",")) - set(ROW_TITLES) if args.rows else set()
+    if unknown:
+        parser.error(f"--rows: unknown {sorted(unknown)}; known: {','.join(ROW_TITLES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
@@ -241,6 +247,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     plan += [("d", [*job_args, *synthetic], False), ("d2", [*job_args, *synthetic], True)]
     if args.fp8:
         plan.append(("d2-fp8", [*fp8, *synthetic], True) if args.memory_dir else ("d-fp8", [*fp8, *synthetic], False))
+    if args.rows:
+        plan = [step for step in plan if step[0] in args.rows.split(",")]
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
                      "disk_probe_bytes": args.disk_probe_bytes,
                      "disk_write_bytes_per_s": round(measure_disk(work, args.disk_probe_bytes))}
@@ -258,11 +266,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
                 continue
             output_dir = tmpfs_dir(args.memory_dir) if in_memory else work / f"out-{name}"
             rows[name] = job_row(run_job(arguments, output_dir, args.consume), bare)
-    first = rows.get("b") or rows["d"]
+    first = next(iter(rows.values()))
     results.update({key: first[key] for key in ("tokens", "writers", "last_hidden_state", "layer_ids", "sglang")})
     results["rows"] = rows
-    if bare is not None:
-        job = rows["b"]
+    job = rows.get("b") or rows.get("b-fp8")
+    if bare is not None and job is not None:
         results.update(
             bytes=job["bytes"], job_tokens_per_s=job["tokens_per_s"], job_over_bare=job["over_bare"],
             job_in_memory_tokens_per_s=rows["b2"]["tokens_per_s"] if "b2" in rows else None,
@@ -356,7 +364,7 @@ def print_table(results: dict) -> None:
                  f"{row['bytes_per_token']:,.0f} B/token")
         print("\n".join(stage_lines(row)))
     line("(c) disk sequential write (fsync)", format_rate(disk_bps), f"{results['disk_probe_bytes'] / 1e9:.1f} GB written")
-    if "bare_prefill_tokens_per_s" not in results:
+    if "states_at_bare_speed_bytes_per_s" not in results:
         return
     states_bps = results["states_at_bare_speed_bytes_per_s"]
     line("    states at (a)'s speed", format_rate(states_bps), f"{results['bytes_per_token']:,.0f} B/token")
