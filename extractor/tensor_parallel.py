@@ -16,9 +16,10 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -65,6 +66,25 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
     while (message := inbox.get()) is not None:
         method, input_ids = message
         getattr(engine, method)(input_ids)
+
+
+def wait_for_ranks(status: mp.Queue, ranks: Iterable[int], timeout_s: float) -> None:
+    """Until every follower in ``ranks`` reported it built its engine; raises the first failure, or
+    a TimeoutError naming the ranks still loading."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(ranks)
+    while pending:
+        try:
+            rank, error = status.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(
+                f"tensor-parallel ranks {sorted(pending)} were not ready {timeout_s:.0f} s after start: their "
+                "model load is stuck or very slow. Their log lines are in the extractor actor's log (Ray "
+                "dashboard, or `ray logs actor --id ...`); rerun the same command once fixed: it resumes"
+            ) from None
+        if error is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {error}")
+        pending.discard(rank)
 
 
 class ActivityClock:
@@ -131,13 +151,7 @@ class TensorParallelEngine:
         return self._engine.max_batch_bytes
 
     def _wait_for_followers(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        pending = set(range(1, len(self._followers) + 1))
-        while pending:
-            rank, error = self._status.get(timeout=max(1.0, deadline - time.monotonic()))
-            if error is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {error}")
-            pending.discard(rank)
+        wait_for_ranks(self._status, range(1, len(self._followers) + 1), READY_TIMEOUT_S)
 
     def _watch_followers(self) -> None:
         while not self._closing:

@@ -66,3 +66,17 @@ def test_check_layer_ids_rejects(ids, message):
 
 def test_check_layer_ids_accepts_up_to_second_to_last():
     assert check_layer_ids([0, 3, 6], 8) == [0, 3, 6]
+
+
+def test_follower_ranks_that_never_report_time_out_with_a_message():
+    import multiprocessing as mp
+
+    from extractor.tensor_parallel import wait_for_ranks
+
+    status = mp.get_context("spawn").Queue()
+    status.put((1, None))
+    with pytest.raises(TimeoutError, match=r"ranks \[2, 3\] were not ready 0 s after start.*rerun"):
+        wait_for_ranks(status, [1, 2, 3], timeout_s=0.2)
+    status.put((2, "OSError: no such file"))
+    with pytest.raises(RuntimeError, match="rank 2 failed to start: OSError: no such file"):
+        wait_for_ranks(status, [2], timeout_s=5)
