@@ -256,8 +256,9 @@ def format_report(report: DryRun) -> str:
         f"states   {report.state_dtype}, {len(layers.layer_ids)} layers{final} x hidden {report.hidden_size}: "
         f"{report.state_bytes_per_token:,} B/token",
         f"disk     {format_bytes(report.predicted_bytes)} predicted for the {report.shards - report.done_shards:,} "
-        f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}) against "
-        f"output.disk_budget {format_bytes(report.disk_budget)}; "
+        f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}), "
+        f"{(report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of output.disk_budget "
+        f"{format_bytes(report.disk_budget)}; "
         + (f"sink {report.sink}" if report.sink else "no sink"),
         f"         {report.output_dir}: {format_bytes(report.free_bytes)} free on its filesystem, "
         f"output.min_free_bytes {format_bytes(report.min_free_bytes)}",
