@@ -9,21 +9,31 @@ Parquet file of synthetic token ids (random lengths around --mean-tokens).
   rows      dataset.rows() for every batch of every shard, in plan order (what sending batches reads)
   manifest  Manifest.update once per shard (the journal), against one full rewrite of the manifest
             (what every update cost before the journal)
+  schedule  the whole job in this process (``jobs.extract.run``, what ``python -m jobs.extract`` runs),
+            with the synthetic states source (``model.engine=synthetic``: states of a checkpoint's
+            shape, no model) of a tiny hidden size, into a tmpfs: this process is the driver, and its
+            CPU time across the run is the driver's cost. A second run of one shard on the same input
+            measures what every run pays once (open, plan, Ray and actors up and down); the difference,
+            per batch and per shard, is the driver's cost of scheduling.
 
-    python -m benchmarks.driver_scale --rows 1000000 --shards 10000
-    python -m benchmarks.driver_scale --rows 20000 --shards 200      # CI smoke test
+    python -m benchmarks.driver_scale --rows 1000000 --shards 10000 --mean-tokens 8 --max-samples-per-batch 32
+    python -m benchmarks.driver_scale --rows 20000 --shards 200 --mean-tokens 8      # CI smoke test
 
-Steps are functions of a shared context, run in order (``STEPS``): a later step (e.g. scheduling
-against a stand-in extractor) adds itself there.
+Steps are functions of a shared context, run in order (``STEPS``). ``--profile FILE`` runs the
+schedule step's full run under cProfile (slower) and prints where the driver's Python time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import logging
 import pickle
+import pstats
+import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,14 +44,21 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.config import load_config
 from jobs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.extract import run
 from jobs.plan import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, Manifest
 
 VOCAB_SIZE = 128_256
 MAX_TOKENS_PER_BATCH = 16_384
-MAX_SAMPLES_PER_BATCH = 256
 ROW_GROUP_ROWS = 10_000
+# The stand-in checkpoint of the schedule step: config.json alone (the synthetic source reads nothing
+# else). A tiny hidden size keeps the states small (3 layers + final state, bf16: 64 B per token), so
+# the writer and the tmpfs are not what limits a run on a 2-core machine.
+SYNTHETIC_HIDDEN_SIZE = 8
+SYNTHETIC_LAYERS = [1, 2, 3]
+PROFILE_TOP = 25
 
 
 @dataclasses.dataclass
@@ -76,14 +93,15 @@ def build_data(context: Context) -> None:
 def open_step(context: Context) -> None:
     process = psutil.Process()
     before = process.memory_info().rss
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     dataset = open_tokenized_dataset(str(context.data), VOCAB_SIZE, 1 << 20)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     after = process.memory_info().rss
     context.dataset = dataset
     held = dataset.sample_ids.nbytes + dataset.lengths.nbytes
     context.results["open"] = {
         "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu, 2),
         "rows_per_second": round(len(dataset) / seconds),
         "arrays_bytes": held,
         "pickled_bytes": len(pickle.dumps(dataset)),
@@ -95,11 +113,13 @@ def open_step(context: Context) -> None:
 def plan_step(context: Context) -> None:
     assert context.dataset is not None
     shard_size = -(-len(context.dataset) // context.args.shards)
-    started = time.perf_counter()
-    context.plan = plan_shards(context.dataset.lengths, shard_size, MAX_TOKENS_PER_BATCH, MAX_SAMPLES_PER_BATCH)
-    seconds = time.perf_counter() - started
+    started, cpu = time.perf_counter(), time.process_time()
+    context.plan = plan_shards(
+        context.dataset.lengths, shard_size, MAX_TOKENS_PER_BATCH, context.args.max_samples_per_batch
+    )
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     context.results["plan"] = {
-        "seconds": round(seconds, 3), "shards": len(context.plan), "shard_size": shard_size,
+        "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3), "shards": len(context.plan), "shard_size": shard_size,
         "batches": sum(len(shard.batches) for shard in context.plan),
     }
 
@@ -140,12 +160,96 @@ def manifest_step(context: Context) -> None:
     }
 
 
+def schedule_step(context: Context) -> None:
+    model = context.work / "synthetic-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2 * len(SYNTHETIC_LAYERS) + 2,
+        "hidden_size": SYNTHETIC_HIDDEN_SIZE, "num_attention_heads": 2, "intermediate_size": 16,
+        "vocab_size": VOCAB_SIZE, "max_position_embeddings": 1 << 20,
+    }))
+    # The one-shard run first: it also pays the imports a first run in a process does.
+    once = _driver_run(context, model, "one-shard", profile=False, extra=["shards=[0]"])
+    full = _driver_run(context, model, "full", profile=False)
+    shards, batches = len(context.plan), context.results["plan"]["batches"]
+    first_batches = len(context.plan[0].batches)
+    scheduling = full["driver_cpu_seconds"] - once["driver_cpu_seconds"]
+    context.results["schedule"] = {
+        "shards": shards, "batches": batches, "samples": full["samples"], "tokens": full["tokens"],
+        "bytes": full["bytes"], "wall_seconds": full["wall_seconds"], "extract_seconds": full["extract_seconds"],
+        "batches_per_second": round(batches / full["extract_seconds"], 1),
+        "driver_cpu_seconds": full["driver_cpu_seconds"], "driver_user_seconds": full["driver_user_seconds"],
+        "driver_system_seconds": full["driver_system_seconds"],
+        "driver_main_thread_cpu_seconds": full["driver_main_thread_cpu_seconds"],
+        "one_shard_run_cpu_seconds": once["driver_cpu_seconds"],
+        "open_plan_cpu_seconds": round(
+            context.results["open"]["cpu_seconds"] + context.results["plan"]["cpu_seconds"], 2),
+        "driver_ms_per_batch": round(1000 * scheduling / (batches - first_batches), 3),
+        "driver_ms_per_shard": round(1000 * scheduling / (shards - 1), 3),
+    }
+    if context.args.profile:
+        context.results["schedule"]["profile"] = _driver_run(context, model, "profiled", profile=True)["profile"]
+
+
+def _driver_run(context: Context, model: Path, name: str, profile: bool, extra: tuple | list = ()) -> dict[str, Any]:
+    """One job run in this process; the driver's CPU time (every thread of this process) across it."""
+    root = Path(context.args.output_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else context.work))
+    output = Path(tempfile.mkdtemp(prefix=f"eagle3-driver-scale-{name}-", dir=root))
+    config = load_config([
+        f"model.path={model}", f"data.path={context.data}", f"output.dir={output}", "model.engine=synthetic",
+        "model.device=cpu", "model.dtype=bfloat16", f"extract.layers={SYNTHETIC_LAYERS}",
+        f"data.shard_size={context.results['plan']['shard_size']}",
+        f"extract.max_tokens_per_batch={MAX_TOKENS_PER_BATCH}",
+        f"extract.max_samples_per_batch={context.args.max_samples_per_batch}",
+        "output.disk_budget=100GB", "output.min_free_bytes=100MB", *extra,
+    ])
+    # CPU time of this thread, not wall time: waiting in ray.wait/ray.get costs the driver nothing.
+    profiler = cProfile.Profile(time.thread_time) if profile else None
+    usage, started, thread = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.thread_time()
+    try:
+        if profiler:
+            profiler.enable()
+        summary = run(config)
+        if profiler:
+            profiler.disable()
+        wall, thread = time.perf_counter() - started, time.thread_time() - thread
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        shutil.rmtree(output, ignore_errors=True)
+    if summary.get("shards_failed"):
+        raise RuntimeError(f"{name} run: shards failed: {summary['shards_failed']}")
+    user, system = after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime
+    result = {
+        "samples": summary["samples"], "tokens": summary["tokens"], "bytes": summary["bytes"],
+        "wall_seconds": round(wall, 2), "extract_seconds": summary["this_run"]["seconds"],
+        "driver_cpu_seconds": round(user + system, 2), "driver_user_seconds": round(user, 2),
+        "driver_system_seconds": round(system, 2), "driver_main_thread_cpu_seconds": round(thread, 2),
+    }
+    if profiler:
+        result["profile"] = _top_functions(profiler, context.results["plan"]["batches"])
+    return result
+
+
+def _top_functions(profiler: cProfile.Profile, batches: int) -> list[dict[str, Any]]:
+    """The driver's Python functions by their own CPU time, in ms per batch (cProfile's overhead included)."""
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, function), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({
+            "function": f"{Path(file).name}:{line}({function})", "calls": calls,
+            "own_ms_per_batch": round(1000 * own / batches, 4), "cumulative_ms_per_batch": round(1000 * cumulative / batches, 4),
+        })
+    rows.sort(key=lambda row: row["own_ms_per_batch"], reverse=True)
+    return rows[:PROFILE_TOP]
+
+
 STEPS: list[tuple[str, Callable[[Context], None]]] = [
     ("build data", build_data),
     ("open", open_step),
     ("plan", plan_step),
     ("rows", rows_step),
     ("manifest", manifest_step),
+    ("schedule", schedule_step),
 ]
 
 
@@ -154,7 +258,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--shards", type=int, default=10_000)
     parser.add_argument("--mean-tokens", type=int, default=64, help="mean tokens per row (the data is written once)")
+    parser.add_argument("--max-samples-per-batch", type=int, default=256, help="extract.max_samples_per_batch")
     parser.add_argument("--work-dir", default="", help="where the data and manifest go (default: a temp dir)")
+    parser.add_argument("--output-dir", default="", help="where the schedule step's runs write (default: /dev/shm)")
+    parser.add_argument("--profile", action="store_true", help="also profile a full run (cProfile) and print the top")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -162,7 +269,10 @@ def main() -> None:
         context = Context(args=args, work=Path(work), results={})
         for name, step in STEPS:
             step(context)
-            print(f"{name:>10}: {json.dumps(context.results.get(name.split()[-1], {}))}", flush=True)
+            shown = {k: v for k, v in context.results.get(name.split()[-1], {}).items() if k != "profile"}
+            print(f"{name:>10}: {json.dumps(shown)}", flush=True)
+    for row in context.results.get("schedule", {}).get("profile", []):
+        print(f"{row['own_ms_per_batch']:>9.4f} {row['cumulative_ms_per_batch']:>9.4f} {row['calls']:>9} {row['function']}")
     if args.out:
         Path(args.out).write_text(json.dumps(context.results, indent=2) + "\n")
 

@@ -8,6 +8,9 @@ config.json with SGLang's ``ModelConfig(is_draft_model=True)``, build the
 drafter class, read its ``eagle_config`` (``drafter_config.sglang_reads``) and
 call the target's ``set_eagle3_layers_to_capture`` with those ids
 (``configure_aux_hidden_state_capture``), then read ``layers_to_capture`` back.
+``plan_capture`` does what the job's engine does at start-up (the drafter ids
+that make SGLang capture the wanted layers) and checks the drafter config the
+job would write with them, for the dry run (``jobs.dry_run``).
 
 Starts SGLang's runtime: one call per process.
 """
@@ -20,7 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from extractor.drafter_config import sglang_reads
+from extractor.checkpoint import read_config, text_config
+from extractor.drafter_config import build_drafter_config, sglang_reads
+from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +53,39 @@ class DrafterCapture:
     """Why SGLang could not parse or build the drafter, if it could not."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CapturePlan:
+    """What the job's extractor will report for its layer ids, found without loading a weight."""
+
+    target: TargetModel
+    layer_ids: list[int]
+    layers_to_capture: list[int]
+    drafter_layer_ids: list[int]
+    served_drafter: DrafterCapture
+    """SGLang serving the drafter config the job writes with ``drafter_layer_ids``: it must capture
+    ``layers_to_capture`` again."""
+
+
 def capture_with_drafters(
     target_path: str, drafter_configs: list[dict[str, Any]]
 ) -> tuple[TargetModel, list[DrafterCapture]]:
     """Ask SGLang what each drafter config would make it capture from the target at ``target_path``."""
+    models, target, info = _meta_target(target_path)
+    return info, [_capture_with(models, target, config) for config in drafter_configs]
+
+
+def plan_capture(target_path: str, layer_ids: list[int], dtype: str) -> CapturePlan:
+    """The layers_to_capture and drafter ids the job's engine will find for ``layer_ids`` (the same
+    ``resolve_drafter_layer_ids`` on the same model class, built on the meta device), and what SGLang
+    captures when it serves the drafter config the job writes with those ids."""
+    models, target, info = _meta_target(target_path)
+    ids = check_layer_ids(layer_ids, target.num_layers)
+    drafter_ids, captured = resolve_drafter_layer_ids(target.set_and_read_back, ids)
+    drafter_config = build_drafter_config(text_config(read_config(target_path)), drafter_ids, dtype)
+    return CapturePlan(info, ids, captured, drafter_ids, _capture_with(models, target, drafter_config))
+
+
+def _meta_target(target_path: str) -> tuple[Any, Any, TargetModel]:
     from extractor.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # before the first sglang import; a real sgl-kernel is never shadowed
@@ -66,7 +100,7 @@ def capture_with_drafters(
         language_model_architecture=target.language_model_architecture, num_layers=target.num_layers,
         hidden_size=target.hidden_size, default_layers_to_capture=target.set_and_read_back(None),
     )
-    return info, [_capture_with(models, target, config) for config in drafter_configs]
+    return models, target, info
 
 
 def _capture_with(models: Any, target: Any, drafter_config: dict[str, Any]) -> DrafterCapture:

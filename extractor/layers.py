@@ -41,6 +41,12 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
+def llama_convention(drafter_ids: Sequence[int]) -> list[int]:
+    """The layers_to_capture SGLang's Llama-family models make of drafter ids (each + 1); the synthetic
+    states source, which has no model to ask, reports this convention."""
+    return [k + 1 for k in drafter_ids]
+
+
 def resolve_drafter_layer_ids(
     set_and_read_back: Callable[[list[int]], list[int]], layer_ids: Sequence[int]
 ) -> tuple[list[int], list[int]]:

@@ -23,7 +23,7 @@ import torch
 
 from extractor.checkpoint import read_checkpoint_info
 from extractor.host_copy import HostCopier
-from extractor.layers import check_layer_ids
+from extractor.layers import check_layer_ids, llama_convention, resolve_drafter_layer_ids
 from extractor.quantize import fp8_relative_errors
 from extractor.tensor_parallel import ActivityClock
 from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
@@ -39,6 +39,7 @@ class SyntheticEngine:
     def __init__(self, spec: EngineSpec) -> None:
         checkpoint = read_checkpoint_info(spec.model_path)
         layer_ids = check_layer_ids(spec.layer_ids, checkpoint.num_layers)
+        drafter_ids, captured = resolve_drafter_layer_ids(llama_convention, layer_ids)
         hidden = checkpoint.hidden_size
         self.spec = spec
         self.info = EngineInfo(
@@ -50,8 +51,8 @@ class SyntheticEngine:
             dtype=spec.dtype,
             tp_size=spec.tp_size,
             layer_ids=layer_ids,
-            layers_to_capture=[k + 1 for k in layer_ids],
-            drafter_layer_ids=layer_ids,
+            layers_to_capture=captured,
+            drafter_layer_ids=drafter_ids,
         )
         dtype = getattr(torch, spec.dtype)
         device = torch.device("cuda" if spec.device == "cuda" else "cpu")

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from storage.writer import TEMP_GLOB
+from storage.writer import shard_file_name, temp_file_name
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -114,6 +114,15 @@ class DiskBudget:
         return shutil.disk_usage(self.output_dir).free
 
     def unwritten_reserved(self) -> int:
-        """Reserved bytes not yet on disk: temp files already hold the rest."""
-        written = sum(path.stat().st_size for path in self.output_dir.glob(TEMP_GLOB) if path.is_file())
-        return max(0, sum(self.reserved.values()) - written)
+        """Reserved bytes not yet on disk: each open shard's temp file already holds part of its reservation.
+
+        One stat per open shard, not a listing of output.dir (10,000 files at the end of a large
+        run, listed for every shard opened).
+        """
+        return sum(max(0, nbytes - self._temp_bytes(shard)) for shard, nbytes in self.reserved.items())
+
+    def _temp_bytes(self, shard: int) -> int:
+        try:
+            return (self.output_dir / temp_file_name(shard_file_name(shard))).stat().st_size
+        except FileNotFoundError:  # not created yet, or renamed into place a moment ago by its writer
+            return 0

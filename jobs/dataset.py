@@ -37,6 +37,8 @@ from jobs.input_files import (
 logger = logging.getLogger(__name__)
 
 ON_INVALID = ("fail", "skip")
+EXCEEDS_CONTEXT = "tokens exceed the context length"
+"""In the reason of a row longer than the context length (the dry run counts them)."""
 FINGERPRINT_VERSION = b"eagle3-tokenized-dataset-v2"
 CACHE_SEGMENTS = 4
 """Decoded segments kept for the next rows() calls: the open shards read neighbouring rows."""
@@ -286,7 +288,7 @@ def check_rows(table: pa.Table, vocab_size: int, max_length: int, reasons: dict[
     bad_values = _bad_positions(values, lambda v: (v < 0) | (v >= vocab_size), 0, vocab_size - 1)
     flag(_rows_of(bad_values, offsets, len(lengths)), lambda row: _id_reason(values, offsets, row, vocab_size))
     flag(lengths > max_length, lambda row: (
-        f"{lengths[row]} tokens exceed the context length {max_length}; truncate or drop the row, or raise "
+        f"{lengths[row]} {EXCEEDS_CONTEXT} {max_length}; truncate or drop the row, or raise "
         "model.context_length if the model supports it"
     ))
     masks = _mask_column(table)

@@ -56,7 +56,7 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
-class _Inputs:
+class RunInputs:
     """What the run reads and checks before it touches output.dir."""
 
     config: JobConfig
@@ -75,14 +75,14 @@ class _Inputs:
 
 def run(config: JobConfig) -> dict:
     """Plan, extract and write; returns the run summary (also saved as .summary.json)."""
-    inputs = _read_inputs(config)
+    inputs = read_inputs(config)
     inputs.output_dir.mkdir(parents=True, exist_ok=True)
     with OutputLock(inputs.output_dir, ray_job_submission_id()):
         refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
         return _run_locked(inputs)
 
 
-def _read_inputs(config: JobConfig) -> _Inputs:
+def read_inputs(config: JobConfig) -> RunInputs:
     """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
     config = resolve_paths(config, inside_ray_job())
     if config.is_demo:
@@ -97,10 +97,10 @@ def _read_inputs(config: JobConfig) -> _Inputs:
     dataset = open_tokenized_dataset(
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
-    return _Inputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))
+    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))
 
 
-def _run_locked(inputs: _Inputs) -> dict:
+def _run_locked(inputs: RunInputs) -> dict:
     config, output_dir, lengths = inputs.config, inputs.output_dir, inputs.dataset.lengths
     budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
     plan = plan_shards(
@@ -167,7 +167,7 @@ def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code
         logger.warning("could not write %s: %s", summary.path, error)
 
 
-def _resumable_manifest(inputs: _Inputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
+def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
     """The existing manifest, when its content is known to match before Ray starts.
 
     With ``model.device=auto`` the device (and so the content) is known only once Ray

@@ -1,4 +1,7 @@
-"""Shard plan and batch packing: plain functions of the dataset's lengths, computed once per run."""
+"""Shard plan and batch packing: plain functions of the dataset's lengths, computed once per run.
+
+``python -m jobs.plan --config FILE [key=value ...]`` prints a run's plan before anything runs (``jobs.dry_run``).
+"""
 
 from __future__ import annotations
 
@@ -59,3 +62,9 @@ def _pack(ends: np.ndarray, max_tokens: int, max_samples: int) -> list[tuple[int
         batches.append((start, stop))
         start = stop
     return batches
+
+
+if __name__ == "__main__":  # python -m jobs.plan: the dry run (jobs.dry_run), named for what it prints
+    from jobs.dry_run import cli
+
+    cli()

@@ -202,6 +202,11 @@ def test_writer_processes_do_not_import_torch():
     assert imported_by("jobs.writer, jobs.sink", ("torch", "sglang")) == []
 
 
+def test_dry_run_imports_sglang_and_torch_only_for_the_layer_check():
+    """`python -m jobs.plan` with the synthetic source (no layer check to run) answers without either."""
+    assert imported_by("jobs.plan, jobs.dry_run", ("torch", "sglang")) == []
+
+
 def test_status_starts_without_ray_or_torch():
     """`jobs.status` answers in about a second, even while a job holds the machine."""
     assert imported_by("jobs.status", ("ray", "torch", "sglang")) == []

@@ -25,6 +25,8 @@ from jobs.check_drafter import EXIT_MISMATCH
 from jobs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from storage import ShardReader
+from storage.manifest import read_manifest
+from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
 from tests.helpers import engine_spec, random_sequences
 from tests.test_check_drafter import check_drafter, vllm_style, with_ids
@@ -101,6 +103,32 @@ def test_kimi_layout_stores_the_bare_models_states_bit_for_bit(ray_cluster, kimi
         assert summary["engine"]["model_architecture"] == KIMI and summary["engine"]["tp_size"] == tp_size
     run(job_config(bare_deepseek, data, tmp_path / "bare", *JOB_SETTINGS, f"model.tp_size={tp_size}"))
     assert_bit_identical(wrapped_dir, tmp_path / "bare")
+
+
+def test_dry_run_plans_what_the_run_wrote(kimi_demo, tmp_path):
+    """``python -m jobs.plan`` with the demo's settings: SGLang's layers through the wrapper (built on the meta
+    device), samples, tokens, shards and bytes as the demo's run wrote them."""
+    kimi, data, run_dir = kimi_demo
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.plan", f"model.path={kimi}", f"data.path={data}", f"output.dir={tmp_path}",
+         "model.device=cpu", "output.min_free_bytes=1GB", *JOB_SETTINGS, "--json"],
+        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    shards = read_manifest(run_dir)["shards"]
+    meta = ShardReader(next(run_dir.glob("shard-*.parquet"))).metadata
+    assert (plan["architecture"], plan["language_model_architecture"]) == (KIMI, DEEPSEEK)
+    assert plan["layers"]["layer_ids"] == meta.layer_ids
+    assert plan["layers"]["layers_to_capture"] == meta.layers_to_capture == [3, 5, 6]
+    assert plan["layers"]["drafter_layer_ids"] == meta.drafter_layer_ids == [3, 5, 6]
+    assert f"SGLang {meta.sglang_version}, {KIMI}" in plan["layers"]["source"]
+    assert (plan["samples"], plan["shards"]) == (sum(s["rows"] for s in shards), len(shards)) == (SAMPLES, 2)
+    assert plan["tokens"] == sum(s["tokens"] for s in shards)
+    assert plan["state_bytes_per_token"] == state_bytes_per_token(meta) == 4 * 64 * 2  # 3 layers + final, bf16
+    written = sum(s["bytes"] for s in shards)
+    assert plan["tokens"] * plan["state_bytes_per_token"] < written <= plan["predicted_bytes"]
+    assert plan["problems"] == []
 
 
 @ray.remote(num_cpus=1, max_calls=1)  # one SGLang runtime per process: the worker exits afterwards

@@ -64,7 +64,7 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled", "HOME": str(Path.home())}
     for command, key in (("eagle3-extract", "model.trust_remote_code"), ("eagle3-status", "output.dir"),
-                         ("eagle3-export", "dest")):
+                         ("eagle3-export", "dest"), ("eagle3-plan", "output.disk_budget")):
         ran = subprocess.run([command, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr[-2000:]
         assert f"usage: {command} " in ran.stdout and f"  {key} = " in ran.stdout

@@ -1,0 +1,123 @@
+"""``python -m jobs.plan``, the dry run: the job's numbers and refusals before anything starts.
+
+The synthetic states source (``model.engine=synthetic``) needs config.json alone, so these runs
+build no model; ``tests/test_kimi.py`` checks the dry run's SGLang layers against a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs.config import ConfigError
+from jobs.dry_run import main
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from jobs.extract import run
+from storage import ShardReader
+from storage.manifest import read_manifest
+from storage.writer import state_bytes_per_token
+from tests.conftest import REPO_ROOT
+from tests.test_job import job_config, python_env
+
+SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
+            "output.min_free_bytes=1GB")
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    """A checkpoint as the synthetic source reads it: config.json only."""
+    model = tmp_path_factory.mktemp("synthetic-model")
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 32, "num_attention_heads": 4,
+        "intermediate_size": 64, "vocab_size": 512, "max_position_embeddings": 4096,
+    }))
+    return model
+
+
+def dry_run(capsys, model, data, out, *extra) -> tuple[int, dict]:
+    code = main([f"model.path={model}", f"data.path={data}", f"output.dir={out}", *SETTINGS, *extra, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_is_what_the_job_then_writes(ray_cluster, capsys, synthetic_model, demo_dataset, tmp_path):
+    out = tmp_path / "out"
+    code, plan = dry_run(capsys, synthetic_model, demo_dataset, out, "output.state_dtype=float8_e4m3fn")
+    assert code == EXIT_OK and plan["problems"] == [] and not out.exists()  # nothing written
+    run(job_config(synthetic_model, demo_dataset, out, *SETTINGS, "output.state_dtype=float8_e4m3fn"))
+
+    shards = read_manifest(out)["shards"]
+    assert (plan["samples"], plan["shards"]) == (sum(s["rows"] for s in shards), len(shards)) == (20, 3)
+    assert plan["tokens"] == sum(s["tokens"] for s in shards)
+    meta = ShardReader(next(out.glob("shard-*.parquet"))).metadata
+    assert plan["layers"]["layer_ids"] == meta.layer_ids == [2, 4, 5]
+    assert plan["layers"]["layers_to_capture"] == meta.layers_to_capture
+    assert plan["layers"]["drafter_layer_ids"] == meta.drafter_layer_ids
+    # fp8: 4 states (3 layers + the final one) of 32 bytes plus a float32 scale each
+    assert plan["state_bytes_per_token"] == state_bytes_per_token(meta) == 4 * (32 + 4)
+    # The prediction is the budget's reservation: never below the file, never below the states alone.
+    written = sum(s["bytes"] for s in shards)
+    assert plan["tokens"] * plan["state_bytes_per_token"] < written <= plan["predicted_bytes"]
+    assert max(s["bytes"] for s in shards) <= plan["largest_shard_bytes"]
+
+    # The same command on the finished run: nothing left to write, the files' bytes counted.
+    code, again = dry_run(capsys, synthetic_model, demo_dataset, out, "output.state_dtype=float8_e4m3fn")
+    assert code == EXIT_OK
+    assert (again["done_shards"], again["predicted_bytes"], again["done_local_bytes"]) == (3, 0, written)
+
+
+def test_a_shard_larger_than_the_budget_is_refused_as_the_job_refuses_it(capsys, synthetic_model, demo_dataset,
+                                                                         tmp_path):
+    code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "a", "output.disk_budget=100KB")
+    assert code == EXIT_BAD_INPUT and plan["largest_shard_bytes"] > 100_000
+    with pytest.raises(ConfigError) as refused:
+        run(job_config(synthetic_model, demo_dataset, tmp_path / "b", *SETTINGS, "output.disk_budget=100KB"))
+    assert plan["problems"][0] == {"exit_code": EXIT_BAD_INPUT, "text": str(refused.value)}
+
+
+def test_a_run_larger_than_the_budget_fits_only_with_a_sink(capsys, synthetic_model, demo_dataset, tmp_path):
+    code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "out")
+    budget = (plan["predicted_bytes"] + plan["largest_shard_bytes"]) // 2  # every shard fits, the run does not
+    code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "out", f"output.disk_budget={budget}")
+    assert code == EXIT_BUDGET_EXHAUSTED
+    assert [p["exit_code"] for p in plan["problems"]] == [EXIT_BUDGET_EXHAUSTED]
+    assert "output.sink is empty" in plan["problems"][0]["text"]
+    # As people read it: the numbers, then one line per problem
+    assert main([f"model.path={synthetic_model}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}",
+                 *SETTINGS, f"output.disk_budget={budget}"]) == EXIT_BUDGET_EXHAUSTED
+    text = capsys.readouterr().out.splitlines()
+    assert text[-1] == f"WILL NOT FIT (exit 3): {plan['problems'][0]['text']}"
+    assert f"plan     3 shards of 8 samples, {plan['batches']} batches" in "\n".join(text)
+    code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "out", f"output.disk_budget={budget}",
+                         f"output.sink=file://{tmp_path / 'sink'}")
+    assert code == EXIT_OK and plan["problems"] == []
+
+
+def test_invalid_rows_are_counted_and_judged_by_on_invalid(capsys, synthetic_model, tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [[1, 2, 3], list(range(1, 13)), [1, 999], [5, 6]]  # row 1: too long, row 2: outside the vocabulary
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows))
+    code, plan = dry_run(capsys, synthetic_model, data, tmp_path / "out", "model.context_length=10")
+    assert code == EXIT_BAD_INPUT
+    assert (plan["invalid_rows"], plan["invalid_over_context"], plan["samples"]) == (2, 1, 2)
+    with pytest.raises(ValueError) as refused:  # the job names the same first row
+        run(job_config(synthetic_model, data, tmp_path / "job", *SETTINGS, "model.context_length=10"))
+    assert "row 1 (" in str(refused.value) and "12 tokens exceed the context length 10" in str(refused.value)
+    assert "row 1 (" in plan["problems"][0]["text"] and "12 tokens exceed the context length 10" in plan["problems"][0]["text"]
+    code, plan = dry_run(capsys, synthetic_model, data, tmp_path / "out", "model.context_length=10",
+                         "data.on_invalid=skip")
+    assert code == EXIT_OK and plan["invalid_rows"] == 2 and plan["tokens"] == 5
+
+
+def test_a_config_mistake_is_one_line_and_exit_2(synthetic_model, demo_dataset, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.plan", f"model.path={synthetic_model}", f"data.path={demo_dataset}",
+         f"output.dir={tmp_path}", "data.shard_sz=3"],
+        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == EXIT_BAD_INPUT and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown key data.shard_sz; did you mean data.shard_size? (python -m jobs.plan --help lists every key)"
+    ]
