@@ -145,6 +145,8 @@ def verify_run(
         report.problems += check.problems
     report.problems += _disagreements(checks, manifest["content"])
     report.problems += _stray_files(output_dir, records)
+    # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.
+    report.problems.sort(key=lambda problem: len(records) if problem.shard is None else problem.shard)
     return report
 
 
@@ -232,7 +234,7 @@ def _check_shard(
         finally:
             parquet.close()
     except Exception as error:  # one unreadable file must not hide the problems of the others
-        check.problem(f"cannot be read: {type(error).__name__}: {error}", check.rerun)
+        check.problem(f"cannot be read: {type(error).__name__}: {' '.join(str(error).split())}", check.rerun)
     return check
 
 
@@ -241,7 +243,10 @@ def _check_contents(
 ) -> None:
     metadata = metadata_from_schema(parquet.schema_arrow, source=check.where)
     check.metadata = metadata
-    if not parquet.schema_arrow.equals(build_schema(metadata), check_metadata=True):
+    written, built = parquet.schema_arrow, build_schema(metadata)
+    # Parquet names a list's child `element` where Arrow says `item`: compare types and the key-value
+    # metadata, not the children's names.
+    if not written.remove_metadata().equals(built.remove_metadata()) or written.metadata != built.metadata:
         check.problem(
             "its columns or key-value metadata are not what the format writes for its own ShardMetadata",
             "it was not written by this job's writer, or was rewritten since; " + check.rerun,
