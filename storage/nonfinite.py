@@ -51,8 +51,6 @@ def screen(
 
     ``finite`` is [samples, columns] bool (``flag_columns``); raises NonFiniteStates under ``fail``.
     """
-    if action not in ACTIONS:
-        raise ValueError(f"extract.on_nonfinite={action!r}: use one of {', '.join(ACTIONS)}")
     columns = flag_columns(metadata)
     if finite.shape != (len(sample_ids), len(columns)):
         raise ValueError(

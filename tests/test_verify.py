@@ -15,6 +15,8 @@ from jobs.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
 from storage import ShardMetadata, ShardReader, ShardWriter, shard_file_name
 from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
+from extractor.config import NONFINITE_ACTIONS
+from storage import nonfinite
 from storage.nonfinite import NonFiniteStates
 from storage.verify import verify_run
 
@@ -199,6 +201,7 @@ def test_shards_in_the_sink_are_checked_where_they_are(tmp_path, capsys):
 
 
 def test_writer_fails_skips_or_keeps_nonfinite_samples(tmp_path):
+    assert NONFINITE_ACTIONS == nonfinite.ACTIONS  # the config section offers what the writer does
     with pytest.raises(NonFiniteStates, match=r"shard-00000.parquet: sample 2 has NaN/Inf in layer 2 \(and 1 more"):
         write_shard(tmp_path / shard_file_name(0), metadata(), [0, 1, 2, 3], nan_samples={2, 3})
     assert not list(tmp_path.iterdir())  # nothing published, no temp file left
