@@ -64,7 +64,8 @@ class Problem:
     """The shard a rerun would write again, when one would."""
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.what}; {self.fix}"
+        """One line, whatever an error message quoted in ``what`` held."""
+        return " ".join(f"{self.where}: {self.what}; {self.fix}".split())
 
 
 @dataclasses.dataclass
@@ -212,11 +213,13 @@ def _check_shard(
         try:
             size = fs.info(path)["size"]
         except FileNotFoundError:
-            where = "in the sink" if record["location"] == SINK else "in output.dir"
-            check.problem(
-                f"missing: the manifest lists shard {check.index} as done {where}",
-                "if a consumer deleted it on purpose, the next run records it as consumed; otherwise " + check.rerun,
-            )
+            if record["location"] == SINK:
+                check.problem(f"missing: the manifest lists shard {check.index} as done in the sink", check.rerun)
+            else:
+                check.problem(
+                    f"missing: the manifest lists shard {check.index} as done in output.dir",
+                    "if a consumer deleted it on purpose, the next run records it as consumed; otherwise " + check.rerun,
+                )
             return check
         if size != record["bytes"]:
             check.problem(f"{size} bytes, the manifest recorded {record['bytes']}",
@@ -234,7 +237,8 @@ def _check_shard(
         finally:
             parquet.close()
     except Exception as error:  # one unreadable file must not hide the problems of the others
-        check.problem(f"cannot be read: {type(error).__name__}: {' '.join(str(error).split())}", check.rerun)
+        unreachable = "if the sink is unreachable, verify again once it is; otherwise " if record["location"] == SINK else ""
+        check.problem(f"cannot be read: {type(error).__name__}: {error}", unreachable + check.rerun)
     return check
 
 
