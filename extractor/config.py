@@ -11,6 +11,9 @@ ENGINES = ("sglang", "synthetic")
 # Which final hidden state to store: after the model's final norm (SpecForge's target), the
 # residual stream entering it (speculators' verifier state), or none.
 FINAL_STATES = ("post_norm", "pre_norm", "none")
+# What happens to a sample whose captured states hold NaN or Inf (the writer acts on the
+# extractor's per-sample flags): its shard fails, it is left out, or it is written flagged.
+NONFINITE_ACTIONS = ("fail", "skip", "keep")
 # Booleans of earlier configs (extract.last_hidden_state=true/false), as OmegaConf hands them to a str field.
 _LEGACY_FINAL_STATES = {"true": "post_norm", "false": "none"}
 
@@ -83,6 +86,10 @@ class ExtractConfig:
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256
     """Cap on requests in one batch (sizes SGLang's request pool)."""
+    on_nonfinite: str = "fail"
+    """A sample whose states hold NaN/Inf (checked on the device, per layer): fail (its shard fails, naming the
+    sample, shard and layer), skip (left out; listed in the manifest and .summary.json) or keep (written, flagged
+    in the manifest)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -96,6 +103,11 @@ class ExtractConfig:
             raise ValueError(f"extract.max_tokens_per_batch={self.max_tokens_per_batch!r}: must be an integer >= 1")
         if not _is_int(self.max_samples_per_batch) or self.max_samples_per_batch < 1:
             raise ValueError(f"extract.max_samples_per_batch={self.max_samples_per_batch!r}: must be an integer >= 1")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"extract.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(NONFINITE_ACTIONS)} (fail stops the "
+                "shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged)"
+            )
         kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

@@ -7,6 +7,9 @@ drain this one; nothing waits on a copy until its caller asks for the bytes.
 A caller holds its buffer (``with pending as batch:``) until it has handed the
 bytes on, then the buffer goes back to the pool. With fp8 storage the states
 are quantized on the device before the copy, so the copy moves half the bytes.
+Each token's states are also checked for NaN/Inf on the device, per layer (one
+bool per token and layer crosses to the host), and reduced per sample on the
+host: the writer acts on those flags and never scans the states itself.
 """
 
 from __future__ import annotations
@@ -53,12 +56,15 @@ class PendingCopy:
         assert buffer is not None, "a PendingCopy is entered once"
         tokens = int(self._lengths.sum())
         arrays = {name: _as_numpy(tensor[:tokens]) for name, tensor in buffer.tensors.items()}
+        # Samples are never empty (the input checks refuse empty rows), as reduceat needs.
+        starts = np.concatenate([[0], np.cumsum(self._lengths[:-1])])
         return CapturedBatch(
             lengths=self._lengths,
             aux_hidden_states=arrays["aux_hidden_states"],
             last_hidden_state=arrays.get("last_hidden_state"),
             aux_scales=arrays.get("aux_scales"),
             last_scales=arrays.get("last_scales"),
+            finite=np.logical_and.reduceat(arrays["finite"], starts, axis=0),
         )
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -88,6 +94,7 @@ class HostCopier:
             widths["last_hidden_state"] = (hidden_size, stored)
             if fp8:
                 widths["last_scales"] = (1, torch.float32)
+        widths["finite"] = (layers + (1 if last_hidden_state else 0), torch.bool)
         self._free: queue.SimpleQueue[_HostBuffer] = queue.SimpleQueue()
         for _ in range(count):  # pinning takes a while: done before the first batch
             self._free.put(_HostBuffer(max_tokens, widths, pin=cuda))
@@ -98,12 +105,19 @@ class HostCopier:
     def _device_tensors(self, aux: torch.Tensor, last: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         """What goes to the host, by buffer name; with fp8 quantized here, on the compute stream."""
         if not self._fp8:
-            return {"aux_hidden_states": aux, **({"last_hidden_state": last} if last is not None else {})}
+            finite = [finite_per_token(aux, self._layers)] + ([finite_per_token(last, 1)] if last is not None else [])
+            return {
+                "aux_hidden_states": aux, **({"last_hidden_state": last} if last is not None else {}),
+                "finite": torch.cat(finite, dim=1),
+            }
         values, scales = quantize_fp8(aux, self._layers)
         tensors = {"aux_hidden_states": values.view(torch.uint8), "aux_scales": scales}
         if last is not None:
             values, scales = quantize_fp8(last, 1)
             tensors.update(last_hidden_state=values.view(torch.uint8), last_scales=scales)
+        # A slice's scale is its amax / 448, and amax propagates NaN and Inf: the scales tell.
+        scales = [tensors["aux_scales"]] + ([tensors["last_scales"]] if last is not None else [])
+        tensors["finite"] = torch.isfinite(torch.cat(scales, dim=1))
         return tensors
 
     def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
@@ -134,6 +148,16 @@ class HostCopier:
 
     def give_back(self, buffer: _HostBuffer) -> None:
         self._free.put(buffer)
+
+
+def finite_per_token(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """[T, groups*H] -> [T, groups] bool: whether each token's slice of each group is free of NaN/Inf.
+
+    A group at a time, so that the temporary is [T, H] bools, not the whole batch."""
+    hidden = states.shape[1] // groups
+    return torch.stack(
+        [torch.isfinite(states[:, g * hidden : (g + 1) * hidden]).all(dim=1) for g in range(groups)], dim=1
+    )
 
 
 def _as_numpy(states: torch.Tensor) -> np.ndarray:

@@ -72,7 +72,9 @@ class CapturedBatch:
     [sum(lengths), H]; both hold the raw bits of the stored dtype (bfloat16 as
     int16, float8_e4m3fn as uint8) so that Ray moves them as zero-copy numpy
     buffers. With fp8, ``aux_scales`` [T, L] and ``last_scales`` [T, 1] hold the
-    float32 scale of each token and layer: state = fp8 value * scale.
+    float32 scale of each token and layer: state = fp8 value * scale. ``finite``
+    [samples, L (+1)] bool is False where a sample's states of a captured layer
+    (then of the final state) hold a NaN or Inf, found on the device before the copy.
     """
 
     lengths: np.ndarray
@@ -80,6 +82,7 @@ class CapturedBatch:
     last_hidden_state: Optional[np.ndarray]
     aux_scales: Optional[np.ndarray] = None
     last_scales: Optional[np.ndarray] = None
+    finite: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@
 | 3 | the disk budget is full and nothing can free it | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
+| 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
 | 130, 143 | stopped by SIGINT (Ctrl-C) or SIGTERM (``ray job stop``, ``kill``) | rerun the same command: it resumes |
 """
 
@@ -21,6 +22,7 @@ EXIT_BAD_INPUT = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_FAULT = 4
 EXIT_LOCKED = 5
+EXIT_VERIFY_FAILED = 6
 # 128 + the signal number, as shells report a process a signal ended.
 EXIT_SIGNAL_BASE = 128
 

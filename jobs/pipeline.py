@@ -200,7 +200,7 @@ class ExtractionRun:
         self.bytes_per_token = state_bytes_per_token(self.metadata)
         writer_class = ray.remote(WriterActor).options(num_cpus=1)
         self.writers = [
-            writer_class.remote(str(self.output_dir), self.metadata)
+            writer_class.remote(str(self.output_dir), self.metadata, self.extract.on_nonfinite)
             for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
         ]
         self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
@@ -421,7 +421,7 @@ class ExtractionRun:
             self.budget.commit(shard, info.bytes, info.tokens, self.bytes_per_token)
             record = self.manifest.update(
                 shard, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
-                bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="",
+                bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="", nonfinite=list(info.nonfinite),
             )
             self._maybe_upload(record)
         self.metrics.disk_used.set(self.budget.used)

@@ -22,6 +22,7 @@ from storage.config import OutputConfig
 from storage.manifest import (
     CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, MANIFEST_JOURNAL_FILE, PENDING, SINK, read_manifest,
 )
+from storage.nonfinite import KEPT, SKIPPED
 from storage.writer import SHARD_GLOB, TEMP_GLOB
 
 # Files the job writes beside the shards, and the temp names they pass through.
@@ -59,6 +60,11 @@ def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
         tokens_text = "?" if tokens is None else str(tokens)
         lines.append(f"{state:<8} {len(selected):>7} {samples:>9} {tokens_text:>12}{note}")
     lines.append(f"{'total':<8} {len(shards):>7} {sum(s['stop'] - s['start'] for s in shards):>9}")
+    nonfinite = [sample for s in shards if s["state"] == DONE for sample in s.get("nonfinite", [])]
+    if nonfinite:
+        actions = {action: sum(1 for sample in nonfinite if sample["action"] == action) for action in (SKIPPED, KEPT)}
+        lines.append(f"NaN/Inf states: {actions[SKIPPED]} samples skipped, {actions[KEPT]} kept flagged "
+                     "(extract.on_nonfinite; the manifest lists them)")
     lines.append("")
     lines += _disk_lines(output_dir, shards, summary, disk_budget)
     lines += _file_lines(output_dir, shards, summary)

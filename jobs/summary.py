@@ -21,11 +21,14 @@ from typing import Any, Optional, Sequence
 from jobs.config import JobConfig
 from jobs.dataset import InvalidRow
 from storage.manifest import DONE, FAILED, SINK, Manifest
+from storage.nonfinite import KEPT, SKIPPED
 
 SUMMARY_FILE = ".summary.json"
 INVALID_ROWS_FILE = ".invalid_rows.jsonl"
 """Every row left out under data.on_invalid=skip, one JSON line each."""
 INVALID_ROWS_IN_SUMMARY = 5
+NONFINITE_IN_SUMMARY = 5
+"""Non-finite samples listed in the summary; the manifest lists them all, shard by shard."""
 DRAFTER_CONFIG_FILE = ".drafter_config.json"
 
 RUNNING = "running"
@@ -60,6 +63,24 @@ def manifest_totals(manifest: Manifest) -> dict[str, Any]:
         "bytes": sum(record.bytes for record in done),
         "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
     }
+
+
+def nonfinite_samples(manifest: Manifest) -> dict[str, Any]:
+    """Samples whose states held NaN/Inf in the done shards: how many were skipped and kept, the first few."""
+    records = [{"shard": r.index, **sample} for r in manifest.in_state(DONE) for sample in r.nonfinite]
+    return {
+        "skipped": sum(1 for sample in records if sample["action"] == SKIPPED),
+        "kept": sum(1 for sample in records if sample["action"] == KEPT),
+        "first": records[:NONFINITE_IN_SUMMARY],
+    }
+
+
+def read_invalid_rows(output_dir: Path) -> list[dict[str, Any]]:
+    """The rows a run left out under data.on_invalid=skip (empty when there were none)."""
+    path = Path(output_dir) / INVALID_ROWS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_summary(output_dir: Path) -> Optional[dict[str, Any]]:
@@ -143,6 +164,7 @@ class RunSummary:
                 "first": [dataclasses.asdict(row) for row in self.invalid[:INVALID_ROWS_IN_SUMMARY]],
                 "file": INVALID_ROWS_FILE if self.invalid else "",
             },
+            "nonfinite_samples": {"on_nonfinite": self.config.extract.on_nonfinite, **nonfinite_samples(manifest)},
             "last_hidden_state": self.config.extract.last_hidden_state,
             "state_dtype": self.config.output.state_dtype,
             "disk_budget": {

@@ -39,9 +39,11 @@ class ExtractorLost(RuntimeError):
 
 
 class WriterActor:
-    def __init__(self, output_dir: str, metadata: ShardMetadata) -> None:
+    def __init__(self, output_dir: str, metadata: ShardMetadata, on_nonfinite: str = "fail") -> None:
         self._dir = Path(output_dir)
         self._metadata = metadata
+        self._on_nonfinite = on_nonfinite
+        """extract.on_nonfinite: what a shard writer does with a sample whose states hold NaN/Inf."""
         self._open: dict[int, ShardWriter] = {}
         self._failed: dict[int, str] = {}
         self._clock = StageClock(("wait", "fetch"))
@@ -61,11 +63,12 @@ class WriterActor:
                 batch: CapturedBatch = ray.get(states)
             writer = self._open.get(rows.shard)
             if writer is None:
-                writer = ShardWriter(self._dir / shard_file_name(rows.shard), self._metadata).__enter__()
+                path = self._dir / shard_file_name(rows.shard)
+                writer = ShardWriter(path, self._metadata, self._on_nonfinite).__enter__()
                 self._open[rows.shard] = writer
             writer.append(
                 rows.sample_ids, rows.input_ids, rows.loss_masks, batch.aux_hidden_states, batch.last_hidden_state,
-                batch.aux_scales, batch.last_scales,
+                batch.aux_scales, batch.last_scales, batch.finite,
             )
         except Exception as error:  # the shard is lost, the job goes on
             self._fail(rows.shard, error, rows.sample_ids)

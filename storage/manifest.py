@@ -3,7 +3,8 @@
 One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
 tokens, bytes, sha256 and where the file is now (local, in the sink, or
-consumed: deleted locally by someone else). The ``content`` block holds
+consumed: deleted locally by someone else), and the samples whose states held
+NaN/Inf, left out or kept (``storage.nonfinite``). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
 
@@ -54,6 +55,8 @@ class ShardRecord:
     location: str = ""
     """Where a done shard's file is: local | sink | consumed."""
     sink_url: str = ""
+    nonfinite: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Samples whose states held NaN/Inf: {sample_id, action (skipped | kept), reason} (``storage.nonfinite``)."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from storage import schema
-from storage.schema import ShardMetadata
+from storage.schema import ShardMetadata, metadata_from_schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +45,6 @@ class Sample:
 def read_metadata(path: str | os.PathLike) -> ShardMetadata:
     """The ``ShardMetadata`` of a shard file, from its footer alone."""
     return metadata_from_schema(pq.read_schema(path), source=str(path))
-
-
-def metadata_from_schema(arrow_schema: pa.Schema, source: str) -> ShardMetadata:
-    """The ``ShardMetadata`` a shard file's Arrow schema carries; ``source`` names the file in errors."""
-    kv = arrow_schema.metadata or {}
-    if schema.METADATA_KEY not in kv:
-        raise ValueError(f"{source}: not a hidden-states shard (no {schema.METADATA_KEY.decode()} metadata)")
-    return ShardMetadata.from_json(kv[schema.METADATA_KEY].decode(), source=source)
 
 
 def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -85,7 +77,7 @@ class ShardReader:
         self.path = str(path)
         self.raw_fp8 = raw_fp8
         self.metadata = read_metadata(path)
-        self._file = pq.ParquetFile(self.path, memory_map=True)
+        self._file = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
         rows = [self._file.metadata.row_group(i).num_rows for i in range(self._file.num_row_groups)]
         self._group_starts = np.concatenate([[0], np.cumsum(rows)]).tolist()
 

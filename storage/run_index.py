@@ -31,8 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from storage import schema
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
-from storage.reader import metadata_from_schema
-from storage.schema import ShardMetadata
+from storage.schema import ShardMetadata, metadata_from_schema
 from storage.writer import SHARD_GLOB
 
 logger = logging.getLogger(__name__)
@@ -121,12 +120,15 @@ def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
 
 
 def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:
-    """A shard file opened for reading: memory-mapped when local, range reads through fsspec otherwise."""
+    """A shard file opened for reading: memory-mapped when local, range reads through fsspec otherwise.
+
+    Every page read is checked against its CRC (the writer stores one per page): a corrupted
+    page raises OSError instead of returning wrong states."""
     if is_local(url, storage_options):
-        return pq.ParquetFile(local_path(url), memory_map=True)
+        return pq.ParquetFile(local_path(url), memory_map=True, page_checksum_verification=True)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs.
-    return pq.ParquetFile(fs.open(path, "rb", cache_type="none"))
+    return pq.ParquetFile(fs.open(path, "rb", cache_type="none"), page_checksum_verification=True)
 
 
 def read_footer(url: str, run: int, sha256: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardFile, ShardMetadata]:

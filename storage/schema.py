@@ -130,6 +130,14 @@ class ShardMetadata:
         return cls(**fields)
 
 
+def metadata_from_schema(arrow_schema: pa.Schema, source: str) -> ShardMetadata:
+    """The ``ShardMetadata`` a shard file's Arrow schema carries; ``source`` names the file in errors."""
+    kv = arrow_schema.metadata or {}
+    if METADATA_KEY not in kv:
+        raise ValueError(f"{source}: not a hidden-states shard (no {METADATA_KEY.decode()} metadata)")
+    return ShardMetadata.from_json(kv[METADATA_KEY].decode(), source=source)
+
+
 def build_schema(metadata: ShardMetadata) -> pa.Schema:
     """The Arrow schema every shard file is written with; the metadata rides in it."""
     if sys.byteorder != "little":

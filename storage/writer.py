@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import schema
+from storage import nonfinite, schema
 from storage.schema import ShardMetadata
 
 SHARD_GLOB = "shard-*.parquet"
@@ -82,6 +82,8 @@ class ShardFileInfo:
     tokens: int
     bytes: int
     sha256: str
+    nonfinite: tuple[dict, ...] = ()
+    """Samples whose states held NaN/Inf, skipped or kept (``storage.nonfinite.screen`` records)."""
 
 
 def shard_file_name(shard: int) -> str:
@@ -205,12 +207,19 @@ class ShardWriter:
     >>> with ShardWriter(path, metadata) as writer:
     ...     writer.append(sample_ids, input_ids, loss_masks, aux, last)
     ...     info = writer.finalize()
+
+    ``on_nonfinite`` (``storage.nonfinite.ACTIONS``) is what happens to a sample the
+    extractor flagged as holding NaN/Inf: fail the shard, skip the sample, or keep it.
     """
 
-    def __init__(self, path: str | os.PathLike, metadata: ShardMetadata) -> None:
+    def __init__(self, path: str | os.PathLike, metadata: ShardMetadata, on_nonfinite: str = nonfinite.FAIL) -> None:
+        if on_nonfinite not in nonfinite.ACTIONS:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(nonfinite.ACTIONS)}")
         self.path = Path(path)
         self.temp_path = self.path.with_name(temp_file_name(self.path.name))
         self.metadata = metadata
+        self.on_nonfinite = on_nonfinite
+        self._nonfinite: list[dict] = []
         self._schema = schema.build_schema(metadata)
         self._file: pa.NativeFile | None = None
         self._hasher: _TrailingHasher | None = None
@@ -231,6 +240,9 @@ class ShardWriter:
             use_dictionary=False,
             write_statistics=[schema.SAMPLE_ID],
             store_schema=True,
+            # A CRC per page: a reader that verifies them (ours do) raises on a corrupted page
+            # instead of returning wrong states.
+            write_page_checksum=True,
         )
         return self
 
@@ -247,23 +259,33 @@ class ShardWriter:
         last_hidden_state: np.ndarray | None = None,
         aux_scales: np.ndarray | None = None,
         last_scales: np.ndarray | None = None,
+        finite: np.ndarray | None = None,
     ) -> None:
         """Append samples whose states are stacked token-wise: aux is [sum(T_i), L*H].
 
         State arrays hold the raw element bits in any numpy dtype of the stored
         dtype's itemsize (bfloat16 travels as int16, fp8 as uint8), C-contiguous.
         With fp8 states, ``aux_scales`` [sum(T_i), L] and ``last_scales``
-        [sum(T_i), 1] are float32.
+        [sum(T_i), 1] are float32. ``finite`` [samples, columns] bool says which
+        samples' states are free of NaN/Inf per layer (then the final state);
+        ``on_nonfinite`` decides about the others.
         """
         if self._writer is None:
             raise RuntimeError(f"{self.path}: append() outside the writer's `with` block")
         with self.clock.stage("encode"):
-            table, tokens = self._table(
+            table, lengths = self._table(
                 sample_ids, input_ids, loss_masks, aux_hidden_states, last_hidden_state, aux_scales, last_scales
             )
+            if finite is not None:
+                keep, records = nonfinite.screen(sample_ids, finite, self.metadata, self.on_nonfinite, self.path.name)
+                self._nonfinite += records
+                if keep is not None:
+                    table, lengths = table.filter(pa.array(keep)), lengths[keep]
+        tokens = int(lengths.sum())
         with self.clock.stage("write"):
-            bytes_per_row = table.nbytes // max(1, table.num_rows)
-            self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
+            if table.num_rows:
+                bytes_per_row = table.nbytes // table.num_rows
+                self._writer.write_table(table, row_group_size=choose_rows_per_group(bytes_per_row))
         assert self._hasher is not None and self._file is not None
         self._hasher.advance(self._file.tell())
         self._rows += table.num_rows
@@ -278,9 +300,9 @@ class ShardWriter:
         last_hidden_state: np.ndarray | None,
         aux_scales: np.ndarray | None,
         last_scales: np.ndarray | None,
-    ) -> tuple[pa.Table, int]:
-        """The batch as an Arrow table of the file's schema, and its tokens; state columns share the
-        arrays' memory."""
+    ) -> tuple[pa.Table, np.ndarray]:
+        """The batch as an Arrow table of the file's schema, and its rows' token counts; state columns
+        share the arrays' memory."""
         meta = self.metadata
         lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
         if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
@@ -309,7 +331,7 @@ class ShardWriter:
                 columns[name + schema.SCALES_SUFFIX] = _binary_column(
                     scales, row_offsets, layers * schema.SCALE_ITEMSIZE
                 )
-        return pa.Table.from_pydict(columns, schema=self._schema), total
+        return pa.Table.from_pydict(columns, schema=self._schema), lengths
 
     def _check(
         self, name: str, states: np.ndarray | None, expected: tuple[int, int], itemsize: int, sample_ids: Sequence[int]
@@ -339,7 +361,10 @@ class ShardWriter:
         with self.clock.stage("commit"):
             os.replace(self.temp_path, self.path)
             _fsync_path(self.path.parent)
-        return ShardFileInfo(path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256)
+        return ShardFileInfo(
+            path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256,
+            nonfinite=tuple(self._nonfinite),
+        )
 
     def abort(self) -> None:
         """Drop everything written so far; the final name is never touched."""

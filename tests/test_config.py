@@ -87,6 +87,8 @@ def test_sections_check_themselves_when_built_in_python():
         ModelConfig(tp_size=0)
     with pytest.raises(ValueError, match="extract.max_samples_per_batch=0"):
         ExtractConfig(max_samples_per_batch=0)
+    with pytest.raises(ValueError, match="extract.on_nonfinite='ignore': use one of fail, skip, keep"):
+        ExtractConfig(on_nonfinite="ignore")
     with pytest.raises(ValueError, match="output.max_inflight_batches=-1"):
         OutputConfig(max_inflight_batches=-1)
     assert OutputConfig(disk_budget="64GiB").disk_budget_bytes == 64 * 2**30

@@ -208,5 +208,6 @@ def test_dry_run_imports_sglang_and_torch_only_for_the_layer_check():
 
 
 def test_status_starts_without_ray_or_torch():
-    """`jobs.status` answers in about a second, even while a job holds the machine."""
-    assert imported_by("jobs.status", ("ray", "torch", "sglang")) == []
+    """`jobs.status` answers in about a second, even while a job holds the machine; `jobs.verify` runs on
+    any machine that sees the files."""
+    assert imported_by("jobs.status, jobs.verify", ("ray", "torch", "sglang")) == []

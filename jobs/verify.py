@@ -1,0 +1,88 @@
+"""``python -m jobs.verify output.dir=DIR [--deep]`` (or ``eagle3-verify``): are a run's files whole?
+
+Checks every shard the manifest lists as done, where it is (output.dir or the sink,
+opened with ``output.sink_options``): size and sha256, schema and metadata, rows,
+tokens, sample ids complete and each written once; ``--deep`` reads every state for
+NaN/Inf too. ``storage.verify`` does the checking; this prints every problem, one
+line each, and exits 0 when there is none, 6 (``EXIT_VERIFY_FAILED``) when there is
+any, 2 when the directory holds no run. Starts no Ray and imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from jobs.budget import format_bytes
+from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.lock import read_owner
+from jobs.summary import read_invalid_rows
+from storage.config import OutputConfig
+from storage.verify import Problem, VerifyReport, verify_run
+
+
+@dataclasses.dataclass
+class VerifyConfig:
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+
+def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = None) -> VerifyReport:
+    """Check the run in ``output_dir``; a job still running there is a problem too (its files are in flux)."""
+    invalid = [row["sample_id"] for row in read_invalid_rows(output_dir)]
+    report = verify_run(output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid)
+    owner = read_owner(output_dir)
+    if owner is not None and owner.is_alive() is not False:
+        report.problems.insert(0, Problem(
+            str(output_dir), f"a job holds output.dir ({owner.describe()}): shards are being written",
+            "verify again once it has ended",
+        ))
+    return report
+
+
+def format_report(report: VerifyReport) -> str:
+    lines = [f"{problem}" for problem in report.problems] + [f"note: {note}" for note in report.notes]
+    checked = (
+        f"{report.files_checked} files of {report.shards} shards: {report.rows} samples, {report.tokens} tokens, "
+        f"{format_bytes(report.bytes)}"
+    )
+    if report.ok:
+        lines.append(f"OK: {checked} in {report.output_dir}")
+    else:
+        lines.append(f"FAILED: {len(report.problems)} problems in {report.output_dir} ({checked})")
+        if report.shards_to_rewrite:
+            shards = ",".join(map(str, report.shards_to_rewrite))
+            lines.append(f"to write the shards with problems again: rerun the job's command with shards=[{shards}]")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser(
+        program_name("jobs.verify"),
+        "Check a run's shard files against its manifest (exit 0: all whole; 6: problems, one line each; "
+        "2: no run there).",
+        VerifyConfig,
+    )
+    parser.add_argument("--deep", action="store_true", help="also read every state and scan it for NaN/Inf")
+    try:
+        args = parser.parse_args(list(argv))
+        config = build_config(VerifyConfig, args.config, args.overrides, prog=parser.prog)
+        if not config.output.dir:
+            raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep]")
+        report = verify(Path(config.output.dir), args.deep, config.output.sink_options)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_report(report))
+    return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
+
+
+def cli() -> None:
+    """Console entry point ``eagle3-verify``."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()
