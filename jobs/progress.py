@@ -5,7 +5,7 @@ wait for disk budget) and calls ``tick()`` from its loops. A tick reads the
 manifest and the disk budget (the truth, owned by the driver) into a
 ``ProgressSnapshot`` and reports it:
 
-- every ``METRICS_REFRESH_S``: Ray metrics on the metrics endpoint (``ray start
+- every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray metrics on the metrics endpoint (``ray start
   --metrics-export-port``, the dashboard's Grafana panels), labelled ``run`` =
   output.dir (Ray adds ``NodeAddress``, ``SessionName``...). Ray's Prometheus
   exporter names them ``ray_`` + the name given here (counters end in
@@ -179,6 +179,7 @@ class RunProgress:
         self.shard_tokens = shard_tokens
         self.to_run = list(to_run)
         self.interval_s = interval_s
+        self.refresh_s = min(interval_s, METRICS_REFRESH_S)
         self.sink = sink
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.metrics = _RunMetrics(run)
@@ -227,10 +228,10 @@ class RunProgress:
         self.tick(force=True)
 
     def tick(self, force: bool = False) -> None:
-        """Set the metrics every METRICS_REFRESH_S, write the summary and log every ``interval_s`` (``force``: now)."""
+        """Set the metrics every ``refresh_s``, write the summary and log every ``interval_s`` (``force``: now)."""
         now = time.monotonic()
         report = force or _due(self.last_report, self.interval_s, now)
-        if not (report or _due(self.last_metrics, METRICS_REFRESH_S, now)):
+        if not (report or _due(self.last_metrics, self.refresh_s, now)):
             return
         snapshot = self.snapshot()
         self.metrics.report(snapshot)
