@@ -5,16 +5,17 @@ wait for disk budget) and calls ``tick()`` from its loops. A tick reads the
 manifest and the disk budget (the truth, owned by the driver) into a
 ``ProgressSnapshot`` and reports it:
 
-- every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray metrics on the metrics endpoint (``ray start
-  --metrics-export-port``, the dashboard's Grafana panels), labelled ``run`` =
-  output.dir (Ray adds ``NodeAddress``, ``SessionName``...). Ray's Prometheus
-  exporter names them ``ray_`` + the name given here (counters end in
-  ``_total``). Ray 2.60 drops a gauge that is not set again for 20-30 s, so each
-  refresh sets every one.
+- every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray
+  metrics on the metrics endpoint (``ray start --metrics-export-port``, the
+  dashboard's Grafana panels), labelled ``run`` = output.dir (Ray adds
+  ``NodeAddress``, ``SessionName``...). Ray's Prometheus exporter names them
+  ``ray_`` + the name given here (counters end in ``_total``). Ray 2.60 drops a
+  gauge that is not set again for 20-30 s, so each refresh sets every one.
 - every ``progress.interval_s``: the ``progress`` block of ``.summary.json``,
-  which ``jobs.status`` reads, and a log line (``shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk
-  40.0 GB/1.3 TB``) when stderr is not a terminal (``ray job submit``, a file);
-  on a terminal, two ``tqdm_ray`` bars instead.
+  which ``jobs.status`` reads, and, when stderr is not a terminal (``ray job
+  submit``, a file), a log line: ``shards 12/50, tokens 1.2M/5.0M (24%), 31k
+  tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``. On a terminal, two ``tqdm_ray`` bars
+  instead.
 
 Ray's Jobs API cannot carry it: a job's ``metadata`` is fixed at submission
 (``JobSubmissionClient`` has no call that updates it).
@@ -86,6 +87,8 @@ class ProgressSnapshot:
     tokens_done: int
     tokens_planned: int
     bytes_written: int
+    tokens_to_go: int
+    """This run's shards' tokens not written yet (a failed shard's are no longer to go)."""
     tokens_per_second: float
     """This run's tokens over this run's time since its first batch (earlier runs' shards excluded)."""
     eta_seconds: float
@@ -187,6 +190,8 @@ class RunProgress:
         """Tokens this run wrote, failed shards' included: the rate."""
         self.open_tokens: dict[int, int] = {}
         """Tokens written into shards not yet settled (done or failed)."""
+        self.settled: set[int] = set()
+        """Shards of this run that are done or failed (a rerun shard may be either in the manifest until opened)."""
         self.waiting = False
         self.started: Optional[float] = None
         self.last_metrics: Optional[float] = None
@@ -215,6 +220,7 @@ class RunProgress:
     def shard_settled(self, shard: int) -> None:
         """The shard is done or failed, and the manifest says which."""
         self.open_tokens.pop(shard, None)
+        self.settled.add(shard)
         if self.bars:
             self.bars[0].update(1)
 
@@ -257,19 +263,19 @@ class RunProgress:
     def snapshot(self) -> ProgressSnapshot:
         records = self.manifest.shards
         done = [record for record in records.values() if record.state == DONE]
-        settled = {index for index, record in records.items() if record.state in (DONE, FAILED)}
-        in_flight = sum(tokens for index, tokens in self.open_tokens.items() if index not in settled)
+        in_flight = sum(self.open_tokens.values())
         seconds = time.monotonic() - self.started if self.started is not None else 0.0
         rate = self.written / seconds if seconds > 0 else 0.0
-        remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in settled) - in_flight)
+        remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in self.settled) - in_flight)
         return ProgressSnapshot(
             updated_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             shards_done=len(done),
-            shards_failed=len(settled) - len(done),
+            shards_failed=sum(record.state == FAILED for record in records.values()),
             shards_total=len(records),
             tokens_done=sum(record.tokens for record in done) + in_flight,
             tokens_planned=sum(self.shard_tokens.values()),
             bytes_written=sum(record.bytes for record in done),
+            tokens_to_go=remaining,
             tokens_per_second=round(rate, 1),
             eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
             disk_used=self.budget.used,

@@ -15,7 +15,7 @@ from jobs.budget import DiskBudget
 from jobs.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
 from jobs.status import status_report
 from jobs.summary import read_summary
-from storage.manifest import DONE, FAILED, Manifest
+from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
 
 DASHBOARD = REPO_ROOT / "dashboards" / "eagle3.json"
@@ -75,14 +75,30 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     assert (middle.tokens_done, middle.tokens_planned, middle.bytes_written) == (100 + 200 + 120, 1000, 14000)
     assert (middle.disk_used, middle.disk_budget, middle.waiting_for_disk) == (2000, 10**6, 0)
     # This run still has 300 - 120 + 400 tokens to write.
-    assert middle.tokens_per_second > 0 and middle.eta_seconds == pytest.approx(580 / middle.tokens_per_second, abs=0.1)
+    assert middle.tokens_to_go == 580 and middle.tokens_per_second > 0
+    assert middle.eta_seconds == pytest.approx(580 / middle.tokens_per_second, abs=0.1)
     end = ProgressSnapshot(**summary.reports[-1])
-    assert (end.shards_done, end.shards_failed, end.tokens_done) == (2, 1, 100 + 200 + 120)
+    assert (end.shards_done, end.shards_failed, end.tokens_done, end.tokens_to_go) == (2, 1, 100 + 200 + 120, 180)
     # Two reports, begin and close (the interval is an hour): one log line each, the close one the last.
     assert len(summary.reports) == 2
     lines = [record.getMessage() for record in caplog.records if record.name == "jobs.progress"]
     assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, tokens 420/1.0k (42%), ")
     assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
+
+
+def test_a_failed_shard_rerun_is_work_still_to_do(tmp_path):
+    """shards=failed: the manifest says failed until the shard is opened again; its tokens are still to do."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8)])
+    manifest.update(0, state=FAILED, error="earlier")
+    manifest.update(1, state=FAILED, error="earlier")
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 100, 1: 100}, [0, 1], run="r",
+                           interval_s=3600, interactive=False)
+    progress.begin()
+    manifest.update(0, state=PENDING)
+    progress.tokens_written(0, 40)
+    snapshot = progress.snapshot()
+    assert (snapshot.shards_failed, snapshot.tokens_done) == (1, 40)
+    assert snapshot.tokens_to_go == 160
 
 
 def test_disk_wait_shows_while_it_lasts(tmp_path):
