@@ -2,10 +2,10 @@
 
 From ``.manifest.json``, ``.summary.json``, the lock and the files actually
 present: whether a job is running on the directory, its last progress report
-(done, rate, ETA, disk; rewritten every ``progress.interval_s``), shards by state with their
-samples and tokens (planned ones for shards not done yet), bytes on local disk
-against the run's own budget and in the sink, every file the job does not know
-about, and the last error of every failed shard.
+(done, rate, ETA, disk; rewritten every ``progress.interval_s``), shards by state
+with their samples and tokens (planned ones for shards not done yet), bytes on
+local disk against the run's own budget and in the sink, every file the job does
+not know about, and the last error of every failed shard.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The summary is written when the run starts (outcome ``running``, the plan and the
 budget, so that ``jobs.status`` can show planned tokens and the run's own budget),
-every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate, ETA,
-disk; ``jobs.progress``), and again when it ends, whatever the end: complete, shards failed, budget exhausted,
-a fault or a signal. Totals cover every done shard of the output directory; the
+every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate,
+ETA, disk; ``jobs.progress``), and again when it ends, whatever the end: complete,
+shards failed, budget exhausted, a fault or a signal. Totals cover every done shard of the output directory; the
 ``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
 run's time. Both names start with a dot, so that Parquet dataset readers skip them.
 """
