@@ -11,6 +11,8 @@ same runtime without a ModelRunner to build model classes on the meta device.
 from __future__ import annotations
 
 import inspect
+import logging
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,9 +20,36 @@ from extractor.types import EngineSpec
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
+# SGLang imports every model module to build its registry and logs each one that cannot be
+# imported on this platform (kernels of another accelerator, torchaudio...): 15 warnings per
+# start on 0.5.23 CPU, about models this run does not load. A model the run needs and cannot
+# import still fails, in ModelRunner's own "not supported" check.
+REGISTRY_LOGGER = "sglang.srt.models.registry"
+REGISTRY_IMPORT_ERROR = "Ignore import error when loading"
+# Import-time notices that a quantization method or Triton has no kernels on this device.
+PLATFORM_WARNINGS = r"Only CUDA.* support|Triton is not supported on current platform"
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_import_noise() -> None:
+    """Drop SGLang's import-time noise (above) from this process's log; every other warning stays."""
+    registry = logging.getLogger(REGISTRY_LOGGER)
+    if not any(isinstance(existing, _DropPrefix) for existing in registry.filters):
+        registry.addFilter(_DropPrefix(REGISTRY_IMPORT_ERROR))
+    warnings.filterwarnings("ignore", message=PLATFORM_WARNINGS, category=UserWarning, module=r"sglang\.")
+
 
 def import_sglang() -> SimpleNamespace:
     """The SGLang pieces the engine uses; call after ``cpu_shims.install_cpu_shims`` on CPU."""
+    quiet_import_noise()
     import sglang
     from sglang.benchmark.one_batch import TreeCacheNamespace
     from sglang.srt import runtime_context

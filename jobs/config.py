@@ -77,6 +77,19 @@ class RayConfig:
 
 
 @dataclasses.dataclass
+class ProgressConfig:
+    interval_s: float = 10.0
+    """How often the driver rewrites the progress in .summary.json (what jobs.status shows) and, when its log is
+    not a terminal (e.g. under `ray job submit`), logs one progress line. Ray metrics are re-set every few seconds
+    regardless."""
+
+    def __post_init__(self) -> None:
+        value = self.interval_s
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"progress.interval_s={value!r}: must be a number of seconds > 0")
+
+
+@dataclasses.dataclass
 class DemoConfig:
     dir: str = "eagle3-demo"
     """Where the demo writes its tiny model, dataset and (unless output.dir is set) output."""
@@ -105,6 +118,7 @@ class JobConfig:
     extract: ExtractConfig = dataclasses.field(default_factory=ExtractConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    progress: ProgressConfig = dataclasses.field(default_factory=ProgressConfig)
     demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
     shards: Any = "pending"
     """Which shards to run: pending (resume: every shard not done), failed, or a list like [3,17]."""

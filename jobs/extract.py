@@ -28,6 +28,7 @@ from jobs.lock import OutputLock
 from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
 from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
+from jobs.progress import RunProgress
 from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
 from jobs.summary import (
     COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
@@ -134,9 +135,14 @@ def _run_locked(inputs: RunInputs) -> dict:
         shard_tokens = {s.index: s.tokens for s in plan}
         summary = RunSummary(config, output_dir, shard_tokens, [record.index for record in to_run], inputs.dataset.invalid)
         summary.start(manifest)
+        progress = RunProgress(
+            manifest, budget, shard_tokens, [record.index for record in to_run], run=str(output_dir),
+            interval_s=config.progress.interval_s, sink=summary,
+        )
         try:
             result = ExtractionRun(
-                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget
+                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget,
+                progress,
             ).run()
         except JobStopped as error:
             _record_end(summary, manifest, error.outcome, error.exit_code, str(error))

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import ray
-from ray.experimental.tqdm_ray import tqdm
-from ray.util import metrics
 
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
@@ -32,6 +30,7 @@ from jobs.dataset import TokenizedDataset
 from jobs.errors import BudgetExhausted
 from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
 from jobs.plan import Shard
+from jobs.progress import RunProgress
 from jobs.sink import UploaderActor
 from jobs.writer import BatchRows, WriterActor
 from storage import ShardFileInfo, ShardMetadata, shard_file_name
@@ -142,23 +141,13 @@ def count_writers(requested: int, extractor_cpus: int) -> int:
     return max(1, min(MAX_AUTO_WRITERS, spare))
 
 
-class _Metrics:
-    """Gauges and counters on Ray's metrics endpoint (dashboard / --metrics-export-port)."""
-
-    def __init__(self) -> None:
-        self.disk_used = metrics.Gauge("eagle3_disk_used_bytes", description="Committed local shard bytes + reservations")
-        self.disk_budget = metrics.Gauge("eagle3_disk_budget_bytes", description="output.disk_budget")
-        self.waiting = metrics.Gauge("eagle3_waiting_for_disk", description="1 while the driver waits for disk budget")
-        self.wait_seconds = metrics.Counter("eagle3_disk_wait_seconds_total", description="Time spent waiting for disk budget")
-        self.tokens = metrics.Counter("eagle3_tokens_written_total", description="Tokens whose states were written")
-
-
 class ExtractionRun:
     """Extracts ``shards`` and keeps ``manifest`` and ``budget`` true at every step."""
 
     def __init__(
         self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
         extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
+        progress: RunProgress,
     ) -> None:
         self.spec = spec
         self.dataset = dataset
@@ -169,8 +158,7 @@ class ExtractionRun:
         self.output_dir = output_dir
         self.manifest = manifest
         self.budget = budget
-        self.metrics = _Metrics()
-        self.metrics.disk_budget.set(budget.limit)
+        self.progress = progress
         self.appends: dict[ray.ObjectRef, int] = {}  # -> shard
         self.finishes: dict[ray.ObjectRef, int] = {}
         self.uploads: dict[ray.ObjectRef, int] = {}
@@ -242,8 +230,7 @@ class ExtractionRun:
         self._start_actors()
         startup = time.perf_counter() - started
         started = time.perf_counter()
-        self.shard_bar = tqdm(total=len(self.shards), desc="shards")
-        self.token_bar = tqdm(total=sum(self.plan[s.index].tokens for s in self.shards), desc="tokens")
+        self.progress.begin()
         try:
             self._rescan(force=True)
             for record in self.manifest.in_state(DONE):
@@ -252,6 +239,7 @@ class ExtractionRun:
             while self.appends or self.finishes or self.uploads:
                 self._settle_one(timeout=self.output.rescan_s)
                 self._rescan()
+                self.progress.tick()
         except BaseException:
             # Shards cut short leave no temp file behind (the next run would remove it anyway).
             discards = [writer.discard.remote(shard) for shard, writer in self.writer_of.items()]
@@ -259,8 +247,7 @@ class ExtractionRun:
                 ray.get(discards, timeout=30)
             raise
         finally:
-            self.shard_bar.close()
-            self.token_bar.close()
+            self.progress.close()
             self._stop_actors()
         ended = time.perf_counter()
         return RunResult(
@@ -281,6 +268,7 @@ class ExtractionRun:
     def _extract_shards(self) -> None:
         waiting = collections.deque(self.shards)
         while waiting or self.open:
+            self.progress.tick()
             self._open_shards(waiting)
             if not self.open:
                 continue
@@ -304,7 +292,6 @@ class ExtractionRun:
             writer = next(w for w in self.writers if id(w) not in busy)
             busy.add(id(writer))
             self.budget.reserve(record.index, nbytes)
-            self.metrics.disk_used.set(self.budget.used)
             self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
             self.open[record.index] = _OpenShard(record, writer, batches)
             self.peak_open_shards = max(self.peak_open_shards, len(self.open))
@@ -345,7 +332,7 @@ class ExtractionRun:
             return
         started = last_log = time.monotonic()
         idle_since: float | None = None
-        self.metrics.waiting.set(1)
+        self.progress.disk_wait_started()
         logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self.budget), format_bytes(nbytes))
         try:
             while policy is not None:
@@ -359,6 +346,7 @@ class ExtractionRun:
                         raise BudgetExhausted(self._exhausted_message(policy.describe(self.budget)))
                     time.sleep(min(self.output.rescan_s, self.output.budget_wait_s - (now - idle_since)))
                 self._rescan()
+                self.progress.tick()
                 if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
                     last_log = time.monotonic()
                     logger.warning("waiting for disk budget: %s", policy.describe(self.budget))
@@ -366,9 +354,7 @@ class ExtractionRun:
         finally:
             waited = time.monotonic() - started
             self.blocked_seconds += waited
-            if waited > 0:
-                self.metrics.wait_seconds.inc(waited)
-            self.metrics.waiting.set(0)
+            self.progress.disk_wait_ended(waited)
         logger.info("disk budget free again after %.1f s: %s", waited, self.budget.policies[0].describe(self.budget))
 
     def _exhausted_message(self, state: str) -> str:
@@ -399,10 +385,8 @@ class ExtractionRun:
                 self.open[shard].inflight -= 1
                 if tokens == 0:  # the writer dropped the shard: spend no more extraction on it
                     self._close_shard(shard)
-            self.token_bar.update(tokens)
+            self.progress.tokens_written(shard, tokens)
             self.last_write_done = time.perf_counter()
-            if tokens:  # Ray counters refuse increments of 0
-                self.metrics.tokens.inc(tokens)
         elif ref in self.finishes:
             self._on_finish(self.finishes.pop(ref), ref)
         else:
@@ -424,8 +408,7 @@ class ExtractionRun:
                 bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="", nonfinite=list(info.nonfinite),
             )
             self._maybe_upload(record)
-        self.metrics.disk_used.set(self.budget.used)
-        self.shard_bar.update(1)
+        self.progress.shard_settled(shard)
 
     def _maybe_upload(self, record: ShardRecord) -> None:
         if not self.uploaders or record.location != LOCAL or record.index in self.uploads.values():
@@ -447,7 +430,6 @@ class ExtractionRun:
         self.manifest.update(shard, location=SINK, sink_url=url)
         (self.output_dir / shard_file_name(shard)).unlink(missing_ok=True)
         self.budget.forget(shard)
-        self.metrics.disk_used.set(self.budget.used)
 
     def _rescan(self, force: bool = False) -> None:
         """Notice committed files someone else deleted (a trainer consuming them)."""
@@ -464,7 +446,6 @@ class ExtractionRun:
                 logger.info("shard %d: %s was removed from output.dir; its bytes are free", record.index, record.file)
                 self.manifest.update(record.index, location=CONSUMED)
                 self.budget.forget(record.index)
-        self.metrics.disk_used.set(self.budget.used)
 
 
 def _error_text(error: Exception) -> str:

@@ -1,10 +1,11 @@
 """``python -m jobs.status output.dir=DIR`` (or ``eagle3-status``): where a run stands.
 
 From ``.manifest.json``, ``.summary.json``, the lock and the files actually
-present: whether a job is running on the directory, shards by state with their
-samples and tokens (planned ones for shards not done yet), bytes on local disk
-against the run's own budget and in the sink, every file the job does not know
-about, and the last error of every failed shard.
+present: whether a job is running on the directory, its last progress report
+(done, rate, ETA, disk; rewritten every ``progress.interval_s``), shards by state
+with their samples and tokens (planned ones for shards not done yet), bytes on
+local disk against the run's own budget and in the sink, every file the job does
+not know about, and the last error of every failed shard.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional, Sequence
 from jobs.budget import format_bytes
 from jobs.config import ConfigError, build_config, build_parser, program_name
 from jobs.lock import LOCK_FILE, read_owner
+from jobs.progress import ProgressSnapshot
 from jobs.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
 from storage.config import OutputConfig
 from storage.manifest import (
@@ -46,7 +48,8 @@ def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
     shards = manifest["shards"]
     planned = {int(k): v for k, v in ((summary or {}).get("plan", {}).get("shard_tokens") or {}).items()}
 
-    lines = [f"output.dir {output_dir}", job_state(output_dir, summary), ""]
+    state = job_state(output_dir, summary)
+    lines = [f"output.dir {output_dir}", state, *_progress_lines(summary, state.startswith("job: RUNNING")), ""]
     lines.append(f"{'state':<8} {'shards':>7} {'samples':>9} {'tokens':>12}")
     for state in (DONE, PENDING, FAILED):
         selected = [s for s in shards if s["state"] == state]
@@ -96,6 +99,19 @@ def job_state(output_dir: Path, summary: Optional[dict[str, Any]]) -> str:
         f"job: not running; the last run ended {summary.get('ended_at')}: {summary.get('outcome')} "
         f"(exit code {summary.get('exit_code')})"
     )
+
+
+def _progress_lines(summary: Optional[dict[str, Any]], running: bool) -> list[str]:
+    """The run's last progress report: live while the job runs, where it stopped otherwise."""
+    report = (summary or {}).get("progress")
+    if not report:
+        return []
+    try:
+        snapshot = ProgressSnapshot(**report)
+    except TypeError:  # written by another version of the job
+        return []
+    when = "progress" if running else "last progress"
+    return [f"{when}: {snapshot.describe()} (as of {snapshot.updated_at})"]
 
 
 def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], disk_budget: Optional[int]) -> list[str]:

@@ -1,9 +1,10 @@
 """``.summary.json`` and ``.drafter_config.json``: what a run did, written beside the shards.
 
 The summary is written when the run starts (outcome ``running``, the plan and the
-budget, so that ``jobs.status`` can show planned tokens and the run's own budget)
-and again when it ends, whatever the end: complete, shards failed, budget exhausted,
-a fault or a signal. Totals cover every done shard of the output directory; the
+budget, so that ``jobs.status`` can show planned tokens and the run's own budget),
+every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate,
+ETA, disk; ``jobs.progress``), and again when it ends, whatever the end: complete,
+shards failed, budget exhausted, a fault or a signal. Totals cover every done shard of the output directory; the
 ``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
 run's time. Both names start with a dot, so that Parquet dataset readers skip them.
 """
@@ -118,8 +119,15 @@ class RunSummary:
         self.to_run = set(to_run)
         self.started_at = _now()
         self.started = time.monotonic()
+        self.progress: Optional[dict[str, Any]] = None
+        """The last progress report (``jobs.progress.ProgressSnapshot``), kept in the final summary too."""
 
     def start(self, manifest: Manifest) -> None:
+        write_json(self.path, self._build(manifest, RUNNING, None, "", None))
+
+    def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
+        """The running summary with the latest progress (``jobs.progress`` calls this every interval)."""
+        self.progress = progress
         write_json(self.path, self._build(manifest, RUNNING, None, "", None))
 
     def finish(self, manifest: Manifest, outcome: str, exit_code: int, message: str, result: Any = None) -> dict:
@@ -159,6 +167,7 @@ class RunSummary:
                 "seconds": seconds,
             },
             "tokens_per_second": round(run_tokens / seconds, 1) if seconds > 0 else 0.0,
+            "progress": self.progress,
             "invalid_rows": {
                 "count": len(self.invalid),
                 "first": [dataclasses.asdict(row) for row in self.invalid[:INVALID_ROWS_IN_SUMMARY]],

@@ -51,6 +51,7 @@ def python_env(**extra: str) -> dict[str, str]:
     ("output.min_free_bytes=lots", "output.min_free_bytes='lots': write a size like 500GB"),
     ("output.rescan_s=0", "output.rescan_s=0: must be more than 0 seconds"),
     ("output.budget_wait_s=-1", "output.budget_wait_s=-1.0: must be a number of seconds >= 0"),
+    ("progress.interval_s=0", "progress.interval_s=0.0: must be a number of seconds > 0"),
     ("demo.arch=gpt2", "demo.arch='gpt2': use one of llama, qwen3, deepseek_v3"),
     ("demo.num_samples=0", "demo.num_samples=0: must be an integer >= 1"),
     ("shards=some", "shards='some': use `pending`"),

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -26,6 +27,7 @@ import ray
 
 from jobs.demo import build_synthetic_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
+from jobs.progress import METRICS, RUN_LABEL
 from jobs.status import status_report
 from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
@@ -233,7 +235,9 @@ def ray_head() -> Iterator[RayHead]:
          f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
          f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
          "--disable-usage-stats"],
-        env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=180,
+        # Metrics reach the endpoint every second (Ray's floor) rather than every 10 s: the job is short.
+        env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000"),
+        capture_output=True, text=True, timeout=180,
     )
     try:
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
@@ -273,10 +277,29 @@ def done_shards(out: Path) -> int:
         return 0
 
 
+_SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+# The log line of jobs.progress: "shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB".
+PROGRESS_LINE = re.compile(r"shards (\d+)/(\d+), tokens \S+/\S+ \((\d+)%\), \S+ tok/s, ETA \S+, disk [^,\n]+")
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every eagle3 sample on a metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1).startswith("ray_eagle3_"):
+            samples.append((match.group(1), dict(_LABEL.findall(match.group(2))), float(match.group(3))))
+    return samples
+
+
 def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
-    """The README's path: submit the demo with absolute paths, watch it through the Jobs API, stop it
-    with `ray job stop`, submit the same command again: every sample exactly once. A relative path
-    is refused (it would land in Ray's per-upload copy of the working dir)."""
+    """The README's path: submit the demo with absolute paths, watch its progress on the metrics endpoint,
+    in .summary.json (jobs.status) and in the job's logs (Jobs API), stop it with `ray job stop`, submit
+    the same command again: every sample exactly once. A relative path is refused (it would land in
+    Ray's per-upload copy of the working dir)."""
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(ray_head.dashboard_url)
@@ -288,13 +311,31 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     samples, demo = 200, tmp_path / "demo"
     out = demo / "hidden_states"
     args = [f"demo.dir={demo}", f"demo.num_samples={samples}", "data.shard_size=4",
-            "output.max_inflight_batches=1", "extract.max_tokens_per_batch=64"]
+            "output.max_inflight_batches=1", "extract.max_tokens_per_batch=64", "progress.interval_s=0.5"]
     submit(ray_head, "eagle3-first", args)
+    # Watch until the metrics endpoint has shown shards done rising, then stop the job.
     deadline = time.monotonic() + 600
-    while done_shards(out) == 0:
+    reported: list[int] = []  # shards_done of each new progress report in .summary.json
+    exported: dict[str, dict[str, str]] = {}  # metric -> labels of this run's sample
+    shown: list[float] = []  # shards_done on the endpoint, one per scrape
+    while len(set(shown)) < 2 or done_shards(out) == 0:
         assert time.monotonic() < deadline and client.get_job_status("eagle3-first").value in ("PENDING", "RUNNING"), \
             client.get_job_logs("eagle3-first")[-3000:]
-        time.sleep(0.05)
+        progress = (read_summary(out) or {}).get("progress") if out.exists() else None
+        if progress and (not reported or progress["shards_done"] != reported[-1]):
+            reported.append(progress["shards_done"])
+        for name, labels, value in scrape(ray_head.metrics_port):
+            if labels.get(RUN_LABEL) == str(out):
+                exported[name] = labels
+                if name == "ray_eagle3_shards_done":
+                    shown.append(value)
+        time.sleep(0.1)
+    print(f"shards done on the metrics endpoint: {sorted(set(shown))}; in .summary.json: {reported}")
+    assert shown == sorted(shown) and reported == sorted(reported) and reported[-1] > reported[0]
+    gauges = {spec.exported for spec in METRICS if spec.field}
+    assert gauges | {"ray_eagle3_tokens_written_total"} <= set(exported), sorted(exported)
+    assert all(labels["NodeAddress"] == "127.0.0.1" and "SessionName" in labels for labels in exported.values())
+    assert "job: RUNNING" in status_report(out) and "\nprogress: shards " in status_report(out)
     stop = ray_head.cli("job", "stop", "eagle3-first")
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert wait_for_status(client, "eagle3-first", {"STOPPED", "SUCCEEDED", "FAILED"}) == "STOPPED"
@@ -313,4 +354,10 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert all(records[index]["attempts"] == 1 for index in first_done), "done shards must not run again"
     assert_manifest_matches_disk(out, samples)
-    assert re.search(rf"{samples // 4} shards done in {out}: {samples} samples", client.get_job_logs("eagle3-again"))
+    logs = client.get_job_logs("eagle3-again")
+    assert re.search(rf"{samples // 4} shards done in {out}: {samples} samples", logs)
+    # The Jobs API's logs: progress lines, no bar redraws, no SGLang import noise.
+    lines = [match.groups() for match in PROGRESS_LINE.finditer(logs)]
+    assert lines and lines[-1] == (str(samples // 4), str(samples // 4), "100"), logs[-3000:]
+    assert "__magic_token__" not in logs and "Ignore import error" not in logs and "UserWarning" not in logs
+    assert read_summary(out)["progress"]["shards_done"] == samples // 4

@@ -1,0 +1,140 @@
+"""Progress reporting: the snapshot the driver reports, its log line, and the Grafana dashboard's queries.
+
+The metrics endpoint itself is read in tests/test_entry.py, while a submitted job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+
+from jobs.budget import DiskBudget
+from jobs.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
+from jobs.status import status_report
+from jobs.summary import read_summary
+from storage.manifest import DONE, FAILED, PENDING, Manifest
+from tests.conftest import REPO_ROOT
+
+DASHBOARD = REPO_ROOT / "dashboards" / "eagle3.json"
+
+
+def test_dashboard_queries_name_exactly_the_metrics_the_job_exports():
+    """Every panel queries a name the job exports (as Ray's exporter spells it), and every metric has a panel."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queries += [variable["query"]["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
+    used = {name for query in queries for name in re.findall(r"\bray_[a-z0-9_]+", query)}
+    assert used == {spec.exported for spec in METRICS}
+    # Ray's Grafana provisioning names its Prometheus datasource "Prometheus"; panels go through the variable.
+    datasource = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert (datasource["query"], datasource["current"]["value"]) == ("prometheus", "Prometheus")
+    assert all(panel["datasource"] == "${" + datasource["name"] + "}" for panel in dashboard["panels"])
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {"Done", "Tokens/s", "ETA", "Disk used vs budget", "Waiting for disk", "Failed shards", "Bytes written"} <= titles
+
+
+def test_counter_names_follow_rays_exporter():
+    exported = {spec.name: spec.exported for spec in METRICS}
+    assert exported["eagle3_shards_done"] == "ray_eagle3_shards_done"
+    assert exported["eagle3_tokens_written_total"] == "ray_eagle3_tokens_written_total"  # not ..._total_total
+
+
+class _Summary:
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+
+    def update(self, manifest: Manifest, progress: dict) -> None:
+        self.reports.append(progress)
+
+
+def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
+    """Done and planned cover the whole plan; the rate and ETA only this run's shards; a failed shard's
+    tokens leave the done count and the work still to do."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)])
+    manifest.update(0, state=DONE, rows=4, tokens=100, bytes=5000)  # an earlier run's
+    budget = DiskBudget(tmp_path, 10**6, 0)
+    budget.reserve(1, 2000)
+    summary = _Summary()
+    progress = RunProgress(manifest, budget, {0: 100, 1: 200, 2: 300, 3: 400}, [1, 2, 3], run=str(tmp_path),
+                           interval_s=3600, sink=summary, interactive=False)
+    with caplog.at_level(logging.INFO, logger="jobs.progress"):
+        progress.begin()
+        progress.tokens_written(1, 200)
+        progress.tokens_written(2, 120)
+        manifest.update(1, state=DONE, rows=4, tokens=200, bytes=9000)
+        progress.shard_settled(1)
+        middle = progress.snapshot()
+        progress.tokens_written(3, 50)
+        manifest.update(3, state=FAILED, error="boom")
+        progress.shard_settled(3)
+        progress.close()
+    assert (middle.shards_done, middle.shards_failed, middle.shards_total) == (2, 0, 4)
+    assert (middle.tokens_done, middle.tokens_planned, middle.bytes_written) == (100 + 200 + 120, 1000, 14000)
+    assert (middle.disk_used, middle.disk_budget, middle.waiting_for_disk) == (2000, 10**6, 0)
+    # This run still has 300 - 120 + 400 tokens to write.
+    assert middle.tokens_to_go == 580 and middle.tokens_per_second > 0
+    assert middle.eta_seconds == pytest.approx(580 / middle.tokens_per_second, abs=0.1)
+    end = ProgressSnapshot(**summary.reports[-1])
+    assert (end.shards_done, end.shards_failed, end.tokens_done, end.tokens_to_go) == (2, 1, 100 + 200 + 120, 180)
+    # Two reports, begin and close (the interval is an hour): one log line each, the close one the last.
+    assert len(summary.reports) == 2
+    lines = [record.getMessage() for record in caplog.records if record.name == "jobs.progress"]
+    assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, tokens 420/1.0k (42%), ")
+    assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
+
+
+def test_a_failed_shard_rerun_is_work_still_to_do(tmp_path):
+    """shards=failed: the manifest says failed until the shard is opened again; its tokens are still to do."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8)])
+    manifest.update(0, state=FAILED, error="earlier")
+    manifest.update(1, state=FAILED, error="earlier")
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 100, 1: 100}, [0, 1], run="r",
+                           interval_s=3600, interactive=False)
+    progress.begin()
+    manifest.update(0, state=PENDING)
+    progress.tokens_written(0, 40)
+    snapshot = progress.snapshot()
+    assert (snapshot.shards_failed, snapshot.tokens_done) == (1, 40)
+    assert snapshot.tokens_to_go == 160
+
+
+def test_disk_wait_shows_while_it_lasts(tmp_path):
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
+    summary = _Summary()
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 1000, 0), {0: 10}, [0], run="r", interval_s=3600,
+                           sink=summary, interactive=False)
+    progress.begin()
+    progress.disk_wait_started()
+    waiting = ProgressSnapshot(**summary.reports[-1])
+    progress.disk_wait_ended(2.5)
+    assert (waiting.waiting_for_disk, summary.reports[-1]["waiting_for_disk"]) == (1, 0)
+    assert waiting.describe().endswith("waiting for disk budget") and waiting.eta_seconds == -1
+    assert "ETA ?" in waiting.describe()
+
+
+def test_formats():
+    assert [format_count(n) for n in (950, 31_000, 1_234_567, 5_000_000)] == ["950", "31k", "1.2M", "5.0M"]
+    assert [format_duration(s) for s in (42, 130, 3900)] == ["42s", "2m10s", "1h05m"]
+
+
+def test_status_shows_the_runs_last_progress(tmp_path):
+    """`jobs.status` reads the progress block of .summary.json (written here by a real RunSummary)."""
+    from jobs.config import JobConfig
+    from jobs.summary import RunSummary
+
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8)])
+    summary = RunSummary(JobConfig(), tmp_path, {0: 60, 1: 40}, [0, 1])
+    summary.start(manifest)
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 10**9, 0), {0: 60, 1: 40}, [0, 1], run=str(tmp_path),
+                           interval_s=3600, sink=summary, interactive=False)
+    progress.begin()
+    progress.tokens_written(0, 60)
+    manifest.update(0, state=DONE, rows=4, tokens=60, bytes=1000)
+    progress.shard_settled(0)
+    progress.close()
+    assert read_summary(tmp_path)["progress"]["shards_done"] == 1
+    report = status_report(tmp_path)
+    assert "last progress: shards 1/2, tokens 60/100 (60%), " in report  # nobody holds the lock: not running
