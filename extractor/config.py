@@ -83,6 +83,10 @@ class ExtractConfig:
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256
     """Cap on requests in one batch (sizes SGLang's request pool)."""
+    max_restarts: int = 3
+    """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
+    max_attempts: int = 3
+    """Tries per shard in one run when faults (a dead extractor or writer) cut it short, and per upload to the sink."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -96,6 +100,10 @@ class ExtractConfig:
             raise ValueError(f"extract.max_tokens_per_batch={self.max_tokens_per_batch!r}: must be an integer >= 1")
         if not _is_int(self.max_samples_per_batch) or self.max_samples_per_batch < 1:
             raise ValueError(f"extract.max_samples_per_batch={self.max_samples_per_batch!r}: must be an integer >= 1")
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ValueError(f"extract.max_restarts={self.max_restarts!r}: must be an integer >= 0 (0: never restart)")
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise ValueError(f"extract.max_attempts={self.max_attempts!r}: must be an integer >= 1")
         kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

@@ -6,7 +6,7 @@ boundary before reaching the caller. Followers get the token ids through a
 queue and drop their (identical) outputs. One lock keeps forwards in the same
 order on every rank while a caller may still hold the previous batch's
 states. A watchdog ends this process when a follower dies, since rank 0 would
-otherwise wait in a collective forever.
+otherwise wait in a collective forever; a follower whose rank 0 died ends itself.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 from typing import Iterator
@@ -62,7 +63,16 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
         status.put((tp_rank, f"{type(error).__name__}: {error}"))
         raise
     status.put((tp_rank, None))
-    while (message := inbox.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            message = inbox.get(timeout=WATCHDOG_PERIOD_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # rank 0's process died (SIGKILL): nobody will send or close
+                return
+            continue
+        if message is None:
+            return
         method, input_ids = message
         getattr(engine, method)(input_ids)
 

@@ -11,11 +11,16 @@ holds the shard back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Iterable, Protocol
 
+from jobs.errors import BudgetExhausted
 from storage.writer import TEMP_GLOB
+
+logger = logging.getLogger(__name__)
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -24,6 +29,7 @@ INITIAL_OVERHEAD_PER_TOKEN = 16
 FILE_OVERHEAD_BYTES = 64 * 1024
 # Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
 BATCH_OVERHEAD_BYTES = 16 * 1024
+WAIT_LOG_PERIOD_S = 30.0
 
 
 def format_bytes(count: float) -> str:
@@ -67,19 +73,27 @@ class FreeSpacePolicy:
 
 
 class DiskBudget:
+    """Bytes of shard files under output.dir: committed files and reservations, and the wait for room."""
+
     def __init__(self, output_dir: Path, limit: int, min_free_bytes: int) -> None:
         self.output_dir = output_dir
         self.limit = limit
         self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
-        self.committed: dict[int, int] = {}
-        self.reserved: dict[int, int] = {}
+        self._committed: dict[int, int] = {}
+        self._reserved: dict[int, int] = {}
+        self._committed_total = 0
+        self._reserved_total = 0
         self.overhead_per_token = INITIAL_OVERHEAD_PER_TOKEN
         self.peak = 0
         self.overshoot = 0
+        self.blocked_seconds = 0.0
+        """Time spent in ``wait_until_fits`` with the next shard held back."""
+        self.changes = 0
+        """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
 
     @property
     def used(self) -> int:
-        return sum(self.committed.values()) + sum(self.reserved.values())
+        return self._committed_total + self._reserved_total
 
     def predict(self, tokens: int, state_bytes_per_token: int, batches: int) -> int:
         """Bytes of a shard file holding ``tokens`` tokens written in ``batches`` batches."""
@@ -90,13 +104,13 @@ class DiskBudget:
         return next((policy for policy in self.policies if not policy.admits(self, nbytes)), None)
 
     def reserve(self, shard: int, nbytes: int) -> None:
-        self.reserved[shard] = self.reserved.get(shard, 0) + nbytes
+        self._set(self._reserved, shard, self._reserved.get(shard, 0) + nbytes)
         self.peak = max(self.peak, self.used)
 
     def commit(self, shard: int, file_bytes: int, tokens: int, state_bytes_per_token: int) -> None:
         """The shard's file is published: its real size replaces its reservation."""
-        self.reserved.pop(shard, None)
-        self.committed[shard] = file_bytes
+        self._set(self._reserved, shard, None)
+        self._set(self._committed, shard, file_bytes)
         self.overshoot = max(self.overshoot, self.used - self.limit)
         # Whatever the file holds beyond its states, spread per token: future predictions cover it.
         measured = -(-(file_bytes - tokens * state_bytes_per_token) // max(1, tokens))
@@ -104,11 +118,61 @@ class DiskBudget:
         self.peak = max(self.peak, self.used)
 
     def release(self, shard: int) -> None:
-        self.reserved.pop(shard, None)
+        self._set(self._reserved, shard, None)
 
     def forget(self, shard: int) -> None:
         """The shard's local file is gone (uploaded to the sink or consumed)."""
-        self.committed.pop(shard, None)
+        self._set(self._committed, shard, None)
+
+    def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:
+        """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;
+        returns the shards whose file is gone (a consumer deleted it): their bytes are free."""
+        gone = []
+        for shard, name, nbytes in local_files:
+            if (self.output_dir / name).exists():
+                self._set(self._committed, shard, nbytes)
+            else:
+                gone.append(shard)
+                self.forget(shard)
+        self.changes += 1  # free space on disk may have moved too
+        return gone
+
+    def wait_until_fits(
+        self, nbytes: int, settle: Callable[[float], bool], rescan: Callable[[], None], wait_s: float,
+        rescan_s: float, exhausted: Callable[[str], str],
+    ) -> float:
+        """Hold the next shard (``nbytes``) until it fits; returns the seconds waited.
+
+        While waiting, ``settle(timeout)`` handles one completion of the work in flight (False if
+        nothing is in flight) and ``rescan()`` looks for files a consumer deleted. With nothing in
+        flight for ``wait_s`` seconds, raises BudgetExhausted with ``exhausted(state)`` as message.
+        """
+        policy = self.blocking_policy(nbytes)
+        if policy is None:
+            return 0.0
+        started = last_log = time.monotonic()
+        idle_since: float | None = None
+        logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self), format_bytes(nbytes))
+        try:
+            while policy is not None:
+                now = time.monotonic()
+                if settle(rescan_s):
+                    idle_since = None
+                else:
+                    idle_since = idle_since or now
+                    if now - idle_since >= wait_s:
+                        raise BudgetExhausted(exhausted(policy.describe(self)))
+                    time.sleep(min(rescan_s, wait_s - (now - idle_since)))
+                rescan()
+                if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
+                    last_log = time.monotonic()
+                    logger.warning("waiting for disk budget: %s", policy.describe(self))
+                policy = self.blocking_policy(nbytes)
+        finally:
+            waited = time.monotonic() - started
+            self.blocked_seconds += waited
+        logger.info("disk budget free again after %.1f s: %s", waited, self.policies[0].describe(self))
+        return waited
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.output_dir).free
@@ -116,4 +180,15 @@ class DiskBudget:
     def unwritten_reserved(self) -> int:
         """Reserved bytes not yet on disk: temp files already hold the rest."""
         written = sum(path.stat().st_size for path in self.output_dir.glob(TEMP_GLOB) if path.is_file())
-        return max(0, sum(self.reserved.values()) - written)
+        return max(0, self._reserved_total - written)
+
+    def _set(self, table: dict[int, int], shard: int, nbytes: int | None) -> None:
+        """The one place the tables change: their totals follow in O(1)."""
+        delta = (nbytes or 0) - table.pop(shard, 0)
+        if nbytes is not None:
+            table[shard] = nbytes
+        if table is self._committed:
+            self._committed_total += delta
+        else:
+            self._reserved_total += delta
+        self.changes += 1

@@ -30,10 +30,10 @@ from jobs.plan import plan_shards
 from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
 from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
 from jobs.summary import (
-    COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
+    BAD_INPUT, COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
     write_drafter_config, write_invalid_rows,
 )
-from storage.manifest import FAILED, MANIFEST_FILE, Manifest, read_manifest
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, read_manifest
 
 logger = logging.getLogger("jobs.extract")
 
@@ -112,7 +112,7 @@ def _run_locked(inputs: _Inputs) -> dict:
     manifest = _resumable_manifest(inputs, ranges)
     if manifest is not None:
         selected = {record.index for record in select_shards(manifest, config.shards)}
-        if not selected:
+        if not selected and not _uploads_left(manifest, config.output.sink):
             return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     else:
@@ -141,6 +141,9 @@ def _run_locked(inputs: _Inputs) -> dict:
         except JobStopped as error:
             _record_end(summary, manifest, error.outcome, error.exit_code, str(error))
             raise
+        except ValueError as error:  # a setting the cluster cannot meet (e.g. more writers than CPUs)
+            _record_end(summary, manifest, BAD_INPUT, EXIT_BAD_INPUT, str(error))
+            raise
         except BaseException as error:
             _record_end(summary, manifest, JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}")
             raise
@@ -150,6 +153,11 @@ def _run_locked(inputs: _Inputs) -> dict:
     failed = manifest.in_state(FAILED)
     outcome, code = (SHARDS_FAILED, EXIT_SHARDS_FAILED) if failed else (COMPLETE, EXIT_OK)
     return summary.finish(manifest, outcome, code, "", result)
+
+
+def _uploads_left(manifest: Manifest, sink: str) -> bool:
+    """Done shards still local while a sink is set: a run is needed to upload them."""
+    return bool(sink) and any(record.location == LOCAL for record in manifest.in_state(DONE))
 
 
 def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:

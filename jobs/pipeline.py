@@ -1,67 +1,58 @@
-"""The driver's schedule: one extractor actor, writer actors, uploader actors, and the disk budget.
+"""The driver: the job's actors, the scheduler, the disk budget and the upload queue, run to the end.
 
-One shard is one file written by one writer, in order, then ``finish``. To
-keep every writer busy the driver holds up to one open shard per writer and
-sends the extractor their batches interleaved, always for the open shard
-with the fewest batches in flight. A shard is opened only once its whole
-predicted size fits the disk budget, so open shards can always be finished;
-while nothing fits, the driver waits on the work in flight (writes, uploads
-to the sink) and re-scans output.dir for files a consumer deleted. At most
-``output.max_inflight_batches`` batches sit between the extractor and a
-finished write, which bounds the states held in memory: a disk slower than
-the extractor holds the extractor back.
+``ExtractionRun`` starts the actors, lets the scheduler open shards and send
+batches, and handles each completion of the work in flight by its type:
+a batch written, a shard published (or failed), an attempt discarded after a
+fault, an upload verified. At most ``output.max_inflight_batches`` batches sit
+between the extractor and a finished write, which bounds the states held in
+memory: a disk slower than the extractor holds the extractor back. While no
+shard fits the disk budget the budget's own wait loop settles the work in
+flight (writes, uploads) and re-scans output.dir for files a consumer deleted.
+
+Faults are survived in the same run: a dead extractor is started again (at
+most ``extract.max_restarts`` times), a dead writer is replaced, and every
+shard a fault cut short is discarded (no temp file stays) and extracted again
+(at most ``extract.max_attempts`` tries per shard); past those bounds the job
+stops with ``JobFault`` (exit 4) and a rerun resumes.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
-from ray.experimental.tqdm_ray import tqdm
-from ray.util import metrics
 
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
+from jobs.actors import ExtractorHost, WriterPool, count_writers
 from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
-from jobs.errors import BudgetExhausted
-from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
+from jobs.errors import DiskFull
+from jobs.metrics import RunMetrics
 from jobs.plan import Shard
-from jobs.sink import UploaderActor
-from jobs.writer import BatchRows, WriterActor
+from jobs.scheduler import Scheduler
+from jobs.uploads import UploadQueue
+from jobs.work import Append, Discard, Finish, PendingWork, ShardAttempt, Upload
+from jobs.writer import ExtractorLost, ShardDiskFull
 from storage import ShardFileInfo, ShardMetadata, shard_file_name
 from storage.config import OutputConfig
-from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, PENDING, SINK, Manifest, ShardRecord
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest, ShardRecord
 from storage.writer import state_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
-MAX_AUTO_WRITERS = 8
 # Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
 # on its way to the object store.
 INFLIGHT_BEYOND_WRITERS = 2
 # Objects beyond max_inflight_batches the extractor writes into the object store before the run: the
 # store does not always hand a freed block to the next object of the same size.
 OBJECT_STORE_WARM_EXTRA = 2
-WAIT_LOG_PERIOD_S = 30.0
-
-
-@dataclasses.dataclass
-class _OpenShard:
-    """A shard whose batches are being sent to its writer."""
-
-    record: ShardRecord
-    writer: ray.actor.ActorHandle
-    batches: list[tuple[int, int]]
-    """[start, stop) of each batch, relative to the shard's first row."""
-    sent: int = 0
-    inflight: int = 0
-    """Batches sent whose write has not finished."""
+DISCARD_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -83,6 +74,8 @@ class RunResult:
     extractor: CaptureActivity
     writer_seconds: dict[str, dict[str, float]]
     """Wall and CPU seconds per stage, summed over writers (``WriterActor.stats``)."""
+    extractor_restarts: int = 0
+    """Times the extractor was started again after a fault in this run."""
 
 
 def resolve_device(requested: str, tp_size: int) -> str:
@@ -135,24 +128,6 @@ def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
     )
 
 
-def count_writers(requested: int, extractor_cpus: int) -> int:
-    if requested > 0:
-        return requested
-    spare = int(ray.cluster_resources().get("CPU", 1)) - extractor_cpus
-    return max(1, min(MAX_AUTO_WRITERS, spare))
-
-
-class _Metrics:
-    """Gauges and counters on Ray's metrics endpoint (dashboard / --metrics-export-port)."""
-
-    def __init__(self) -> None:
-        self.disk_used = metrics.Gauge("eagle3_disk_used_bytes", description="Committed local shard bytes + reservations")
-        self.disk_budget = metrics.Gauge("eagle3_disk_budget_bytes", description="output.disk_budget")
-        self.waiting = metrics.Gauge("eagle3_waiting_for_disk", description="1 while the driver waits for disk budget")
-        self.wait_seconds = metrics.Counter("eagle3_disk_wait_seconds_total", description="Time spent waiting for disk budget")
-        self.tokens = metrics.Counter("eagle3_tokens_written_total", description="Tokens whose states were written")
-
-
 class ExtractionRun:
     """Extracts ``shards`` and keeps ``manifest`` and ``budget`` true at every step."""
 
@@ -169,99 +144,86 @@ class ExtractionRun:
         self.output_dir = output_dir
         self.manifest = manifest
         self.budget = budget
-        self.metrics = _Metrics()
-        self.metrics.disk_budget.set(budget.limit)
-        self.appends: dict[ray.ObjectRef, int] = {}  # -> shard
-        self.finishes: dict[ray.ObjectRef, int] = {}
-        self.uploads: dict[ray.ObjectRef, int] = {}
-        self.open: dict[int, _OpenShard] = {}
-        self.writer_of: dict[int, ray.actor.ActorHandle] = {}  # shards not yet finished
-        self.peak_open_shards = 0
-        self.blocked_seconds = 0.0
-        self.activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
-        self.writer_seconds: dict[str, dict[str, float]] = {}
+        self.work = PendingWork()
+        # Built once Ray runs, by _start_actors.
+        self.extractor: ExtractorHost | None = None
+        self.writers: WriterPool | None = None
+        self.uploads: UploadQueue | None = None
+        self.scheduler: Scheduler | None = None
         self.last_write_done = 0.0
         self.last_rescan = 0.0
-        self.uploaders: list[ray.actor.ActorHandle] = []
-        self.next_uploader = 0
 
-    # -- setup ---------------------------------------------------------------------------------
+    # -- setup and teardown ----------------------------------------------------------------------
 
     def _start_actors(self) -> None:
-        started = time.perf_counter()
-        self.extractor = start_extractor(self.spec, name="extractor")
-        self.engine: EngineInfo = ray.get(self.extractor.info.remote())
-        logger.info(
-            "extractor ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
-            time.perf_counter() - started, self.engine.model_architecture, self.engine.layers_to_capture,
-            self.engine.layer_ids, self.engine.drafter_layer_ids,
-        )
+        writers = count_writers(self.output.num_writers)
+        self.extractor = ExtractorHost(self.spec, self.extract.max_restarts)
+        self.engine = self.extractor.start()
         self.metadata = shard_metadata(self.engine, self.spec)
         self.bytes_per_token = state_bytes_per_token(self.metadata)
-        writer_class = ray.remote(WriterActor).options(num_cpus=1)
-        self.writers = [
-            writer_class.remote(str(self.output_dir), self.metadata)
-            for _ in range(count_writers(self.output.num_writers, EXTRACTOR_CPUS))
-        ]
+        self.writers = WriterPool(self.output_dir, self.metadata, writers)
         self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
         # While the writers start: the batches in flight, and a little more, touch the object store's pages.
-        warmed = self.extractor.warm_object_store.remote(self.max_inflight + OBJECT_STORE_WARM_EXTRA)
-        ray.get([writer.ready.remote() for writer in self.writers])  # process start-up is start-up time
+        warmed = self.extractor.warm_object_store(self.max_inflight + OBJECT_STORE_WARM_EXTRA)
+        self.writers.wait_ready()
         logger.info(
             "%d writers, at most %d batches in flight (about %s of states in memory); object store warmed in %.1f s",
             len(self.writers), self.max_inflight,
             format_bytes(self.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token), ray.get(warmed),
         )
-        if self.output.sink:
-            # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
-            # on them, so writers holding every CPU slot must never keep them from starting.
-            uploader_class = ray.remote(UploaderActor).options(num_cpus=0)
-            self.uploaders = [
-                uploader_class.remote(self.output.sink, self.output.sink_options)
-                for _ in range(max(1, self.output.num_uploaders))
-            ]
+        self.uploads = UploadQueue(
+            self.output.sink, self.output.sink_options, self.output.num_uploaders, self.output_dir,
+            self.extract.max_attempts,
+        )
+        self.scheduler = Scheduler(
+            self.dataset, self.plan, self.shards, self.manifest, self.budget, self.extractor, self.writers,
+            self.work, self.bytes_per_token, self.extract.max_attempts,
+        )
 
-    def _stop_actors(self) -> None:
-        with contextlib.suppress(Exception):
-            self.activity = ray.get(self.extractor.activity.remote(), timeout=60)
-        with contextlib.suppress(Exception):
-            ray.get(self.extractor.close.remote(), timeout=60)
-        with contextlib.suppress(Exception):
-            for stats in ray.get([writer.stats.remote() for writer in self.writers], timeout=60):
-                for clock, stages in stats.items():
-                    totals = self.writer_seconds.setdefault(clock, {})
-                    for stage, seconds in stages.items():
-                        totals[stage] = totals.get(stage, 0.0) + seconds
-        for actor in [self.extractor, *self.writers, *self.uploaders]:
-            ray.kill(actor)
+    def _stop_actors(self) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:
+        activity = self.extractor.stop() if self.extractor is not None else CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+        writer_seconds = self.writers.stop() if self.writers is not None else {}
+        if self.uploads is not None:
+            self.uploads.stop()
+        return activity, writer_seconds
 
-    # -- main loop -----------------------------------------------------------------------------
+    def _discard_active(self) -> None:
+        """Shards cut short leave no temp file behind (the next run would remove it anyway)."""
+        discards = [
+            attempt.writer.discard.remote(index) for index, attempt in self.scheduler.active.items()
+            if self.writers.is_member(attempt.writer)
+        ]
+        with contextlib.suppress(Exception):
+            ray.get(discards, timeout=DISCARD_TIMEOUT_S)
+
+    # -- main loop -------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
         started = time.perf_counter()
-        self._start_actors()
-        startup = time.perf_counter() - started
-        started = time.perf_counter()
-        self.shard_bar = tqdm(total=len(self.shards), desc="shards")
-        self.token_bar = tqdm(total=sum(self.plan[s.index].tokens for s in self.shards), desc="tokens")
+        self.metrics = RunMetrics(
+            len(self.shards), sum(self.plan[s.index].tokens for s in self.shards), self.budget.limit
+        )
         try:
+            self._start_actors()
+            startup = time.perf_counter() - started
+            started = time.perf_counter()
             self._rescan(force=True)
             for record in self.manifest.in_state(DONE):
-                self._maybe_upload(record)
+                self.uploads.offer(record, self.work)
             self._extract_shards()
-            while self.appends or self.finishes or self.uploads:
-                self._settle_one(timeout=self.output.rescan_s)
+            while self.work or self.uploads.retries:
+                if self.work:
+                    self._settle_one(timeout=self.output.rescan_s)
+                else:  # only failed uploads left: the next rescan offers them again
+                    time.sleep(self.output.rescan_s)
                 self._rescan()
         except BaseException:
-            # Shards cut short leave no temp file behind (the next run would remove it anyway).
-            discards = [writer.discard.remote(shard) for shard, writer in self.writer_of.items()]
-            with contextlib.suppress(Exception):
-                ray.get(discards, timeout=30)
+            if self.scheduler is not None:
+                self._discard_active()
             raise
         finally:
-            self.shard_bar.close()
-            self.token_bar.close()
-            self._stop_actors()
+            self.metrics.close()
+            activity, writer_seconds = self._stop_actors()
         ended = time.perf_counter()
         return RunResult(
             engine=self.engine,
@@ -270,106 +232,41 @@ class ExtractionRun:
             drain_seconds=ended - max(started, self.last_write_done),
             budget_peak=self.budget.peak,
             budget_overshoot=self.budget.overshoot,
-            blocked_seconds=self.blocked_seconds,
+            blocked_seconds=self.budget.blocked_seconds,
             writers=len(self.writers),
-            peak_open_shards=self.peak_open_shards,
+            peak_open_shards=self.scheduler.peak_open_shards,
             max_inflight_batches=self.max_inflight,
-            extractor=self.activity,
-            writer_seconds=self.writer_seconds,
+            extractor=activity,
+            writer_seconds=writer_seconds,
+            extractor_restarts=self.extractor.generation,
         )
 
     def _extract_shards(self) -> None:
-        waiting = collections.deque(self.shards)
-        while waiting or self.open:
-            self._open_shards(waiting)
-            if not self.open:
+        while self.scheduler.has_work:
+            self.scheduler.open_shards(self._wait_for_disk)
+            if not self.scheduler.open_attempts:
+                # Nothing to send: shards cut short by a fault come back once discarded.
+                self._settle_one(timeout=self.output.rescan_s)
                 continue
-            while len(self.appends) >= self.max_inflight:
+            while self.work.appends >= self.max_inflight:
                 self._settle_one(timeout=None)
-            # Failed shards were closed while settling; the rest still have batches to send.
-            if self.open:
-                self._send_batch(min(self.open.values(), key=lambda shard: (shard.inflight, shard.record.index)))
-
-    def _open_shards(self, waiting: collections.deque[ShardRecord]) -> None:
-        """Open the next shards while a writer is free and their whole size fits the budget."""
-        busy = {id(shard.writer) for shard in self.open.values()}
-        while waiting and len(self.open) < len(self.writers):
-            record = waiting[0]
-            batches = self._batches(record)
-            nbytes = self._predict_shard(record, len(batches))
-            if self.open and self.budget.blocking_policy(nbytes) is not None:
-                return  # open shards keep the extractor busy; try again after their next batch
-            self._wait_for_disk(nbytes)
-            waiting.popleft()
-            writer = next(w for w in self.writers if id(w) not in busy)
-            busy.add(id(writer))
-            self.budget.reserve(record.index, nbytes)
-            self.metrics.disk_used.set(self.budget.used)
-            self.manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
-            self.open[record.index] = _OpenShard(record, writer, batches)
-            self.peak_open_shards = max(self.peak_open_shards, len(self.open))
-            self.writer_of[record.index] = writer
-
-    def _batches(self, record: ShardRecord) -> list[tuple[int, int]]:
-        return list(self.plan[record.index].batches)
-
-    def _predict_shard(self, record: ShardRecord, batches: int) -> int:
-        return self.budget.predict(self.plan[record.index].tokens, self.bytes_per_token, batches)
-
-    def _send_batch(self, shard: _OpenShard) -> None:
-        start, stop = shard.batches[shard.sent]
-        shard.sent += 1
-        first, last = shard.record.start + start, shard.record.start + stop
-        input_ids, loss_masks = self.dataset.rows(first, last)
-        rows = BatchRows(
-            shard=shard.record.index,
-            sample_ids=self.dataset.sample_ids[first:last].tolist(),
-            input_ids=input_ids,
-            loss_masks=loss_masks,
-        )
-        extracted = self.extractor.extract.remote(rows.input_ids)
-        self.appends[shard.writer.append.remote(rows, [extracted])] = shard.record.index
-        shard.inflight += 1
-        if shard.sent == len(shard.batches):
-            self._close_shard(shard.record.index)
-
-    def _close_shard(self, index: int) -> None:
-        """No more batches for this shard: its writer publishes (or reports) it and is free again."""
-        shard = self.open.pop(index)
-        self.finishes[shard.writer.finish.remote(index)] = index
+            # Shards that failed or met a fault were dropped while settling; the rest have batches to send.
+            if self.scheduler.open_attempts:
+                self.scheduler.send_batch()
 
     def _wait_for_disk(self, nbytes: int) -> None:
-        """Hold the next shard until its bytes fit; raise BudgetExhausted if nothing can free any."""
-        policy = self.budget.blocking_policy(nbytes)
-        if policy is None:
+        """Hold the next shard until its bytes fit; BudgetExhausted if nothing can free any."""
+        if self.budget.blocking_policy(nbytes) is None:
             return
-        started = last_log = time.monotonic()
-        idle_since: float | None = None
-        self.metrics.waiting.set(1)
-        logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self.budget), format_bytes(nbytes))
+        self.metrics.waiting(True)
         try:
-            while policy is not None:
-                now = time.monotonic()
-                if self.appends or self.finishes or self.uploads:
-                    idle_since = None
-                    self._settle_one(timeout=self.output.rescan_s)
-                else:
-                    idle_since = idle_since or now
-                    if now - idle_since >= self.output.budget_wait_s:
-                        raise BudgetExhausted(self._exhausted_message(policy.describe(self.budget)))
-                    time.sleep(min(self.output.rescan_s, self.output.budget_wait_s - (now - idle_since)))
-                self._rescan()
-                if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
-                    last_log = time.monotonic()
-                    logger.warning("waiting for disk budget: %s", policy.describe(self.budget))
-                policy = self.budget.blocking_policy(nbytes)
+            waited = self.budget.wait_until_fits(
+                nbytes, self._settle_one_if_any, self._rescan, self.output.budget_wait_s, self.output.rescan_s,
+                self._exhausted_message,
+            )
         finally:
-            waited = time.monotonic() - started
-            self.blocked_seconds += waited
-            if waited > 0:
-                self.metrics.wait_seconds.inc(waited)
-            self.metrics.waiting.set(0)
-        logger.info("disk budget free again after %.1f s: %s", waited, self.budget.policies[0].describe(self.budget))
+            self.metrics.waiting(False)
+        self.metrics.waited(waited)
 
     def _exhausted_message(self, state: str) -> str:
         remaining = [r for r in self.manifest.shards.values() if r.state != DONE]
@@ -382,89 +279,162 @@ class ExtractionRun:
             "rerun the same command: it resumes where this run stopped"
         )
 
-    # -- completions ---------------------------------------------------------------------------
+    # -- completions -----------------------------------------------------------------------------
+
+    def _settle_one_if_any(self, timeout: float) -> bool:
+        """Handle one completion within ``timeout``; False if nothing is in flight."""
+        if not self.work:
+            return False
+        self._settle_one(timeout)
+        return True
 
     def _settle_one(self, timeout: float | None) -> None:
-        pending = [*self.appends, *self.finishes, *self.uploads]
-        if not pending:
+        done = self.work.next_done(timeout)
+        if done is None:
             return
-        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not ready:
-            return
-        ref = ready[0]
-        if ref in self.appends:
-            shard = self.appends.pop(ref)
-            tokens = ray.get(ref)  # raises if the extractor died: no later batch could succeed
-            if shard in self.open:
-                self.open[shard].inflight -= 1
-                if tokens == 0:  # the writer dropped the shard: spend no more extraction on it
-                    self._close_shard(shard)
-            self.token_bar.update(tokens)
-            self.last_write_done = time.perf_counter()
-            if tokens:  # Ray counters refuse increments of 0
-                self.metrics.tokens.inc(tokens)
-        elif ref in self.finishes:
-            self._on_finish(self.finishes.pop(ref), ref)
-        else:
-            self._on_upload(self.uploads.pop(ref), ref)
+        item, ref = done
+        if isinstance(item, Append):
+            self._on_append(item, ref)
+        elif isinstance(item, Finish):
+            self._on_finish(item.attempt, ref)
+        elif isinstance(item, Discard):
+            self._on_discard(item.attempt, ref)
+        elif isinstance(item, Upload):
+            self._on_upload(item.shard, ref)
 
-    def _on_finish(self, shard: int, ref: ray.ObjectRef) -> None:
-        self.writer_of.pop(shard, None)
+    def _on_append(self, item: Append, ref: ray.ObjectRef) -> None:
+        attempt = item.attempt
+        attempt.inflight -= 1
+        try:
+            tokens = ray.get(ref)
+        except ExtractorLost as error:
+            if item.generation == self.extractor.generation:
+                self.extractor.restart(_error_text(error))
+            self._lose(attempt, f"the extractor died: {_error_text(error)}")
+            return
+        except ray.exceptions.RayActorError as error:
+            self._writer_died(attempt.writer, error)
+            return
+        if tokens == 0 and not attempt.lost:  # the writer dropped the shard: spend no more extraction on it
+            self.scheduler.close(attempt)
+        self.last_write_done = time.perf_counter()
+        self.metrics.tokens_written(tokens)
+
+    def _on_finish(self, attempt: ShardAttempt, ref: ray.ObjectRef) -> None:
         try:
             info: ShardFileInfo = ray.get(ref)
-        except Exception as error:
-            self.budget.release(shard)
-            message = _error_text(error)
-            self.manifest.update(shard, state=FAILED, error=message)
-            logger.error("shard %d failed: %s", shard, message)
-        else:
-            self.budget.commit(shard, info.bytes, info.tokens, self.bytes_per_token)
-            record = self.manifest.update(
-                shard, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
-                bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="",
-            )
-            self._maybe_upload(record)
-        self.metrics.disk_used.set(self.budget.used)
-        self.shard_bar.update(1)
-
-    def _maybe_upload(self, record: ShardRecord) -> None:
-        if not self.uploaders or record.location != LOCAL or record.index in self.uploads.values():
+        except ExtractorLost as error:  # the extractor's restart follows the batch that met the fault
+            self._lose(attempt, f"the extractor died: {_error_text(error)}")
             return
-        uploader = self.uploaders[self.next_uploader % len(self.uploaders)]
-        self.next_uploader += 1
-        path = str(self.output_dir / record.file)
-        self.uploads[uploader.upload.remote(path, record.bytes, record.sha256)] = record.index
+        except ray.exceptions.RayActorError as error:
+            self._writer_died(attempt.writer, error)
+            return
+        except Exception as error:
+            if not attempt.lost:  # a lost attempt is settled by its Discard
+                self._shard_failed(attempt, error)
+            return
+        if attempt.lost:  # every batch was written before the fault hit: the file is whole
+            logger.info("shard %d was published before the fault reached it", attempt.index)
+        self.scheduler.settled(attempt)
+        self.budget.commit(attempt.index, info.bytes, info.tokens, self.bytes_per_token)
+        record = self.manifest.update(
+            attempt.index, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
+            bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="",
+        )
+        self.uploads.offer(record, self.work)
+        self.metrics.disk_used(self.budget.used)
+        self.metrics.shard_done()
+
+    def _shard_failed(self, attempt: ShardAttempt, error: Exception) -> None:
+        self.scheduler.settled(attempt)
+        self.budget.release(attempt.index)
+        message = _error_text(error)
+        self.manifest.update(attempt.index, state=FAILED, error=message)
+        logger.error("shard %d failed: %s", attempt.index, message)
+        self.metrics.disk_used(self.budget.used)
+        self.metrics.shard_failed()
+        if isinstance(error, ShardDiskFull):
+            raise DiskFull(
+                f"output.dir={self.output_dir} is full: {message}. The shard's temp file was removed. Free space "
+                "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
+                "rerun the same command: it resumes where this run stopped"
+            )
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _writer_died(self, writer: Any, error: Exception) -> None:
+        """Replace the writer; every attempt it held is lost (once: its other failures change nothing)."""
+        if self.writers.replace(writer) is None:
+            return
+        for attempt in list(self.scheduler.active.values()):
+            if attempt.writer is writer:
+                self._lose(attempt, f"its writer died: {_error_text(error)}")
+
+    def _lose(self, attempt: ShardAttempt, reason: str) -> None:
+        """A fault cut the attempt short: stop sending its batches and discard what its writer holds."""
+        if attempt.lost:
+            return
+        attempt.lost = reason
+        logger.warning("shard %d: %s; it will be written again", attempt.index, reason)
+        self.scheduler.drop(attempt)
+        writer = attempt.writer if self.writers.is_member(attempt.writer) else self._writer_for_cleanup()
+        # After the writer's calls for this shard (one caller's calls run in order): no write of
+        # the attempt can follow the discard, which also removes a temp file a dead writer left.
+        attempt.writer = writer
+        self.work.add(writer.discard.remote(attempt.index), Discard(attempt))
+
+    def _writer_for_cleanup(self) -> Any:
+        return self.writers.writers[0]
+
+    def _on_discard(self, attempt: ShardAttempt, ref: ray.ObjectRef) -> None:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as error:  # the writer asked to clean up died too
+            self._writer_died(attempt.writer, error)
+            attempt.lost, reason = "", attempt.lost
+            self._lose(attempt, reason)
+            return
+        self.budget.release(attempt.index)
+        self.metrics.disk_used(self.budget.used)
+        self.scheduler.retry(attempt)
+
+    # -- uploads and rescans ---------------------------------------------------------------------
 
     def _on_upload(self, shard: int, ref: ray.ObjectRef) -> None:
         try:
             url = ray.get(ref)
         except Exception as error:
+            left = self.uploads.failed(shard)
             message = f"upload to {self.output.sink} failed, the file stays local: {_error_text(error)}"
             self.manifest.update(shard, error=message)
-            logger.error("shard %d: %s", shard, message)
+            logger.error("shard %d: %s (%s)", shard, message,
+                         f"tried again in {self.output.rescan_s:.0f} s" if left else "a rerun tries again")
             return
+        self.uploads.succeeded(shard)
         # Record first, then delete: a crash in between leaves a local copy the next run removes.
-        self.manifest.update(shard, location=SINK, sink_url=url)
+        self.manifest.update(shard, location=SINK, sink_url=url, error="")
         (self.output_dir / shard_file_name(shard)).unlink(missing_ok=True)
         self.budget.forget(shard)
-        self.metrics.disk_used.set(self.budget.used)
+        self.metrics.disk_used(self.budget.used)
 
     def _rescan(self, force: bool = False) -> None:
-        """Notice committed files someone else deleted (a trainer consuming them)."""
+        """Notice committed files someone else deleted (a trainer consuming them); offer failed uploads again."""
         now = time.monotonic()
         if not force and now - self.last_rescan < self.output.rescan_s:
             return
         self.last_rescan = now
-        for record in self.manifest.in_state(DONE):
-            if record.location != LOCAL:
-                continue
-            if (self.output_dir / record.file).exists():
-                self.budget.committed[record.index] = record.bytes
-            elif record.index not in self.uploads.values():
-                logger.info("shard %d: %s was removed from output.dir; its bytes are free", record.index, record.file)
-                self.manifest.update(record.index, location=CONSUMED)
-                self.budget.forget(record.index)
-        self.metrics.disk_used.set(self.budget.used)
+        local = [
+            record for record in self.manifest.in_state(DONE)
+            if record.location == LOCAL and not self.uploads.uploading(record.index)
+        ]
+        for shard in self.budget.rescan((r.index, r.file, r.bytes) for r in local):
+            logger.info("shard %d: %s was removed from output.dir; its bytes are free", shard, shard_file_name(shard))
+            self.manifest.update(shard, location=CONSUMED)
+            self.uploads.gone(shard)
+        for record in local:
+            if record.location == LOCAL:
+                self.uploads.offer(record, self.work)
+        self.metrics.disk_used(self.budget.used)
 
 
 def _error_text(error: Exception) -> str:
