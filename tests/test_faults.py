@@ -8,10 +8,10 @@ the title Ray gives them (``ray::ExtractorActor``, ``ray::WriterActor``).
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import http.server
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -226,8 +226,14 @@ def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_clu
     slack = 64 * 1024  # for the manifest and summary: the shard's next batch needs more
 
     def fill(_: object) -> None:
-        with open(filler, "wb") as file:
-            file.write(b"\0" * max(0, shutil.disk_usage(small_disk).free - slack))
+        """Write until the disk is full, then give ``slack`` back."""
+        with open(filler, "wb", buffering=0) as file:
+            try:
+                while True:
+                    file.write(b"\0" * slack)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC, error
+            file.truncate(max(0, file.tell() - 2 * slack))
 
     with When(lambda: next(out.glob(TEMP_GLOB), None), fill) as killer:
         # one writer: the space the failed shard frees is what the job's own files then use
