@@ -25,6 +25,9 @@ class ModelConfig:
     """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
+    dp_size: int = 0
+    """Data-parallel extractor groups, each tp_size GPUs of one node with its own writers there. 0: as many as
+    the cluster holds (GPUs // tp_size per node on GPU; one per node on CPU)."""
     dtype: str = "bfloat16"
     """Compute and storage dtype: bfloat16 | float16 | float32."""
     device: str = "auto"
@@ -52,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if not _is_int(self.tp_size) or self.tp_size < 1:
             raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
+        if not _is_int(self.dp_size) or self.dp_size < 0:
+            raise ValueError(f"model.dp_size={self.dp_size!r}: must be an integer >= 0 (0: as many groups as the cluster holds)")
         if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 1):
             raise ValueError(
                 f"model.context_length={self.context_length!r}: must be a positive token count, or unset "

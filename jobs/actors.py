@@ -18,59 +18,48 @@ import ray
 
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.errors import JobFault
-from jobs.extractor_actor import EXTRACTOR_CPUS, start_extractor
+from jobs.extractor_actor import start_extractor
 from jobs.sink import UploaderActor
 from jobs.writer import WriterActor
 from storage import ShardMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_AUTO_WRITERS = 8
 # Writers start in a few seconds; much longer means Ray has no CPU slot for them.
 WRITER_START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 RERUN = "Done shards are kept; rerun the same command to resume"
 
 
-def count_writers(requested: int) -> int:
-    """``output.num_writers``, or with 0 the CPUs the cluster has besides the extractor's (at most 8).
-
-    Writers the cluster has no CPUs for would wait for a slot forever: refused here, before any
-    actor starts. (CPUs other jobs hold are not counted: ``WriterPool.wait_ready`` times out on those.)
-    """
-    spare = int(ray.cluster_resources().get("CPU", 0)) - EXTRACTOR_CPUS
-    if requested == 0:
-        return max(1, min(MAX_AUTO_WRITERS, spare))
-    if requested > spare:
-        raise ValueError(
-            f"output.num_writers={requested}, but the Ray cluster has {max(0, spare)} CPUs besides the extractor's "
-            f"(each writer takes 1 CPU, and would wait for one forever): set output.num_writers to at most "
-            f"{max(1, spare)}, or 0 to follow the CPUs Ray has"
-        )
-    return requested
-
-
 class ExtractorHost:
     """The extractor actor and its restarts; ``generation`` counts its starts (0 = the first)."""
 
-    def __init__(self, spec: EngineSpec, max_restarts: int) -> None:
+    def __init__(self, spec: EngineSpec, max_restarts: int, placement: dict[str, Any], where: str) -> None:
         self.spec = spec
         self.max_restarts = max_restarts
+        self.placement = placement
+        self.where = where
+        """The node it runs on, for log lines."""
         self.generation = 0
         self.actor: Any = None
-        self.engine: EngineInfo | None = None
+        self._started = 0.0
 
-    def start(self) -> EngineInfo:
-        started = time.perf_counter()
-        self.actor = start_extractor(self.spec, name="extractor" if self.generation == 0 else None)
+    def launch(self) -> None:
+        """Start the actor; ``ready`` waits for its model."""
+        self._started = time.perf_counter()
+        self.actor = start_extractor(self.spec, **self.placement)
+
+    def ready(self) -> EngineInfo:
         engine: EngineInfo = ray.get(self.actor.info.remote())
         logger.info(
-            "extractor ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
-            time.perf_counter() - started, engine.model_architecture, engine.layers_to_capture,
+            "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
+            self.where, time.perf_counter() - self._started, engine.model_architecture, engine.layers_to_capture,
             engine.layer_ids, engine.drafter_layer_ids,
         )
-        self.engine = engine
         return engine
+
+    def node_id(self) -> str:
+        return ray.get(self.actor.node_id.remote())
 
     def warm_object_store(self, batches: int) -> ray.ObjectRef:
         return self.actor.warm_object_store.remote(batches)
@@ -85,12 +74,13 @@ class ExtractorHost:
                 f"the extractor died {self.generation + 1} times in this run (extract.max_restarts="
                 f"{self.max_restarts}); last: {reason}. {RERUN}"
             )
-        logger.error("the extractor died (%s); starting it again (%d of at most %d restarts)",
-                     reason, self.generation + 1, self.max_restarts)
+        logger.error("the extractor on %s died (%s); starting it again (%d of at most %d restarts)",
+                     self.where, reason, self.generation + 1, self.max_restarts)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
         self.generation += 1
-        self.start()
+        self.launch()
+        self.ready()
 
     def stop(self) -> CaptureActivity:
         activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
@@ -108,10 +98,10 @@ class ExtractorHost:
 class WriterPool:
     """The writer actors; a dead one is replaced by a new one in its slot."""
 
-    def __init__(self, output_dir: Path, metadata: ShardMetadata, count: int) -> None:
+    def __init__(self, output_dir: Path, metadata: ShardMetadata, count: int, placement: dict[str, Any]) -> None:
         self._output_dir = str(output_dir)
         self._metadata = metadata
-        self._class = ray.remote(WriterActor).options(num_cpus=1)
+        self._class = ray.remote(WriterActor).options(num_cpus=1, **placement)
         self.writers = [self._new() for _ in range(count)]
 
     def __len__(self) -> int:
@@ -120,8 +110,8 @@ class WriterPool:
     def _new(self) -> Any:
         return self._class.remote(self._output_dir, self._metadata)
 
-    def wait_ready(self) -> None:
-        """Every writer's process is up (process start-up is start-up time)."""
+    def wait_ready(self) -> list[str]:
+        """Every writer's process is up (process start-up is start-up time); returns their node ids."""
         refs = [writer.ready.remote() for writer in self.writers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WRITER_START_TIMEOUT_S)
         if len(ready) < len(refs):
@@ -131,7 +121,7 @@ class WriterPool:
                 f"{ray.available_resources().get('CPU', 0):.0f} free now). Lower output.num_writers or "
                 f"free the cluster's CPUs. {RERUN}"
             )
-        ray.get(ready)  # raises if a writer failed to start
+        return ray.get(refs)  # raises if a writer failed to start
 
     def is_member(self, writer: Any) -> bool:
         return any(writer is current for current in self.writers)
@@ -159,8 +149,9 @@ class WriterPool:
         return totals
 
 
-def start_uploaders(sink: str, options: dict[str, Any], count: int) -> list[Any]:
+def start_uploaders(sink: str, options: dict[str, Any], count: int, placement: dict[str, Any]) -> list[Any]:
+    """Uploaders on the node whose files they upload (``placement``)."""
     # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
     # on them, so writers holding every CPU slot must never keep them from starting.
-    uploader_class = ray.remote(UploaderActor).options(num_cpus=0)
+    uploader_class = ray.remote(UploaderActor).options(num_cpus=0, **placement)
     return [uploader_class.remote(sink, options) for _ in range(max(1, count))]

@@ -78,6 +78,7 @@ class DiskBudget:
     def __init__(self, output_dir: Path, limit: int, min_free_bytes: int) -> None:
         self.output_dir = output_dir
         self.limit = limit
+        self.min_free_bytes = min_free_bytes
         self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
         self._committed: dict[int, int] = {}
         self._reserved: dict[int, int] = {}
@@ -90,6 +91,10 @@ class DiskBudget:
         """Time spent in ``wait_until_fits`` with the next shard held back."""
         self.changes = 0
         """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
+
+    def for_directory(self, directory: Path) -> "DiskBudget":
+        """The same limits for another node's directory (each node has its own budget)."""
+        return self if directory == self.output_dir else DiskBudget(directory, self.limit, self.min_free_bytes)
 
     @property
     def used(self) -> int:

@@ -25,6 +25,7 @@ from jobs.config import ConfigError, JobConfig, load_config, resolve_paths
 from jobs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobFault, JobInterrupted, JobStopped
 from jobs.lock import OutputLock
+from jobs.nodes import plan_groups
 from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
 from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
@@ -124,9 +125,14 @@ def _run_locked(inputs: _Inputs) -> dict:
         spec = build_engine_spec(
             config.model, config.extract, inputs.layer_ids, device, int(lengths.max()), config.output.state_dtype
         )
+        groups = plan_groups(
+            config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+            config.output.node_dir,
+        )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
-        clean_output_dir(output_dir, manifest, to_run)
+        for group in groups:
+            clean_output_dir(group.directory, manifest, to_run, group.name, group.directory == output_dir)
         logger.info(
             "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
             len(inputs.dataset), int(lengths.sum()), len(plan), len(to_run), output_dir,
@@ -136,7 +142,7 @@ def _run_locked(inputs: _Inputs) -> dict:
         summary.start(manifest)
         try:
             result = ExtractionRun(
-                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget
+                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget, groups
             ).run()
         except JobStopped as error:
             _record_end(summary, manifest, error.outcome, error.exit_code, str(error))

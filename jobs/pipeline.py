@@ -29,13 +29,14 @@ import ray
 
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
-from jobs.actors import ExtractorHost, WriterPool, count_writers
+from jobs.actors import ExtractorHost, WriterPool
 from jobs.budget import DiskBudget, format_bytes
 from jobs.dataset import TokenizedDataset
-from jobs.errors import DiskFull
+from jobs.errors import DiskFull, JobFault
 from jobs.metrics import RunMetrics
 from jobs.plan import Shard
-from jobs.scheduler import Scheduler
+from jobs.nodes import NodeGroup
+from jobs.scheduler import Lane, Scheduler
 from jobs.uploads import UploadQueue
 from jobs.work import Append, Discard, Finish, PendingWork, ShardAttempt, Upload
 from jobs.writer import ExtractorLost, ShardDiskFull
@@ -75,7 +76,9 @@ class RunResult:
     writer_seconds: dict[str, dict[str, float]]
     """Wall and CPU seconds per stage, summed over writers (``WriterActor.stats``)."""
     extractor_restarts: int = 0
-    """Times the extractor was started again after a fault in this run."""
+    """Times an extractor was started again after a fault in this run (all groups)."""
+    nodes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per data-parallel group's node: its directory, node id, writers, budget peak and overshoot, restarts."""
 
 
 def resolve_device(requested: str, tp_size: int) -> str:
@@ -129,11 +132,12 @@ def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
 
 
 class ExtractionRun:
-    """Extracts ``shards`` and keeps ``manifest`` and ``budget`` true at every step."""
+    """Extracts ``shards`` over the data-parallel ``groups`` and keeps the manifest and budgets true at every step."""
 
     def __init__(
         self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
         extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
+        groups: list[NodeGroup],
     ) -> None:
         self.spec = spec
         self.dataset = dataset
@@ -144,45 +148,66 @@ class ExtractionRun:
         self.output_dir = output_dir
         self.manifest = manifest
         self.budget = budget
+        """The budget of output.dir; every other node directory gets its own with the same limits."""
+        self.groups = groups
         self.work = PendingWork()
-        # Built once Ray runs, by _start_actors.
-        self.extractor: ExtractorHost | None = None
-        self.writers: WriterPool | None = None
-        self.uploads: UploadQueue | None = None
-        self.scheduler: Scheduler | None = None
         self.last_write_done = 0.0
         self.last_rescan = 0.0
+        # Built once Ray runs, by _start_actors.
+        self.lanes: list[Lane] = []
+        self.uploads: UploadQueue | None = None
+        self.scheduler: Scheduler | None = None
 
     # -- setup and teardown ----------------------------------------------------------------------
 
-    def _start_actors(self) -> None:
-        writers = count_writers(self.output.num_writers)
-        self.extractor = ExtractorHost(self.spec, self.extract.max_restarts)
-        self.engine = self.extractor.start()
-        self.metadata = shard_metadata(self.engine, self.spec)
-        self.bytes_per_token = state_bytes_per_token(self.metadata)
-        self.writers = WriterPool(self.output_dir, self.metadata, writers)
-        self.max_inflight = self.output.max_inflight_batches or len(self.writers) + INFLIGHT_BEYOND_WRITERS
+    def _start_actors(self) -> EngineInfo:
+        extractors = [
+            ExtractorHost(self.spec, self.extract.max_restarts, group.placement(), f"node {group.name}")
+            for group in self.groups
+        ]
+        for extractor in extractors:  # every node loads its model at the same time
+            extractor.launch()
+        engines = [extractor.ready() for extractor in extractors]
+        engine = engines[0]
+        metadata = shard_metadata(engine, self.spec)
+        self.bytes_per_token = state_bytes_per_token(metadata)
+        budgets: dict[Path, DiskBudget] = {}
+        for group, extractor in zip(self.groups, extractors):
+            writers = WriterPool(group.directory, metadata, group.writers, group.placement())
+            budget = budgets.setdefault(group.directory, self.budget.for_directory(group.directory))
+            group.directory.mkdir(parents=True, exist_ok=True)
+            max_inflight = self.output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
+            self.lanes.append(Lane(group, extractor, writers, budget, max_inflight))
         # While the writers start: the batches in flight, and a little more, touch the object store's pages.
-        warmed = self.extractor.warm_object_store(self.max_inflight + OBJECT_STORE_WARM_EXTRA)
-        self.writers.wait_ready()
-        logger.info(
-            "%d writers, at most %d batches in flight (about %s of states in memory); object store warmed in %.1f s",
-            len(self.writers), self.max_inflight,
-            format_bytes(self.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token), ray.get(warmed),
-        )
+        warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in self.lanes]
+        for lane in self.lanes:
+            _check_node(lane, lane.writers.wait_ready())
+            logger.info(
+                "node %s: %d writers, at most %d batches in flight (about %s of states in memory) -> %s",
+                lane.group.name, len(lane.writers), lane.max_inflight,
+                format_bytes(lane.max_inflight * self.spec.max_tokens_per_batch * self.bytes_per_token),
+                lane.group.directory,
+            )
+        ray.get(warmed)
         self.uploads = UploadQueue(
-            self.output.sink, self.output.sink_options, self.output.num_uploaders, self.output_dir,
-            self.extract.max_attempts,
+            self.output.sink, self.output.sink_options, self.output.num_uploaders, self.extract.max_attempts,
+            {group.name: group.placement() for group in self.groups},
         )
         self.scheduler = Scheduler(
-            self.dataset, self.plan, self.shards, self.manifest, self.budget, self.extractor, self.writers,
-            self.work, self.bytes_per_token, self.extract.max_attempts,
+            self.dataset, self.plan, self.shards, self.manifest, self.lanes, self.work, self.bytes_per_token,
+            self.extract.max_attempts,
         )
+        return engine
 
     def _stop_actors(self) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:
-        activity = self.extractor.stop() if self.extractor is not None else CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
-        writer_seconds = self.writers.stop() if self.writers is not None else {}
+        activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+        writer_seconds: dict[str, dict[str, float]] = {}
+        for lane in self.lanes:
+            activity = _add_activity(activity, lane.extractor.stop())
+            for clock, stages in lane.writers.stop().items():
+                totals = writer_seconds.setdefault(clock, {})
+                for stage, seconds in stages.items():
+                    totals[stage] = totals.get(stage, 0.0) + seconds
         if self.uploads is not None:
             self.uploads.stop()
         return activity, writer_seconds
@@ -191,7 +216,7 @@ class ExtractionRun:
         """Shards cut short leave no temp file behind (the next run would remove it anyway)."""
         discards = [
             attempt.writer.discard.remote(index) for index, attempt in self.scheduler.active.items()
-            if self.writers.is_member(attempt.writer)
+            if attempt.lane.writers.is_member(attempt.writer)
         ]
         with contextlib.suppress(Exception):
             ray.get(discards, timeout=DISCARD_TIMEOUT_S)
@@ -204,12 +229,10 @@ class ExtractionRun:
             len(self.shards), sum(self.plan[s.index].tokens for s in self.shards), self.budget.limit
         )
         try:
-            self._start_actors()
+            engine = self._start_actors()
             startup = time.perf_counter() - started
             started = time.perf_counter()
             self._rescan(force=True)
-            for record in self.manifest.in_state(DONE):
-                self.uploads.offer(record, self.work)
             self._extract_shards()
             while self.work or self.uploads.retries:
                 if self.work:
@@ -225,57 +248,65 @@ class ExtractionRun:
             self.metrics.close()
             activity, writer_seconds = self._stop_actors()
         ended = time.perf_counter()
+        budgets = list({id(lane.budget): lane.budget for lane in self.lanes}.values())
         return RunResult(
-            engine=self.engine,
+            engine=engine,
             startup_seconds=startup,
             seconds=ended - started,
             drain_seconds=ended - max(started, self.last_write_done),
-            budget_peak=self.budget.peak,
-            budget_overshoot=self.budget.overshoot,
-            blocked_seconds=self.budget.blocked_seconds,
-            writers=len(self.writers),
+            budget_peak=max(budget.peak for budget in budgets),
+            budget_overshoot=max(budget.overshoot for budget in budgets),
+            blocked_seconds=sum(budget.blocked_seconds for budget in budgets),
+            writers=sum(len(lane.writers) for lane in self.lanes),
             peak_open_shards=self.scheduler.peak_open_shards,
-            max_inflight_batches=self.max_inflight,
+            max_inflight_batches=sum(lane.max_inflight for lane in self.lanes),
             extractor=activity,
             writer_seconds=writer_seconds,
-            extractor_restarts=self.extractor.generation,
+            extractor_restarts=sum(lane.extractor.generation for lane in self.lanes),
+            nodes={
+                lane.group.name: {
+                    "directory": str(lane.group.directory), "node_id": lane.group.node_id,
+                    "writers": len(lane.writers), "budget_peak": lane.budget.peak,
+                    "budget_overshoot": lane.budget.overshoot, "restarts": lane.extractor.generation,
+                }
+                for lane in self.lanes
+            },
         )
 
     def _extract_shards(self) -> None:
         while self.scheduler.has_work:
             self.scheduler.open_shards(self._wait_for_disk)
-            if not self.scheduler.open_attempts:
-                # Nothing to send: shards cut short by a fault come back once discarded.
-                self._settle_one(timeout=self.output.rescan_s)
+            lane = self.scheduler.ready_lane()
+            if lane is None:
+                # Every lane is at its batches in flight, or nothing is open: shards cut short by a
+                # fault come back once discarded.
+                self._settle_one(timeout=None if self.scheduler.any_open else self.output.rescan_s)
                 continue
-            while self.work.appends >= self.max_inflight:
-                self._settle_one(timeout=None)
-            # Shards that failed or met a fault were dropped while settling; the rest have batches to send.
-            if self.scheduler.open_attempts:
-                self.scheduler.send_batch()
+            self.scheduler.send_batch(lane)
 
-    def _wait_for_disk(self, nbytes: int) -> None:
-        """Hold the next shard until its bytes fit; BudgetExhausted if nothing can free any."""
-        if self.budget.blocking_policy(nbytes) is None:
+    def _wait_for_disk(self, lane: Lane, nbytes: int) -> None:
+        """Hold the next shard until its bytes fit the lane's budget; BudgetExhausted if nothing can free any."""
+        if lane.budget.blocking_policy(nbytes) is None:
             return
         self.metrics.waiting(True)
         try:
-            waited = self.budget.wait_until_fits(
+            waited = lane.budget.wait_until_fits(
                 nbytes, self._settle_one_if_any, self._rescan, self.output.budget_wait_s, self.output.rescan_s,
-                self._exhausted_message,
+                lambda state: self._exhausted_message(lane, state),
             )
         finally:
             self.metrics.waiting(False)
         self.metrics.waited(waited)
 
-    def _exhausted_message(self, state: str) -> str:
+    def _exhausted_message(self, lane: Lane, state: str) -> str:
         remaining = [r for r in self.manifest.shards.values() if r.state != DONE]
         tokens = sum(self.plan[r.index].tokens for r in remaining)
+        where = "output.dir" if lane.group.directory == self.output_dir else f"{lane.group.directory} (node {lane.group.name})"
         return (
             f"stopped after waiting {self.output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
             f"in flight that could free space. {len(remaining)} shards remain, about "
             f"{format_bytes(tokens * self.bytes_per_token)} to write. Raise output.disk_budget, set "
-            "output.sink, or free space under output.dir (e.g. let the trainer consume shards), then "
+            f"output.sink, or free space under {where} (e.g. let the trainer consume shards), then "
             "rerun the same command: it resumes where this run stopped"
         )
 
@@ -303,17 +334,18 @@ class ExtractionRun:
             self._on_upload(item.shard, ref)
 
     def _on_append(self, item: Append, ref: ray.ObjectRef) -> None:
-        attempt = item.attempt
+        attempt, lane = item.attempt, item.attempt.lane
         attempt.inflight -= 1
+        lane.inflight -= 1
         try:
             tokens = ray.get(ref)
         except ExtractorLost as error:
-            if item.generation == self.extractor.generation:
-                self.extractor.restart(_error_text(error))
+            if item.generation == lane.extractor.generation:
+                lane.extractor.restart(_error_text(error))
             self._lose(attempt, f"the extractor died: {_error_text(error)}")
             return
         except ray.exceptions.RayActorError as error:
-            self._writer_died(attempt.writer, error)
+            self._writer_died(lane, attempt.writer, error)
             return
         if tokens == 0 and not attempt.lost:  # the writer dropped the shard: spend no more extraction on it
             self.scheduler.close(attempt)
@@ -321,13 +353,14 @@ class ExtractionRun:
         self.metrics.tokens_written(tokens)
 
     def _on_finish(self, attempt: ShardAttempt, ref: ray.ObjectRef) -> None:
+        lane = attempt.lane
         try:
             info: ShardFileInfo = ray.get(ref)
         except ExtractorLost as error:  # the extractor's restart follows the batch that met the fault
             self._lose(attempt, f"the extractor died: {_error_text(error)}")
             return
         except ray.exceptions.RayActorError as error:
-            self._writer_died(attempt.writer, error)
+            self._writer_died(lane, attempt.writer, error)
             return
         except Exception as error:
             if not attempt.lost:  # a lost attempt is settled by its Discard
@@ -336,35 +369,37 @@ class ExtractionRun:
         if attempt.lost:  # every batch was written before the fault hit: the file is whole
             logger.info("shard %d was published before the fault reached it", attempt.index)
         self.scheduler.settled(attempt)
-        self.budget.commit(attempt.index, info.bytes, info.tokens, self.bytes_per_token)
+        lane.budget.commit(attempt.index, info.bytes, info.tokens, self.bytes_per_token)
         record = self.manifest.update(
             attempt.index, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
-            bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="",
+            bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="", node=lane.group.name,
         )
-        self.uploads.offer(record, self.work)
-        self.metrics.disk_used(self.budget.used)
+        self.uploads.offer(record, lane.group.name, lane.group.directory / record.file, self.work)
+        self.metrics.disk_used(lane.budget.used)
         self.metrics.shard_done()
 
     def _shard_failed(self, attempt: ShardAttempt, error: Exception) -> None:
+        lane = attempt.lane
         self.scheduler.settled(attempt)
-        self.budget.release(attempt.index)
+        lane.budget.release(attempt.index)
         message = _error_text(error)
         self.manifest.update(attempt.index, state=FAILED, error=message)
         logger.error("shard %d failed: %s", attempt.index, message)
-        self.metrics.disk_used(self.budget.used)
+        self.metrics.disk_used(lane.budget.used)
         self.metrics.shard_failed()
         if isinstance(error, ShardDiskFull):
+            where = "output.dir" if lane.group.directory == self.output_dir else f"output.node_dir of node {lane.group.name}"
             raise DiskFull(
-                f"output.dir={self.output_dir} is full: {message}. The shard's temp file was removed. Free space "
+                f"{where}={lane.group.directory} is full: {message}. The shard's temp file was removed. Free space "
                 "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
                 "rerun the same command: it resumes where this run stopped"
             )
 
     # -- faults ----------------------------------------------------------------------------------
 
-    def _writer_died(self, writer: Any, error: Exception) -> None:
+    def _writer_died(self, lane: Lane, writer: Any, error: Exception) -> None:
         """Replace the writer; every attempt it held is lost (once: its other failures change nothing)."""
-        if self.writers.replace(writer) is None:
+        if lane.writers.replace(writer) is None:
             return
         for attempt in list(self.scheduler.active.values()):
             if attempt.writer is writer:
@@ -377,25 +412,24 @@ class ExtractionRun:
         attempt.lost = reason
         logger.warning("shard %d: %s; it will be written again", attempt.index, reason)
         self.scheduler.drop(attempt)
-        writer = attempt.writer if self.writers.is_member(attempt.writer) else self._writer_for_cleanup()
+        writers = attempt.lane.writers
         # After the writer's calls for this shard (one caller's calls run in order): no write of
-        # the attempt can follow the discard, which also removes a temp file a dead writer left.
-        attempt.writer = writer
-        self.work.add(writer.discard.remote(attempt.index), Discard(attempt))
-
-    def _writer_for_cleanup(self) -> Any:
-        return self.writers.writers[0]
+        # the attempt can follow the discard, which also removes a temp file a dead writer left
+        # (a writer of the same node: the file is on its disk).
+        if not writers.is_member(attempt.writer):
+            attempt.writer = writers.writers[0]
+        self.work.add(attempt.writer.discard.remote(attempt.index), Discard(attempt))
 
     def _on_discard(self, attempt: ShardAttempt, ref: ray.ObjectRef) -> None:
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as error:  # the writer asked to clean up died too
-            self._writer_died(attempt.writer, error)
+            self._writer_died(attempt.lane, attempt.writer, error)
             attempt.lost, reason = "", attempt.lost
             self._lose(attempt, reason)
             return
-        self.budget.release(attempt.index)
-        self.metrics.disk_used(self.budget.used)
+        attempt.lane.budget.release(attempt.index)
+        self.metrics.disk_used(attempt.lane.budget.used)
         self.scheduler.retry(attempt)
 
     # -- uploads and rescans ---------------------------------------------------------------------
@@ -411,11 +445,22 @@ class ExtractionRun:
                          f"tried again in {self.output.rescan_s:.0f} s" if left else "a rerun tries again")
             return
         self.uploads.succeeded(shard)
+        record = self.manifest.shards[shard]
+        lane = self._home(record)
         # Record first, then delete: a crash in between leaves a local copy the next run removes.
         self.manifest.update(shard, location=SINK, sink_url=url, error="")
-        (self.output_dir / shard_file_name(shard)).unlink(missing_ok=True)
-        self.budget.forget(shard)
-        self.metrics.disk_used(self.budget.used)
+        if lane is not None:
+            (lane.group.directory / shard_file_name(shard)).unlink(missing_ok=True)
+            lane.budget.forget(shard)
+            self.metrics.disk_used(lane.budget.used)
+
+    def _home(self, record: ShardRecord) -> Lane | None:
+        """The lane on the node holding a done shard's file (records of single-node runs name no node:
+        output.dir's); None if that node is not in this run's cluster."""
+        for lane in self.lanes:
+            if record.node == lane.group.name or (not record.node and lane.group.directory == self.output_dir):
+                return lane
+        return None
 
     def _rescan(self, force: bool = False) -> None:
         """Notice committed files someone else deleted (a trainer consuming them); offer failed uploads again."""
@@ -423,18 +468,42 @@ class ExtractionRun:
         if not force and now - self.last_rescan < self.output.rescan_s:
             return
         self.last_rescan = now
-        local = [
-            record for record in self.manifest.in_state(DONE)
-            if record.location == LOCAL and not self.uploads.uploading(record.index)
-        ]
-        for shard in self.budget.rescan((r.index, r.file, r.bytes) for r in local):
-            logger.info("shard %d: %s was removed from output.dir; its bytes are free", shard, shard_file_name(shard))
-            self.manifest.update(shard, location=CONSUMED)
-            self.uploads.gone(shard)
-        for record in local:
-            if record.location == LOCAL:
-                self.uploads.offer(record, self.work)
-        self.metrics.disk_used(self.budget.used)
+        by_lane: dict[int, list[ShardRecord]] = {}
+        for record in self.manifest.in_state(DONE):
+            if record.location == LOCAL and not self.uploads.uploading(record.index):
+                lane = self._home(record)
+                if lane is not None:
+                    by_lane.setdefault(id(lane.budget), []).append(record)
+        for lane in {id(lane.budget): lane for lane in self.lanes}.values():
+            records = by_lane.get(id(lane.budget), [])
+            for shard in lane.budget.rescan((r.index, r.file, r.bytes) for r in records):
+                logger.info("shard %d: %s was removed from %s; its bytes are free", shard, shard_file_name(shard),
+                            lane.group.directory)
+                self.manifest.update(shard, location=CONSUMED)
+                self.uploads.gone(shard)
+            for record in records:
+                if record.location == LOCAL:
+                    home = self._home(record)
+                    self.uploads.offer(record, home.group.name, home.group.directory / record.file, self.work)
+            self.metrics.disk_used(lane.budget.used)
+
+
+def _check_node(lane: Lane, writer_nodes: list[str]) -> None:
+    """States never cross the network: the extractor and every writer of a lane run on its node."""
+    extractor_node = lane.extractor.node_id()
+    if {extractor_node, *writer_nodes} != {lane.group.node_id}:
+        raise JobFault(
+            f"node {lane.group.name}: its extractor and writers were placed on other nodes ({extractor_node}, "
+            f"{writer_nodes}); the Ray cluster changed while the job started. Rerun the same command to resume"
+        )
+
+
+def _add_activity(total: CaptureActivity, more: CaptureActivity) -> CaptureActivity:
+    return dataclasses.replace(
+        total, batches=total.batches + more.batches, tokens=total.tokens + more.tokens,
+        busy_seconds=total.busy_seconds + more.busy_seconds,
+        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds,
+    )
 
 
 def _error_text(error: Exception) -> str:

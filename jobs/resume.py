@@ -42,19 +42,25 @@ def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     return [manifest.shards[i] for i in sorted(set(selection))]
 
 
-def clean_output_dir(output_dir: Path, manifest: Manifest, to_run: list[ShardRecord]) -> None:
-    """Remove what an interrupted run left: temp files, and shard files the manifest does not vouch for.
+def clean_output_dir(
+    output_dir: Path, manifest: Manifest, to_run: list[ShardRecord], node: str = "", holds_unnamed: bool = True,
+) -> None:
+    """Remove what an interrupted run left in one node's directory: temp files, and shard files the
+    manifest does not vouch for there (done, local, on ``node``; records of single-node runs name no
+    node and vouch for files in output.dir: ``holds_unnamed``).
 
     A file renamed into place right before a crash is complete but unrecorded; it is
     deleted and its shard extracted again, so that no row is ever in two files.
     """
+    output_dir.mkdir(parents=True, exist_ok=True)
     for temp in output_dir.glob(TEMP_GLOB):
         if temp.is_file():
             temp.unlink()
     rerun = {record.index for record in to_run}
     for index, record in manifest.shards.items():
         path = output_dir / shard_file_name(index)
-        keep = record.state == DONE and record.location == LOCAL and index not in rerun
+        here = record.node == node or (not record.node and holds_unnamed)
+        keep = record.state == DONE and record.location == LOCAL and index not in rerun and here
         if path.exists() and not keep:
             logger.info("removing %s (%s)", path, "uploaded" if record.location == SINK else "not recorded as done")
             path.unlink()

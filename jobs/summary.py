@@ -170,6 +170,7 @@ def _result_fields(result: Any) -> dict[str, Any]:
         "peak_open_shards": result.peak_open_shards,
         "max_inflight_batches": result.max_inflight_batches,
         "extractor_restarts": result.extractor_restarts,
+        "nodes": result.nodes,
         "engine": dataclasses.asdict(result.engine),
         "extractor": dataclasses.asdict(result.extractor),
         "writer_seconds": {

@@ -19,10 +19,15 @@ from storage.manifest import LOCAL, ShardRecord
 
 
 class UploadQueue:
-    def __init__(self, sink: str, options: dict[str, Any], uploaders: int, output_dir: Path, max_attempts: int) -> None:
+    def __init__(
+        self, sink: str, options: dict[str, Any], uploaders: int, max_attempts: int, nodes: dict[str, dict[str, Any]],
+    ) -> None:
+        """``nodes``: each node's name and the actor options that place an actor there; its files
+        are uploaded by uploaders on it (the files are on its local disk)."""
         self.sink = sink
-        self._uploaders = start_uploaders(sink, options, uploaders) if sink else []
-        self._output_dir = output_dir
+        self._uploaders = {
+            name: start_uploaders(sink, options, uploaders, placement) for name, placement in nodes.items()
+        } if sink else {}
         self._max_attempts = max_attempts
         self._next = 0
         self._uploading: set[int] = set()
@@ -33,19 +38,20 @@ class UploadQueue:
     def uploading(self, shard: int) -> bool:
         return shard in self._uploading
 
-    def offer(self, record: ShardRecord, work: PendingWork) -> None:
-        """Start uploading a committed local file, unless it is on its way or out of tries."""
+    def offer(self, record: ShardRecord, node: str, path: Path, work: PendingWork) -> None:
+        """Start uploading a committed local file (at ``path`` on ``node``), unless it is on its way or
+        out of tries."""
+        uploaders = self._uploaders.get(node)
         if (
-            not self._uploaders or record.location != LOCAL or record.index in self._uploading
+            not uploaders or record.location != LOCAL or record.index in self._uploading
             or self._failures.get(record.index, 0) >= self._max_attempts
         ):
             return
-        uploader = self._uploaders[self._next % len(self._uploaders)]
+        uploader = uploaders[self._next % len(uploaders)]
         self._next += 1
         self._uploading.add(record.index)
         self.retries.discard(record.index)
-        path = str(self._output_dir / record.file)
-        work.add(uploader.upload.remote(path, record.bytes, record.sha256), Upload(record.index))
+        work.add(uploader.upload.remote(str(path), record.bytes, record.sha256), Upload(record.index))
 
     def failed(self, shard: int) -> int:
         """The upload did not verify; returns the tries the shard has left in this run."""
@@ -64,5 +70,6 @@ class UploadQueue:
         self.retries.discard(shard)
 
     def stop(self) -> None:
-        for uploader in self._uploaders:
-            ray.kill(uploader)
+        for uploaders in self._uploaders.values():
+            for uploader in uploaders:
+                ray.kill(uploader)

@@ -23,6 +23,8 @@ class ShardAttempt:
     """One try at writing a shard: from its first batch to its file published (or given up)."""
 
     record: ShardRecord
+    lane: Any
+    """The data-parallel group (``scheduler.Lane``) writing it."""
     writer: Any
     """The writer actor handle this attempt's batches go to."""
     batches: tuple[tuple[int, int], ...]
@@ -74,13 +76,9 @@ class PendingWork:
 
     def __init__(self) -> None:
         self._items: dict[ray.ObjectRef, Work] = {}
-        self.appends = 0
-        """Batches between the extractor and a finished write (what ``max_inflight_batches`` bounds)."""
 
     def add(self, ref: ray.ObjectRef, item: Work) -> None:
         self._items[ref] = item
-        if isinstance(item, Append):
-            self.appends += 1
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -93,7 +91,4 @@ class PendingWork:
         ready, _ = ray.wait(list(self._items), num_returns=1, timeout=timeout)
         if not ready:
             return None
-        item = self._items.pop(ready[0])
-        if isinstance(item, Append):
-            self.appends -= 1
-        return item, ready[0]
+        return self._items.pop(ready[0]), ready[0]

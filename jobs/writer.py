@@ -57,9 +57,10 @@ class WriterActor:
         """Why a shard failed, raised again by its later calls."""
         self._clock = StageClock(("wait", "fetch"))
 
-    def ready(self) -> bool:
-        """Answers once the actor's process is up: the driver starts the first batch after that."""
-        return True
+    def ready(self) -> str:
+        """Answers once the actor's process is up (the driver starts the first batch after that), with
+        the id of the node it runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     def append(self, rows: BatchRows, captured: list[ray.ObjectRef]) -> int:
         """Write one batch; returns its token count (0 once the shard has failed). Raises ExtractorLost

@@ -54,6 +54,8 @@ class ShardRecord:
     location: str = ""
     """Where a done shard's file is: local | sink | consumed."""
     sink_url: str = ""
+    node: str = ""
+    """Name of the node whose local directory holds a done shard's file (data parallel across nodes)."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}

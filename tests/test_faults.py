@@ -26,7 +26,7 @@ from jobs.demo import build_synthetic_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK
 from jobs.extract import main
 from jobs.summary import read_summary
-from storage.manifest import DONE, FAILED, LOCAL, SINK, read_manifest
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.helpers import assert_every_sample_once
 
@@ -199,12 +199,12 @@ def test_faults_beyond_the_bounds_stop_with_the_fault_code_and_a_rerun_resumes(r
     assert_every_sample_once(out, dataset)
 
 
-def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path):
-    """Instead of waiting forever for CPU slots Ray does not have."""
+def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+    """Instead of waiting forever for CPU slots Ray does not have; refused before the manifest or any actor."""
     out = tmp_path / "out"
     assert main(job_args(llama_fp32, dataset, out, "output.num_writers=64")) == EXIT_BAD_INPUT
-    assert "output.num_writers=64" in read_summary(out)["message"]
-    assert not list(out.glob("shard-*"))
+    assert "output.num_writers=64, but node 127.0.0.1 has 2 CPUs" in caplog.text
+    assert not (out / MANIFEST_FILE).exists() and not list(out.glob("shard-*"))
 
 
 @pytest.fixture
