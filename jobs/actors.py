@@ -52,7 +52,8 @@ class ExtractorHost:
     def ready(self) -> EngineInfo:
         engine: EngineInfo = ray.get(self.actor.info.remote())
         logger.info(
-            "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s (drafter ids %s)",
+            "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s "
+            "(drafter ids %s)",
             self.where, time.perf_counter() - self._started, engine.model_architecture, engine.layers_to_capture,
             engine.layer_ids, engine.drafter_layer_ids,
         )

@@ -1,13 +1,15 @@
-"""The driver: the job's actors, the scheduler, the disk budget and the upload queue, run to the end.
+"""The driver: the data-parallel groups' actors, the scheduler, the disk budgets and the upload queue, run to the end.
 
-``ExtractionRun`` starts the actors, lets the scheduler open shards and send
-batches, and handles each completion of the work in flight by its type:
-a batch written, a shard published (or failed), an attempt discarded after a
-fault, an upload verified. At most ``output.max_inflight_batches`` batches sit
-between the extractor and a finished write, which bounds the states held in
-memory: a disk slower than the extractor holds the extractor back. While no
-shard fits the disk budget the budget's own wait loop settles the work in
-flight (writes, uploads) and re-scans output.dir for files a consumer deleted.
+``ExtractionRun`` starts one lane per data-parallel group (an extractor and
+its writers on one node, that node's directory and disk budget), lets the
+scheduler open shards and send batches, and handles each completion of the
+work in flight by its type: a batch written, a shard published (or failed),
+an attempt discarded after a fault, an upload verified. At most
+``output.max_inflight_batches`` batches per lane sit between its extractor and
+a finished write, which bounds the states held in its node's memory: a disk
+slower than the extractor holds the extractor back. While no shard fits, the
+budget's own wait loop settles the work in flight (writes, uploads) and
+re-scans the directories for files a consumer deleted.
 
 Faults are survived in the same run: a dead extractor is started again (at
 most ``extract.max_restarts`` times), a dead writer is replaced, and every

@@ -86,3 +86,33 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
                             capture_output=True, text=True, timeout=60)
     for name in node_ids:
         assert f"node {name}" in status.stdout, status.stdout
+
+
+def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_fp32, tmp_path):
+    """Without a sink the files stay on their nodes; a rerun of named shards may place them on the
+    other node, and the copy the manifest no longer vouches for is removed."""
+    cluster, node_ids = two_nodes
+    data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=6)
+    out = tmp_path / "out"
+    node_dirs = [tmp_path / "nodes" / name for name in node_ids]
+    args = [
+        f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={tmp_path}/nodes/{{node}}",
+        f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
+        "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("RAY_ADDRESS", None)
+
+    def job(*extra: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "jobs.extract", *args, *extra], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    job()
+    job("shards=[0,1,2,3]")
+    records = read_manifest(out)["shards"]
+    assert [r["attempts"] for r in records] == [2, 2, 2, 2, 1, 1]
+    for record in records:  # each file is where the manifest says, and only there
+        holders = [d.name for d in node_dirs if (d / record["file"]).exists()]
+        assert holders == [record["node"]], (record["index"], holders, record["node"])
+    assert_every_sample_once(node_dirs, data)
