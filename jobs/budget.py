@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from jobs.errors import BudgetExhausted
-from storage.writer import TEMP_GLOB
+from jobs.node_disk import LocalDisk
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +65,19 @@ class FreeSpacePolicy:
     floor: int
 
     def admits(self, budget: "DiskBudget", nbytes: int) -> bool:
-        return budget.free_bytes() - budget.unwritten_reserved() - nbytes >= self.floor
+        return budget.free_after_reservations() - nbytes >= self.floor
 
     def describe(self, budget: "DiskBudget") -> str:
-        return f"{format_bytes(budget.free_bytes())} free on disk, floor {format_bytes(self.floor)}"
+        return f"{format_bytes(budget.disk.free_and_temp_bytes()[0])} free on disk, floor {format_bytes(self.floor)}"
 
 
 class DiskBudget:
     """Bytes of shard files under output.dir: committed files and reservations, and the wait for room."""
 
-    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int) -> None:
+    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None) -> None:
         self.output_dir = output_dir
+        self.disk = disk or LocalDisk(output_dir)
+        """Where the files are: looks at free space and files run on their node."""
         self.limit = limit
         self.min_free_bytes = min_free_bytes
         self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
@@ -92,9 +93,9 @@ class DiskBudget:
         self.changes = 0
         """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
 
-    def for_directory(self, directory: Path) -> "DiskBudget":
-        """The same limits for another node's directory (each node has its own budget)."""
-        return self if directory == self.output_dir else DiskBudget(directory, self.limit, self.min_free_bytes)
+    def for_disk(self, disk: LocalDisk) -> "DiskBudget":
+        """The same limits for a node's directory (each node has its own budget)."""
+        return DiskBudget(disk.directory, self.limit, self.min_free_bytes, disk)
 
     @property
     def used(self) -> int:
@@ -133,8 +134,10 @@ class DiskBudget:
         """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;
         returns the shards whose file is gone (a consumer deleted it): their bytes are free."""
         gone = []
+        local_files = list(local_files)
+        existing = self.disk.existing(name for _, name, _ in local_files)
         for shard, name, nbytes in local_files:
-            if (self.output_dir / name).exists():
+            if name in existing:
                 self._set(self._committed, shard, nbytes)
             else:
                 gone.append(shard)
@@ -179,13 +182,10 @@ class DiskBudget:
         logger.info("disk budget free again after %.1f s: %s", waited, self.policies[0].describe(self))
         return waited
 
-    def free_bytes(self) -> int:
-        return shutil.disk_usage(self.output_dir).free
-
-    def unwritten_reserved(self) -> int:
-        """Reserved bytes not yet on disk: temp files already hold the rest."""
-        written = sum(path.stat().st_size for path in self.output_dir.glob(TEMP_GLOB) if path.is_file())
-        return max(0, self._reserved_total - written)
+    def free_after_reservations(self) -> int:
+        """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""
+        free, written = self.disk.free_and_temp_bytes()
+        return free - max(0, self._reserved_total - written)
 
     def _set(self, table: dict[int, int], shard: int, nbytes: int | None) -> None:
         """The one place the tables change: their totals follow in O(1)."""

@@ -37,6 +37,7 @@ from jobs.dataset import TokenizedDataset
 from jobs.errors import DiskFull, JobFault
 from jobs.metrics import RunMetrics
 from jobs.plan import Shard
+from jobs.node_disk import NodeDisk
 from jobs.nodes import NodeGroup
 from jobs.scheduler import Lane, Scheduler
 from jobs.uploads import UploadQueue
@@ -176,8 +177,9 @@ class ExtractionRun:
         budgets: dict[Path, DiskBudget] = {}
         for group, extractor in zip(self.groups, extractors):
             writers = WriterPool(group.directory, metadata, group.writers, group.placement())
-            budget = budgets.setdefault(group.directory, self.budget.for_directory(group.directory))
-            group.directory.mkdir(parents=True, exist_ok=True)
+            if group.directory not in budgets:
+                budgets[group.directory] = self.budget.for_disk(NodeDisk(group.directory, group.placement()))
+            budget = budgets[group.directory]
             max_inflight = self.output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
             self.lanes.append(Lane(group, extractor, writers, budget, max_inflight))
         # While the writers start: the batches in flight, and a little more, touch the object store's pages.
@@ -452,7 +454,7 @@ class ExtractionRun:
         # Record first, then delete: a crash in between leaves a local copy the next run removes.
         self.manifest.update(shard, location=SINK, sink_url=url, error="")
         if lane is not None:
-            (lane.group.directory / shard_file_name(shard)).unlink(missing_ok=True)
+            lane.budget.disk.remove([shard_file_name(shard)])
             lane.budget.forget(shard)
             self.metrics.disk_used(lane.budget.used)
 

@@ -1,0 +1,98 @@
+"""A directory on one node's local disk, as the driver sees it: every look runs on that node.
+
+With data parallelism across hosts a node's shard files are on its own disk,
+which the driver's host cannot see. ``LocalDisk`` looks directly (the driver's
+own output.dir before Ray runs, and tests); ``NodeDisk`` runs the same looks
+as small Ray tasks pinned to the node (no CPU slot: they must never wait
+behind the writers).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+from storage.writer import SHARD_GLOB, TEMP_GLOB
+
+def _free_and_temp_bytes(directory: str) -> tuple[int, int]:
+    path = Path(directory)
+    temp = 0
+    for file in path.glob(TEMP_GLOB):
+        try:
+            temp += file.stat().st_size
+        except FileNotFoundError:
+            pass  # renamed (committed) or removed between the listing and the stat
+    return shutil.disk_usage(path).free, temp
+
+
+def _existing(directory: str, names: list[str]) -> list[str]:
+    return [name for name in names if (Path(directory) / name).exists()]
+
+
+def _remove(directory: str, names: list[str]) -> None:
+    for name in names:
+        (Path(directory) / name).unlink(missing_ok=True)
+
+
+def _clean(directory: str, keep: set[str]) -> list[str]:
+    """Temp files, and shard files not in ``keep``, removed; returns what went."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    removed = []
+    for file in [*path.glob(TEMP_GLOB), *path.glob(SHARD_GLOB)]:
+        if file.is_file() and file.name not in keep:
+            file.unlink()
+            removed.append(file.name)
+    return removed
+
+
+class LocalDisk:
+    """A directory the driver's own host holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def free_and_temp_bytes(self) -> tuple[int, int]:
+        """Free bytes on the filesystem, and bytes temp files of shards being written hold."""
+        return _free_and_temp_bytes(str(self.directory))
+
+    def existing(self, names: Iterable[str]) -> set[str]:
+        return set(_existing(str(self.directory), list(names)))
+
+    def remove(self, names: Iterable[str]) -> None:
+        _remove(str(self.directory), list(names))
+
+    def clean(self, keep: set[str]) -> list[str]:
+        return _clean(str(self.directory), keep)
+
+
+_TASKS: dict[Any, Any] = {}
+"""Each look as a Ray task, made once."""
+
+
+class NodeDisk(LocalDisk):
+    """A directory on the node ``placement`` pins tasks to."""
+
+    def __init__(self, directory: Path, placement: dict[str, Any]) -> None:
+        super().__init__(directory)
+        self._placement = placement
+
+    def _run(self, function: Any, *args: Any) -> Any:
+        import ray  # here: `jobs.status` reads budgets without starting Ray's client
+
+        if function not in _TASKS:
+            _TASKS[function] = ray.remote(num_cpus=0)(function)
+        return ray.get(_TASKS[function].options(**self._placement).remote(*args))
+
+    def free_and_temp_bytes(self) -> tuple[int, int]:
+        return self._run(_free_and_temp_bytes, str(self.directory))
+
+    def existing(self, names: Iterable[str]) -> set[str]:
+        return set(self._run(_existing, str(self.directory), list(names)))
+
+    def remove(self, names: Iterable[str]) -> None:
+        self._run(_remove, str(self.directory), list(names))
+
+    def clean(self, keep: set[str]) -> list[str]:
+        return self._run(_clean, str(self.directory), keep)
