@@ -25,7 +25,6 @@ from jobs.config import ConfigError, JobConfig, load_config, resolve_paths
 from jobs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobFault, JobInterrupted, JobStopped
 from jobs.lock import OutputLock
-from jobs.node_disk import NodeDisk
 from jobs.nodes import plan_groups
 from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
@@ -133,8 +132,7 @@ def _run_locked(inputs: _Inputs) -> dict:
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
         for group in groups:
-            disk = NodeDisk(group.directory, group.placement())
-            clean_output_dir(disk, manifest, to_run, group.name, group.directory == output_dir)
+            clean_output_dir(group.disk(), manifest, to_run, group.name, group.directory == output_dir)
         logger.info(
             "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
             len(inputs.dataset), int(lengths.sum()), len(plan), len(to_run), output_dir,

@@ -67,6 +67,16 @@ class LocalDisk:
         return _clean(str(self.directory), keep)
 
 
+def disk_on(directory: Path, node_id: str, placement: dict[str, Any]) -> LocalDisk:
+    """The directory on node ``node_id``: looked at directly when that is the driver's own node (no task
+    per look: the free-space check runs at every shard's start), else through tasks pinned there."""
+    import ray
+
+    if node_id == ray.get_runtime_context().get_node_id():
+        return LocalDisk(directory)
+    return NodeDisk(directory, placement)
+
+
 _TASKS: dict[Any, Any] = {}
 """Each look as a Ray task, made once."""
 

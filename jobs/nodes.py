@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs.extractor_actor import EXTRACTOR_CPUS
+from jobs.node_disk import LocalDisk, disk_on
 
 NODE_LABEL = "eagle3-node"
 NODE_PLACEHOLDER = "{node}"
@@ -42,6 +43,10 @@ class NodeGroup:
     def placement(self) -> dict[str, Any]:
         """Actor options that pin an actor to this node."""
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False)}
+
+    def disk(self) -> LocalDisk:
+        """This group's directory, looked at on its node."""
+        return disk_on(self.directory, self.node_id, self.placement())
 
 
 def node_name(node: dict[str, Any]) -> str:

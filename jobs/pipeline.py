@@ -37,7 +37,6 @@ from jobs.dataset import TokenizedDataset
 from jobs.errors import DiskFull, JobFault
 from jobs.metrics import RunMetrics
 from jobs.plan import Shard
-from jobs.node_disk import NodeDisk
 from jobs.nodes import NodeGroup
 from jobs.scheduler import Lane, Scheduler
 from jobs.uploads import UploadQueue
@@ -178,7 +177,7 @@ class ExtractionRun:
         for group, extractor in zip(self.groups, extractors):
             writers = WriterPool(group.directory, metadata, group.writers, group.placement())
             if group.directory not in budgets:
-                budgets[group.directory] = self.budget.for_disk(NodeDisk(group.directory, group.placement()))
+                budgets[group.directory] = self.budget.for_disk(group.disk())
             budget = budgets[group.directory]
             max_inflight = self.output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
             self.lanes.append(Lane(group, extractor, writers, budget, max_inflight))
