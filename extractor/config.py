@@ -28,6 +28,9 @@ class ModelConfig:
     """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
+    dp_size: int = 0
+    """Data-parallel extractor groups, each tp_size GPUs of one node with its own writers there. 0: as many as
+    the cluster holds (GPUs // tp_size per node on GPU; one per node on CPU)."""
     dtype: str = "bfloat16"
     """Compute and storage dtype: bfloat16 | float16 | float32."""
     device: str = "auto"
@@ -55,6 +58,8 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if not _is_int(self.tp_size) or self.tp_size < 1:
             raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
+        if not _is_int(self.dp_size) or self.dp_size < 0:
+            raise ValueError(f"model.dp_size={self.dp_size!r}: must be an integer >= 0 (0: as many groups as the cluster holds)")
         if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 1):
             raise ValueError(
                 f"model.context_length={self.context_length!r}: must be a positive token count, or unset "
@@ -90,6 +95,10 @@ class ExtractConfig:
     """A sample whose states hold NaN/Inf (checked on the device, per layer): fail (its shard fails, naming the
     sample, shard and layer), skip (left out; listed in the manifest and .summary.json) or keep (written, flagged
     in the manifest)."""
+    max_restarts: int = 3
+    """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
+    max_attempts: int = 3
+    """Tries per shard in one run when faults (a dead extractor or writer) cut it short, and per upload to the sink."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -108,6 +117,10 @@ class ExtractConfig:
                 f"extract.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(NONFINITE_ACTIONS)} (fail stops the "
                 "shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged)"
             )
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ValueError(f"extract.max_restarts={self.max_restarts!r}: must be an integer >= 0 (0: never restart)")
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise ValueError(f"extract.max_attempts={self.max_attempts!r}: must be an integer >= 1")
         kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

@@ -6,7 +6,7 @@ boundary before reaching the caller. Followers get the token ids through a
 queue and drop their (identical) outputs. One lock keeps forwards in the same
 order on every rank while a caller may still hold the previous batch's
 states. A watchdog ends this process when a follower dies, since rank 0 would
-otherwise wait in a collective forever.
+otherwise wait in a collective forever; a follower whose rank 0 died ends itself.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800  # a cold 8-GPU load of a 1T-parameter checkpoint takes many minutes
 WATCHDOG_PERIOD_S = 2.0
+COLLECTIVE_FAILURE_GRACE_S = 1.0
 
 
 def cpu_thread_binding(tp_size: int, cores: list[int]) -> str:
@@ -63,7 +64,16 @@ def _follower_main(spec: EngineSpec, tp_rank: int, nccl_port: int, inbox: mp.Que
         status.put((tp_rank, f"{type(error).__name__}: {error}"))
         raise
     status.put((tp_rank, None))
-    while (message := inbox.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            message = inbox.get(timeout=WATCHDOG_PERIOD_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # rank 0's process died (SIGKILL): nobody will send or close
+                return
+            continue
+        if message is None:
+            return
         method, input_ids = message
         getattr(engine, method)(input_ids)
 
@@ -155,15 +165,22 @@ class TensorParallelEngine:
 
     def _watch_followers(self) -> None:
         while not self._closing:
-            for rank, process in enumerate(self._followers, start=1):
-                if not process.is_alive() and not self._closing:
-                    logger.error(
-                        "tensor-parallel rank %d exited with code %s; ending the extractor "
-                        "(rank 0 would wait for it forever)", rank, process.exitcode
-                    )
-                    logging.shutdown()
-                    os._exit(1)
+            self._end_if_a_rank_died(grace_s=0.0)
             time.sleep(WATCHDOG_PERIOD_S)
+
+    def _end_if_a_rank_died(self, grace_s: float) -> None:
+        """End this process (the extractor actor) when a follower is gone: rank 0 cannot go on without
+        it, and the job starts a new extractor. A failed collective waits ``grace_s`` for the
+        follower's death to show."""
+        for rank, process in enumerate(self._followers, start=1):
+            process.join(timeout=grace_s)
+            if not process.is_alive() and not self._closing:
+                logger.error(
+                    "tensor-parallel rank %d exited with code %s; ending the extractor "
+                    "(rank 0 cannot run a forward without it)", rank, process.exitcode
+                )
+                logging.shutdown()
+                os._exit(1)
 
     def _broadcast(self, method: str, input_ids: list[np.ndarray]) -> None:
         for inbox in self._inboxes:
@@ -179,7 +196,13 @@ class TensorParallelEngine:
         with self._forward_lock:
             started = time.perf_counter()
             self._broadcast("capture_forward", input_ids)
-            pending = self._engine.start_capture(input_ids)
+            try:
+                pending = self._engine.start_capture(input_ids)
+            except BaseException:
+                # On CPU a dead rank fails the collective at once (connection reset): that is the
+                # fault the watchdog handles, not an error of this batch.
+                self._end_if_a_rank_died(grace_s=COLLECTIVE_FAILURE_GRACE_S)
+                raise
         with pending as batch:
             self._activity.record(started, time.perf_counter(), int(batch.lengths.sum()))
             yield batch

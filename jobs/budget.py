@@ -11,11 +11,15 @@ holds the shard back.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import logging
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Iterable, Protocol
 
-from storage.writer import shard_file_name, temp_file_name
+from jobs.errors import BudgetExhausted
+from jobs.node_disk import LocalDisk
+
+logger = logging.getLogger(__name__)
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -24,6 +28,7 @@ INITIAL_OVERHEAD_PER_TOKEN = 16
 FILE_OVERHEAD_BYTES = 64 * 1024
 # Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
 BATCH_OVERHEAD_BYTES = 16 * 1024
+WAIT_LOG_PERIOD_S = 30.0
 
 
 def format_bytes(count: float) -> str:
@@ -60,26 +65,41 @@ class FreeSpacePolicy:
     floor: int
 
     def admits(self, budget: "DiskBudget", nbytes: int) -> bool:
-        return budget.free_bytes() - budget.unwritten_reserved() - nbytes >= self.floor
+        return budget.free_after_reservations() - nbytes >= self.floor
 
     def describe(self, budget: "DiskBudget") -> str:
-        return f"{format_bytes(budget.free_bytes())} free on disk, floor {format_bytes(self.floor)}"
+        return f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, floor {format_bytes(self.floor)}"
 
 
 class DiskBudget:
-    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int) -> None:
+    """Bytes of shard files under output.dir: committed files and reservations, and the wait for room."""
+
+    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None) -> None:
         self.output_dir = output_dir
+        self.disk = disk or LocalDisk(output_dir)
+        """Where the files are: looks at free space and files run on their node."""
         self.limit = limit
+        self.min_free_bytes = min_free_bytes
         self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
-        self.committed: dict[int, int] = {}
-        self.reserved: dict[int, int] = {}
+        self._committed: dict[int, int] = {}
+        self._reserved: dict[int, int] = {}
+        self._committed_total = 0
+        self._reserved_total = 0
         self.overhead_per_token = INITIAL_OVERHEAD_PER_TOKEN
         self.peak = 0
         self.overshoot = 0
+        self.blocked_seconds = 0.0
+        """Time spent in ``wait_until_fits`` with the next shard held back."""
+        self.changes = 0
+        """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
+
+    def for_disk(self, disk: LocalDisk) -> "DiskBudget":
+        """The same limits for a node's directory (each node has its own budget)."""
+        return DiskBudget(disk.directory, self.limit, self.min_free_bytes, disk)
 
     @property
     def used(self) -> int:
-        return sum(self.committed.values()) + sum(self.reserved.values())
+        return self._committed_total + self._reserved_total
 
     def predict(self, tokens: int, state_bytes_per_token: int, batches: int) -> int:
         """Bytes of a shard file holding ``tokens`` tokens written in ``batches`` batches."""
@@ -90,13 +110,13 @@ class DiskBudget:
         return next((policy for policy in self.policies if not policy.admits(self, nbytes)), None)
 
     def reserve(self, shard: int, nbytes: int) -> None:
-        self.reserved[shard] = self.reserved.get(shard, 0) + nbytes
+        self._set(self._reserved, shard, self._reserved.get(shard, 0) + nbytes)
         self.peak = max(self.peak, self.used)
 
     def commit(self, shard: int, file_bytes: int, tokens: int, state_bytes_per_token: int) -> None:
         """The shard's file is published: its real size replaces its reservation."""
-        self.reserved.pop(shard, None)
-        self.committed[shard] = file_bytes
+        self._set(self._reserved, shard, None)
+        self._set(self._committed, shard, file_bytes)
         self.overshoot = max(self.overshoot, self.used - self.limit)
         # Whatever the file holds beyond its states, spread per token: future predictions cover it.
         measured = -(-(file_bytes - tokens * state_bytes_per_token) // max(1, tokens))
@@ -104,25 +124,76 @@ class DiskBudget:
         self.peak = max(self.peak, self.used)
 
     def release(self, shard: int) -> None:
-        self.reserved.pop(shard, None)
+        self._set(self._reserved, shard, None)
 
     def forget(self, shard: int) -> None:
         """The shard's local file is gone (uploaded to the sink or consumed)."""
-        self.committed.pop(shard, None)
+        self._set(self._committed, shard, None)
 
-    def free_bytes(self) -> int:
-        return shutil.disk_usage(self.output_dir).free
+    def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:
+        """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;
+        returns the shards whose file is gone (a consumer deleted it): their bytes are free."""
+        gone = []
+        local_files = list(local_files)
+        existing = self.disk.existing(name for _, name, _ in local_files)
+        for shard, name, nbytes in local_files:
+            if name in existing:
+                self._set(self._committed, shard, nbytes)
+            else:
+                gone.append(shard)
+                self.forget(shard)
+        self.changes += 1  # free space on disk may have moved too
+        return gone
 
-    def unwritten_reserved(self) -> int:
-        """Reserved bytes not yet on disk: each open shard's temp file already holds part of its reservation.
+    def wait_until_fits(
+        self, nbytes: int, settle: Callable[[float], bool], rescan: Callable[[], None], wait_s: float,
+        rescan_s: float, exhausted: Callable[[str], str],
+    ) -> float:
+        """Hold the next shard (``nbytes``) until it fits; returns the seconds waited.
 
-        One stat per open shard, not a listing of output.dir (10,000 files at the end of a large
-        run, listed for every shard opened).
+        While waiting, ``settle(timeout)`` handles one completion of the work in flight (False if
+        nothing is in flight) and ``rescan()`` looks for files a consumer deleted. With nothing in
+        flight for ``wait_s`` seconds, raises BudgetExhausted with ``exhausted(state)`` as message.
         """
-        return sum(max(0, nbytes - self._temp_bytes(shard)) for shard, nbytes in self.reserved.items())
-
-    def _temp_bytes(self, shard: int) -> int:
+        policy = self.blocking_policy(nbytes)
+        if policy is None:
+            return 0.0
+        started = last_log = time.monotonic()
+        idle_since: float | None = None
+        logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self), format_bytes(nbytes))
         try:
-            return (self.output_dir / temp_file_name(shard_file_name(shard))).stat().st_size
-        except FileNotFoundError:  # not created yet, or renamed into place a moment ago by its writer
-            return 0
+            while policy is not None:
+                now = time.monotonic()
+                if settle(rescan_s):
+                    idle_since = None
+                else:
+                    idle_since = idle_since or now
+                    if now - idle_since >= wait_s:
+                        raise BudgetExhausted(exhausted(policy.describe(self)))
+                    time.sleep(min(rescan_s, wait_s - (now - idle_since)))
+                rescan()
+                if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
+                    last_log = time.monotonic()
+                    logger.warning("waiting for disk budget: %s", policy.describe(self))
+                policy = self.blocking_policy(nbytes)
+        finally:
+            waited = time.monotonic() - started
+            self.blocked_seconds += waited
+        logger.info("disk budget free again after %.1f s: %s", waited, self.policies[0].describe(self))
+        return waited
+
+    def free_after_reservations(self) -> int:
+        """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""
+        free, unwritten = self.disk.free_and_unwritten(self._reserved)
+        return free - unwritten
+
+    def _set(self, table: dict[int, int], shard: int, nbytes: int | None) -> None:
+        """The one place the tables change: their totals follow in O(1)."""
+        delta = (nbytes or 0) - table.pop(shard, 0)
+        if nbytes is not None:
+            table[shard] = nbytes
+        if table is self._committed:
+            self._committed_total += delta
+        else:
+            self._reserved_total += delta
+        self.changes += 1

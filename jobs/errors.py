@@ -5,7 +5,7 @@
 | 0 | every selected shard is done (or already was: nothing to do) | nothing |
 | 1 | some shards failed (their errors are in the manifest) | rerun with ``shards=failed`` |
 | 2 | bad config or input, refused before any work | fix what the message names |
-| 3 | the disk budget is full and nothing can free it | free space or raise the budget, rerun |
+| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC) | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
@@ -40,6 +40,13 @@ class BudgetExhausted(JobStopped):
 
     exit_code = EXIT_BUDGET_EXHAUSTED
     outcome = "budget_exhausted"
+
+
+class DiskFull(BudgetExhausted):
+    """A write met ENOSPC: the disk under output.dir is full (something else filled it, or the budget is
+    larger than the disk)."""
+
+    outcome = "disk_full"
 
 
 class JobFault(JobStopped):

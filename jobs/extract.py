@@ -25,16 +25,17 @@ from jobs.config import ConfigError, JobConfig, load_config, resolve_paths
 from jobs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobFault, JobInterrupted, JobStopped
 from jobs.lock import OutputLock
+from jobs.nodes import plan_groups
 from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
 from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
 from jobs.progress import RunProgress
 from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
 from jobs.summary import (
-    COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
+    BAD_INPUT, COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
     write_drafter_config, write_invalid_rows,
 )
-from storage.manifest import FAILED, MANIFEST_FILE, Manifest, read_manifest
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, read_manifest
 
 logger = logging.getLogger("jobs.extract")
 
@@ -113,7 +114,7 @@ def _run_locked(inputs: RunInputs) -> dict:
     manifest = _resumable_manifest(inputs, ranges)
     if manifest is not None:
         selected = {record.index for record in select_shards(manifest, config.shards)}
-        if not selected:
+        if not selected and not _uploads_left(manifest, config.output.sink):
             return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     else:
@@ -125,9 +126,14 @@ def _run_locked(inputs: RunInputs) -> dict:
         spec = build_engine_spec(
             config.model, config.extract, inputs.layer_ids, device, int(lengths.max()), config.output.state_dtype
         )
+        groups = plan_groups(
+            config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+            config.output.node_dir,
+        )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
-        clean_output_dir(output_dir, manifest, to_run)
+        for group in groups:
+            clean_output_dir(group.disk(), manifest, to_run, group.name, group.directory == output_dir)
         logger.info(
             "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
             len(inputs.dataset), int(lengths.sum()), len(plan), len(to_run), output_dir,
@@ -141,11 +147,14 @@ def _run_locked(inputs: RunInputs) -> dict:
         )
         try:
             result = ExtractionRun(
-                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget,
+                spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir, manifest, budget, groups,
                 progress,
             ).run()
         except JobStopped as error:
             _record_end(summary, manifest, error.outcome, error.exit_code, str(error))
+            raise
+        except ValueError as error:  # a setting the cluster cannot meet (e.g. more writers than CPUs)
+            _record_end(summary, manifest, BAD_INPUT, EXIT_BAD_INPUT, str(error))
             raise
         except BaseException as error:
             _record_end(summary, manifest, JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}")
@@ -156,6 +165,11 @@ def _run_locked(inputs: RunInputs) -> dict:
     failed = manifest.in_state(FAILED)
     outcome, code = (SHARDS_FAILED, EXIT_SHARDS_FAILED) if failed else (COMPLETE, EXIT_OK)
     return summary.finish(manifest, outcome, code, "", result)
+
+
+def _uploads_left(manifest: Manifest, sink: str) -> bool:
+    """Done shards still local while a sink is set: a run is needed to upload them."""
+    return bool(sink) and any(record.location == LOCAL for record in manifest.in_state(DONE))
 
 
 def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The extractor as a Ray actor: one per job, holding all ``tp_size`` GPUs of its node."""
+"""The extractor as a Ray actor: one per data-parallel group, holding ``tp_size`` GPUs of its node."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class ExtractorActor(Extractor):
     def extract(self, input_ids: list[np.ndarray]) -> ray.ObjectRef:
         """One batch's states, put in the object store straight from the host buffer (one copy)."""
         return self.capture(input_ids, ray.put)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def warm_object_store(self, batches: int) -> float:
         """Put and drop ``batches`` objects of the largest batch's size; returns the seconds it took.

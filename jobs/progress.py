@@ -28,7 +28,7 @@ import datetime
 import logging
 import sys
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from jobs.budget import DiskBudget, format_bytes
 from storage.manifest import DONE, FAILED, Manifest
@@ -178,7 +178,8 @@ class RunProgress:
         run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
     ) -> None:
         self.manifest = manifest
-        self.budget = budget
+        self.budgets = [budget]
+        """Budgets whose bytes the run reports: output.dir's, then every node directory's (``begin``)."""
         self.shard_tokens = shard_tokens
         self.to_run = list(to_run)
         self.interval_s = interval_s
@@ -198,8 +199,13 @@ class RunProgress:
         self.last_report: Optional[float] = None
         self.bars: list[Any] = []
 
-    def begin(self) -> None:
-        """The first batch is about to go out: the rate's clock starts; bars on a terminal."""
+    def begin(self, budgets: Sequence[DiskBudget] = ()) -> None:
+        """The first batch is about to go out: the rate's clock starts; bars on a terminal.
+
+        ``budgets``: one per node directory of the run, once the data-parallel groups stand.
+        """
+        if budgets:
+            self.budgets = list(budgets)
         self.started = time.monotonic()
         if self.interactive:
             from ray.experimental.tqdm_ray import tqdm
@@ -223,6 +229,10 @@ class RunProgress:
         self.settled.add(shard)
         if self.bars:
             self.bars[0].update(1)
+
+    def shard_discarded(self, shard: int) -> None:
+        """A fault cut the shard's attempt short: what it wrote is gone, the shard runs again."""
+        self.open_tokens.pop(shard, None)
 
     def disk_wait_started(self) -> None:
         self.waiting = True
@@ -278,8 +288,8 @@ class RunProgress:
             tokens_to_go=remaining,
             tokens_per_second=round(rate, 1),
             eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
-            disk_used=self.budget.used,
-            disk_budget=self.budget.limit,
+            disk_used=sum(budget.used for budget in self.budgets),
+            disk_budget=sum(budget.limit for budget in self.budgets),
             waiting_for_disk=int(self.waiting),
         )
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage import shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, SINK, Manifest, ShardRecord
-from storage.writer import SHARD_GLOB, TEMP_GLOB
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
+from storage.writer import SHARD_GLOB
+
+if TYPE_CHECKING:
+    from jobs.node_disk import LocalDisk
 
 logger = logging.getLogger(__name__)
 
@@ -42,22 +45,25 @@ def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     return [manifest.shards[i] for i in sorted(set(selection))]
 
 
-def clean_output_dir(output_dir: Path, manifest: Manifest, to_run: list[ShardRecord]) -> None:
-    """Remove what an interrupted run left: temp files, and shard files the manifest does not vouch for.
+def clean_output_dir(
+    disk: LocalDisk, manifest: Manifest, to_run: list[ShardRecord], node: str = "", holds_unnamed: bool = True,
+) -> None:
+    """Remove what an interrupted run left in one node's directory: temp files, and shard files the
+    manifest does not vouch for there (done, local, on ``node``; records of single-node runs name no
+    node and vouch for files in output.dir: ``holds_unnamed``). The looks run on the node.
 
     A file renamed into place right before a crash is complete but unrecorded; it is
     deleted and its shard extracted again, so that no row is ever in two files.
     """
-    for temp in output_dir.glob(TEMP_GLOB):
-        if temp.is_file():
-            temp.unlink()
     rerun = {record.index for record in to_run}
+    keep = {
+        shard_file_name(index) for index, record in manifest.shards.items()
+        if record.state == DONE and record.location == LOCAL and index not in rerun
+        and (record.node == node or (not record.node and holds_unnamed))
+    }
+    for name in disk.clean(keep):
+        logger.info("removing %s from %s (not recorded as done there)", name, disk.directory)
     for index, record in manifest.shards.items():
-        path = output_dir / shard_file_name(index)
-        keep = record.state == DONE and record.location == LOCAL and index not in rerun
-        if path.exists() and not keep:
-            logger.info("removing %s (%s)", path, "uploaded" if record.location == SINK else "not recorded as done")
-            path.unlink()
         if index in rerun:
             manifest.shards[index] = ShardRecord(index, record.start, record.stop, attempts=record.attempts)
     manifest.save()

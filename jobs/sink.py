@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.sink import upload_verified
+from storage.sink import SinkVerificationError, upload_verified
+
+
+class SinkUploadError(RuntimeError):
+    """An upload failed; carries the original error's text (a client's exception may not pickle)."""
 
 
 class UploaderActor:
@@ -14,4 +18,9 @@ class UploaderActor:
 
     def upload(self, local_path: str, nbytes: int, sha256: str) -> str:
         """Upload and verify (size + sha256); returns the sink URL. The driver deletes the local copy."""
-        return upload_verified(local_path, self._sink, nbytes, sha256, self._options)
+        try:
+            return upload_verified(local_path, self._sink, nbytes, sha256, self._options)
+        except SinkVerificationError:
+            raise
+        except Exception as error:
+            raise SinkUploadError(f"{type(error).__name__}: {error}") from None

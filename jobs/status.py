@@ -11,6 +11,7 @@ not know about, and the last error of every failed shard.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -70,6 +71,7 @@ def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
                      "(extract.on_nonfinite; the manifest lists them)")
     lines.append("")
     lines += _disk_lines(output_dir, shards, summary, disk_budget)
+    lines += _node_lines(shards, summary)
     lines += _file_lines(output_dir, shards, summary)
     for shard in shards:
         if shard["state"] == FAILED or shard["error"]:
@@ -130,6 +132,24 @@ def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], d
     lines.append(f"in the sink:   {format_bytes(in_sink)}")
     if consumed:
         lines.append(f"consumed:      {consumed} shards deleted from output.dir by someone else")
+    return lines
+
+
+def _node_lines(shards: list[dict], summary: Optional[dict]) -> list[str]:
+    """With extractor groups on several nodes: each node's shards, the bytes left on its disk and its
+    free space (when its directory is visible from here)."""
+    nodes = (summary or {}).get("nodes") or {}
+    if len(nodes) < 2:
+        return []
+    lines = []
+    for name, node in sorted(nodes.items()):
+        directory = Path(node["directory"])
+        done = [s for s in shards if s["state"] == DONE and s.get("node") == name]
+        local = sum(s["bytes"] for s in done if s["location"] == LOCAL)
+        free = format_bytes(shutil.disk_usage(directory).free) if directory.is_dir() else "? (not on this host)"
+        lines.append(
+            f"node {name}: {len(done)} shards done, {format_bytes(local)} on its disk, {free} free in {directory}"
+        )
     return lines
 
 

@@ -36,6 +36,7 @@ RUNNING = "running"
 COMPLETE = "complete"
 NOTHING_TO_DO = "nothing_to_do"
 SHARDS_FAILED = "shards_failed"
+BAD_INPUT = "bad_input"
 
 
 def _now() -> str:
@@ -199,6 +200,8 @@ def _result_fields(result: Any) -> dict[str, Any]:
         "writers": result.writers,
         "peak_open_shards": result.peak_open_shards,
         "max_inflight_batches": result.max_inflight_batches,
+        "extractor_restarts": result.extractor_restarts,
+        "nodes": result.nodes,
         "engine": dataclasses.asdict(result.engine),
         "extractor": dataclasses.asdict(result.extractor),
         "writer_seconds": {

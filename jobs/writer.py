@@ -10,6 +10,7 @@ failure instead of publishing a file with rows missing.
 from __future__ import annotations
 
 import dataclasses
+import errno
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import ray
 
 from extractor.types import CapturedBatch
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
-from storage.writer import StageClock
+from storage.writer import StageClock, temp_file_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +35,17 @@ class ShardFailed(RuntimeError):
     pass
 
 
+class ShardDiskFull(ShardFailed):
+    """The shard's write met ENOSPC: no other shard can be written there either, so the driver stops."""
+
+
 class ExtractorLost(RuntimeError):
-    """The extractor actor died: no later batch can succeed, so the driver stops."""
+    """The extractor actor died with the shard's batches: the driver starts it again and the shard over."""
+
+
+# What the extractor's death looks like from here: its task failed with it, or the batch it had
+# already put in the object store went with its owner.
+_EXTRACTOR_GONE = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError)
 
 
 class WriterActor:
@@ -45,15 +55,18 @@ class WriterActor:
         self._on_nonfinite = on_nonfinite
         """extract.on_nonfinite: what a shard writer does with a sample whose states hold NaN/Inf."""
         self._open: dict[int, ShardWriter] = {}
-        self._failed: dict[int, str] = {}
+        self._failed: dict[int, ShardFailed | ExtractorLost] = {}
+        """Why a shard failed, raised again by its later calls."""
         self._clock = StageClock(("wait", "fetch"))
 
-    def ready(self) -> bool:
-        """Answers once the actor's process is up: the driver starts the first batch after that."""
-        return True
+    def ready(self) -> str:
+        """Answers once the actor's process is up (the driver starts the first batch after that), with
+        the id of the node it runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     def append(self, rows: BatchRows, captured: list[ray.ObjectRef]) -> int:
-        """Write one batch; returns its token count (0 once the shard has failed)."""
+        """Write one batch; returns its token count (0 once the shard has failed). Raises ExtractorLost
+        if this batch's extraction died with the extractor (``finish`` then raises it too)."""
         if rows.shard in self._failed:
             return 0
         try:
@@ -72,20 +85,26 @@ class WriterActor:
             )
         except Exception as error:  # the shard is lost, the job goes on
             self._fail(rows.shard, error, rows.sample_ids)
-            if isinstance(error, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
-                raise ExtractorLost(f"the extractor actor died: {error}") from None
+            if isinstance(self._failed[rows.shard], ExtractorLost):
+                raise self._failed[rows.shard] from None
             return 0
         return int(batch.lengths.sum())
 
     def finish(self, shard: int) -> ShardFileInfo:
-        """Publish the shard's file, or raise ShardFailed with the first error it met."""
+        """Publish the shard's file, or raise what failed it: ShardFailed (ShardDiskFull on ENOSPC)
+        with the first error it met, or ExtractorLost."""
         if shard in self._failed:
-            raise ShardFailed(self._failed.pop(shard))
+            raise self._failed.pop(shard)
         writer = self._open.pop(shard, None)
         if writer is None:
             raise ShardFailed(f"shard {shard}: finish() before any batch was written")
         try:
             return writer.finalize()
+        except OSError as error:
+            writer.abort()
+            if _disk_full(error):
+                raise ShardDiskFull(f"shard {shard}: {type(error).__name__}: {error}") from None
+            raise
         except BaseException:
             writer.abort()
             raise
@@ -98,15 +117,28 @@ class WriterActor:
         return {"wall": dict(self._clock.wall), "cpu": dict(self._clock.cpu)}
 
     def discard(self, shard: int) -> None:
-        """Drop a shard the driver stopped feeding (the job is ending); its temp file goes."""
+        """Drop a shard the driver stopped feeding (the job is ending, or a fault cut it short); its temp
+        file goes, also one a writer that died left behind."""
         self._failed.pop(shard, None)
         writer = self._open.pop(shard, None)
         if writer is not None:
             writer.abort()
+        (self._dir / temp_file_name(shard_file_name(shard))).unlink(missing_ok=True)
 
     def _fail(self, shard: int, error: Exception, sample_ids: list[int]) -> None:
         where = f"samples {sample_ids[0]}..{sample_ids[-1]}" if sample_ids else "an empty batch"
-        self._failed[shard] = f"shard {shard} ({where}): {type(error).__name__}: {error}"
+        message = f"shard {shard} ({where}): {type(error).__name__}: {error}"
+        if isinstance(error, _EXTRACTOR_GONE):
+            self._failed[shard] = ExtractorLost(message)
+        elif _disk_full(error):
+            self._failed[shard] = ShardDiskFull(message)
+        else:
+            self._failed[shard] = ShardFailed(message)
         writer = self._open.pop(shard, None)
         if writer is not None:
             writer.abort()
+
+
+def _disk_full(error: BaseException) -> bool:
+    # pyarrow reports ENOSPC as an OSError whose errno is not always set; its message names it.
+    return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))

@@ -33,8 +33,11 @@ def parse_bytes(value: str | int, key: str) -> int:
 class OutputConfig:
     dir: str = ""
     """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    node_dir: str = ""
+    """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
+    for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
     disk_budget: str = "1.3TB"
-    """Most bytes of shard files kept under output.dir at once (committed + being written); 500GB, 1.3TB or bytes."""
+    """Most bytes of shard files kept under output.dir at once (committed + being written), per node; 500GB, 1.3TB or bytes."""
     min_free_bytes: str = "10GB"
     """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it."""
     budget_wait_s: float = 600.0

@@ -57,6 +57,8 @@ class ShardRecord:
     sink_url: str = ""
     nonfinite: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Samples whose states held NaN/Inf: {sample_id, action (skipped | kept), reason} (``storage.nonfinite``)."""
+    node: str = ""
+    """Name of the node whose local directory holds a done shard's file (data parallel across nodes)."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}

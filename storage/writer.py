@@ -370,11 +370,15 @@ class ShardWriter:
         """Drop everything written so far; the final name is never touched."""
         writer, self._writer = self._writer, None
         try:
-            if writer is not None:
-                writer.close()
+            # The file is being thrown away: a close that fails (the disk is full, the very reason
+            # for the abort) must not keep the temp file on disk nor hide the first error.
+            with contextlib.suppress(OSError):
+                if writer is not None:
+                    writer.close()
         finally:
             if self._file is not None and not self._file.closed:
-                self._file.close()
+                with contextlib.suppress(OSError):
+                    self._file.close()
             if self._hasher is not None:
                 self._hasher.stop()
                 self.clock.add(self._hasher.clock)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import ray
@@ -136,3 +138,21 @@ def assert_reads_as_parquet_dataset(out: Path, rows: int) -> None:
             "datasets data_dir": datasets.load_dataset("parquet", data_dir=str(out), split="train", cache_dir=cache).num_rows,
         }
     assert counts == dict.fromkeys(counts, rows), counts
+
+
+def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Path) -> None:
+    """The shard files under ``output_dir`` (one directory or several: one per node) hold every sample
+    of the dataset exactly once, and no temp file of a shard remains."""
+    from jobs.dataset import open_tokenized_dataset
+    from storage.writer import TEMP_GLOB
+
+    directories = [Path(output_dir)] if isinstance(output_dir, (str, Path)) else [Path(d) for d in output_dir]
+    seen: list[int] = []
+    for directory in directories:
+        assert not list(directory.glob(TEMP_GLOB)), f"temp files left in {directory}"
+        for path in sorted(directory.glob("shard-*.parquet")):
+            seen.extend(sample.sample_id for sample in ShardReader(path))
+    expected = open_tokenized_dataset(str(dataset_path), vocab_size=2**31 - 1, max_length=2**31 - 1).sample_ids
+    duplicates = sorted(sample for sample, count in collections.Counter(seen).items() if count > 1)
+    assert not duplicates, f"samples written more than once: {duplicates[:10]}"
+    assert sorted(seen) == sorted(expected.tolist()), f"{len(seen)} samples written, {len(expected)} in the dataset"

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from jobs.budget import DiskBudget, format_bytes
+from jobs.budget import format_bytes
+from jobs.node_disk import LocalDisk
 from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
 from jobs.errors import BudgetExhausted
@@ -319,11 +320,10 @@ def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, t
 def test_free_space_counts_what_each_open_shard_has_written(tmp_path):
     """A reservation shrinks by its own temp file's bytes; a temp file renamed into place between two
     checks (its writer committed it) leaves the whole reservation, and the check does not fail."""
-    budget = DiskBudget(tmp_path, limit=10**6, min_free_bytes=0)
-    budget.reserve(3, 1000)
-    budget.reserve(4, 500)
+    disk = LocalDisk(tmp_path)
+    reserved = {3: 1000, 4: 500}
     (tmp_path / temp_file_name(shard_file_name(3))).write_bytes(b"x" * 400)
     (tmp_path / temp_file_name(shard_file_name(9))).write_bytes(b"x" * 300)  # no reservation: not counted
-    assert budget.unwritten_reserved() == 600 + 500
+    assert disk.free_and_unwritten(reserved)[1] == 600 + 500
     (tmp_path / temp_file_name(shard_file_name(3))).rename(tmp_path / shard_file_name(3))
-    assert budget.unwritten_reserved() == 1000 + 500
+    assert disk.free_and_unwritten(reserved)[1] == 1000 + 500

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
 from jobs.progress import METRICS, RUN_LABEL
 from jobs.status import status_report
 from jobs.summary import read_summary
-from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
+from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
 from tests.test_budget_resume import free_port

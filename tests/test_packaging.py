@@ -99,6 +99,10 @@ def test_cluster_yaml_is_valid_and_safe():
 
     start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in text
+    # data-parallel workers: the head's instance, named for output.node_dir's {node}
+    types = config["available_node_types"]
+    assert types["gpu_worker"]["node_config"]["InstanceType"] == types["gpu_head"]["node_config"]["InstanceType"]
+    assert "eagle3-node" in " ".join(config["worker_start_ray_commands"])
     setup = " ".join(config["setup_commands"])
     assert "lsblk" in setup and "/dev/nvme[" not in setup  # devices found, not assumed
     assert "stops the node" in text.lower() and "output.sink" in text  # the NVMe-loss warning

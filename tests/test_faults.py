@@ -1,0 +1,372 @@
+"""Faults survived in the same run, through the real job: real Ray, real processes killed with SIGKILL.
+
+Each test ends with every sample of the dataset in the output exactly once and no temp file left.
+The processes are this test session's own Ray workers (descendants of this process), found by
+the title Ray gives them (``ray::ExtractorActor``, ``ray::WriterActor``).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import http.server
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psutil
+import pytest
+
+from jobs.demo import build_synthetic_dataset
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK
+from jobs.extract import main
+from jobs.summary import read_summary
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
+from storage.writer import TEMP_GLOB
+from tests.helpers import assert_every_sample_once
+
+SHARD_SIZE = 4
+NUM_SAMPLES = 24
+SHARDS = NUM_SAMPLES // SHARD_SIZE
+KILL_DEADLINE_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return build_synthetic_dataset(
+        tmp_path_factory.mktemp("faults") / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=3
+    )
+
+
+def job_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """A few batches per shard, so that a fault lands in the middle of one."""
+    return [
+        f"model.path={model}", f"data.path={data}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
+        "extract.max_tokens_per_batch=100", "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
+        "output.budget_wait_s=30", "output.rescan_s=0.2", "output.max_inflight_batches=2", *extra,
+    ]
+
+
+def ray_processes(title: str) -> list[psutil.Process]:
+    """This session's Ray worker processes whose title starts with ``title``."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith(title):
+                found.append(process)
+        except psutil.Error:
+            pass  # exited while we looked
+    return found
+
+
+def done_shards(out: Path) -> int:
+    try:
+        return sum(record["state"] == DONE for record in read_manifest(out)["shards"])
+    except (ValueError, KeyError, OSError):  # no manifest yet
+        return 0
+
+
+class When(threading.Thread):
+    """Polls ``find`` while the job runs in the main thread; the first time it returns something,
+    ``act`` is done to it (once) and it is kept in ``done``."""
+
+    def __init__(self, find: Callable[[], Any], act: Callable[[Any], None]) -> None:
+        super().__init__(daemon=True)
+        self.find = find
+        self.act = act
+        self.done: Any = None
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + KILL_DEADLINE_S
+        while not self._quit.is_set() and time.monotonic() < deadline:
+            try:
+                found = self.find()
+                if found is not None:
+                    self.act(found)
+                    self.done = found
+                    return
+            except psutil.Error:
+                pass  # the process exited while we looked
+            time.sleep(0.01)
+
+    def __enter__(self) -> "When":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._quit.set()
+        self.join()
+
+
+def sigkill(process: psutil.Process) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+
+
+def extractor_after_first_shard(out: Path) -> Callable[[], Optional[psutil.Process]]:
+    def find() -> Optional[psutil.Process]:
+        extractors = ray_processes("ray::ExtractorActor")
+        return extractors[0] if extractors and done_shards(out) >= 1 else None
+    return find
+
+
+def writer_writing(out: Path) -> Callable[[], Optional[psutil.Process]]:
+    """A writer with a shard's temp file open: it is in the middle of writing it."""
+    def find() -> Optional[psutil.Process]:
+        for writer in ray_processes("ray::WriterActor"):
+            if any(Path(f.path).parent == out and Path(f.path).match(TEMP_GLOB) for f in writer.open_files()):
+                return writer
+        return None
+    return find
+
+
+def attempts(out: Path) -> dict[int, int]:
+    return {record["index"]: record["attempts"] for record in read_manifest(out)["shards"]}
+
+
+def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    with When(extractor_after_first_shard(out), sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out))
+    assert killer.done is not None, "the job ended before the extractor could be killed"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert summary["extractor_restarts"] == 1 and summary["shards_done"] == SHARDS
+    # the shards the fault cut short were written again, in the same run
+    assert max(attempts(out).values()) == 2
+    assert_every_sample_once(out, dataset)
+
+
+def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+
+    def follower() -> Optional[psutil.Process]:
+        extractor = extractor_after_first_shard(out)()
+        if extractor is None:
+            return None
+        ranks = [p for p in extractor.children() if "spawn_main" in " ".join(p.cmdline())]
+        return ranks[0] if ranks else None
+
+    with When(follower, sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out, "model.tp_size=2"))
+    assert killer.done is not None, "the job ended before the TP rank could be killed"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert summary["extractor_restarts"] == 1 and summary["engine"]["tp_size"] == 2
+    assert_every_sample_once(out, dataset)
+
+
+def test_writer_sigkill_mid_write_rewrites_its_shard(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    with When(writer_writing(out), sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out))
+    assert killer.done is not None, "no writer was caught mid-write"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert summary["shards_done"] == SHARDS and summary["extractor_restarts"] == 0
+    assert max(attempts(out).values()) == 2  # the shard it was writing, by a new writer
+    assert_every_sample_once(out, dataset)
+
+
+def test_faults_beyond_the_bounds_stop_with_the_fault_code_and_a_rerun_resumes(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    with When(extractor_after_first_shard(out), sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out, "extract.max_restarts=0"))
+    assert killer.done is not None
+    summary = read_summary(out)
+    assert (code, summary["outcome"]) == (EXIT_FAULT, "fault"), summary["message"]
+    assert "extract.max_restarts=0" in summary["message"]
+    assert summary["message"].endswith("rerun the same command to resume")
+    assert not list(out.glob(TEMP_GLOB))
+
+    with When(writer_writing(out), sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out, "extract.max_attempts=1"))
+    assert killer.done is not None
+    summary = read_summary(out)
+    assert (code, summary["outcome"]) == (EXIT_FAULT, "fault"), summary["message"]
+    assert "extract.max_attempts=1" in summary["message"] and "its writer died" in summary["message"]
+    assert summary["message"].endswith("rerun the same command to resume")
+    assert not list(out.glob(TEMP_GLOB))
+
+    done_before = {r["index"]: r["attempts"] for r in read_manifest(out)["shards"] if r["state"] == DONE}
+    assert main(job_args(llama_fp32, dataset, out)) == EXIT_OK
+    assert {i: attempts(out)[i] for i in done_before} == done_before, "done shards must not run again"
+    assert_every_sample_once(out, dataset)
+
+
+def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+    """Instead of waiting forever for CPU slots Ray does not have; refused before the manifest or any actor."""
+    out = tmp_path / "out"
+    assert main(job_args(llama_fp32, dataset, out, "output.num_writers=64")) == EXIT_BAD_INPUT
+    assert "output.num_writers=64, but node 127.0.0.1 has 2 CPUs" in caplog.text
+    assert not (out / MANIFEST_FILE).exists() and not list(out.glob("shard-*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_cluster, llama_fp32, dataset, small_disk):
+    out = small_disk / "out"
+    filler = small_disk / "filler"
+    slack = 64 * 1024  # for the manifest and summary: the shard's next batch needs more
+
+    def fill(_: object) -> None:
+        """Write until the disk is full, then give ``slack`` back."""
+        with open(filler, "wb", buffering=0) as file:
+            try:
+                while True:
+                    file.write(b"\0" * slack)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC, error
+            file.truncate(max(0, file.tell() - 2 * slack))
+
+    with When(lambda: next(out.glob(TEMP_GLOB), None), fill) as killer:
+        # one writer: the space the failed shard frees is what the job's own files then use
+        code = main(job_args(llama_fp32, dataset, out, "output.num_writers=1", "extract.max_tokens_per_batch=60"))
+    assert killer.done is not None, "the disk was not filled while a shard was written"
+    summary = read_summary(out)
+    assert (code, summary["outcome"]) == (EXIT_BUDGET_EXHAUSTED, "disk_full"), summary["message"]
+    assert "is full" in summary["message"] and summary["message"].endswith("resumes where this run stopped")
+    failed = [r for r in read_manifest(out)["shards"] if r["state"] == FAILED]
+    assert len(failed) == 1 and "No space left on device" in failed[0]["error"]
+    assert not list(out.glob(TEMP_GLOB))
+
+    filler.unlink()
+    assert main(job_args(llama_fp32, dataset, out, "output.num_writers=1")) == EXIT_OK
+    assert_every_sample_once(out, dataset)
+
+
+class SinkServer(http.server.ThreadingHTTPServer):
+    """An object store on loopback that fsspec's http filesystem uploads to (POST) and verifies from
+    (HEAD, ranged GET). ``mode``: ok, down (every request answers 503) or corrupt (GET returns the
+    object with one byte flipped); past ``uploads_accepted`` uploads, it refuses more (503)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), SinkHandler)
+        self.objects: dict[str, bytes] = {}
+        self.posts: collections.Counter = collections.Counter()
+        self.mode = "ok"
+        self.uploads_accepted: Optional[int] = None
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/sink"
+
+    def __enter__(self) -> "SinkServer":
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class SinkHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: SinkServer
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        data = self._body()
+        self.server.posts[self.path] += 1
+        accepted = self.server.uploads_accepted
+        if self.server.mode == "down" or (accepted is not None and len(self.server.objects) >= accepted):
+            return self._reply(503)
+        self.server.objects[self.path] = data
+        self._reply(200)
+
+    def do_HEAD(self) -> None:
+        data = self.server.objects.get(self.path)
+        if self.server.mode == "down" or data is None:
+            return self._reply(503 if self.server.mode == "down" else 404)
+        self._reply(200, length=len(data))
+
+    def do_GET(self) -> None:
+        data = self.server.objects.get(self.path)
+        if self.server.mode == "down" or data is None:
+            return self._reply(503 if self.server.mode == "down" else 404)
+        if self.server.mode == "corrupt":
+            middle = len(data) // 2
+            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        wanted = self.headers.get("Range", "")
+        if wanted.startswith("bytes="):
+            first, last = wanted[len("bytes="):].split("-")
+            start, stop = int(first), min(len(data), int(last) + 1 if last else len(data))
+            return self._reply(206, data[start:stop], {"Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
+        self._reply(200, data)
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        chunks = []
+        while size := int(self.rfile.readline().split(b";")[0].strip(), 16):
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()
+        self.rfile.readline()
+        return b"".join(chunks)
+
+    def _reply(self, status: int, data: bytes = b"", headers: Optional[dict] = None, length: Optional[int] = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data) if length is None else length))
+        self.send_header("Accept-Ranges", "bytes")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+
+def local_files_are_whole(out: Path) -> list[dict]:
+    """The manifest's local shards, each checked against its file (size and sha256)."""
+    local = [r for r in read_manifest(out)["shards"] if r["state"] == DONE and r["location"] == LOCAL]
+    for record in local:
+        data = (out / record["file"]).read_bytes()
+        assert len(data) == record["bytes"] and hashlib.sha256(data).hexdigest() == record["sha256"]
+    return local
+
+
+def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, llama_fp32, dataset, tmp_path):
+    out = tmp_path / "out"
+    with SinkServer() as sink:
+        args = job_args(llama_fp32, dataset, out, f"output.sink={sink.url}", "extract.max_attempts=2")
+        # down mid-run: after the first upload every upload fails
+        sink.uploads_accepted = 1
+        assert main(args) == EXIT_OK
+        local = local_files_are_whole(out)
+        assert len(local) == SHARDS - 1
+        assert all("upload to" in r["error"] and "failed, the file stays local" in r["error"] for r in local)
+        assert all(sink.posts[f"/sink/{r['file']}"] == 2 for r in local)  # tried again in the same run
+
+        # up again, but every object reads back corrupted: nothing local goes before it verifies
+        sink.mode, sink.uploads_accepted = "corrupt", None
+        assert main(args) == EXIT_OK
+        local = local_files_are_whole(out)
+        assert len(local) == SHARDS - 1 and all("sha256" in r["error"] for r in local)
+
+        # a healthy sink: the rerun uploads and verifies the rest, then deletes them locally
+        sink.mode = "ok"
+        assert main(args) == EXIT_OK
+        records = read_manifest(out)["shards"]
+        assert all(r["location"] == SINK and r["error"] == "" for r in records)
+        assert not list(out.glob("shard-*.parquet"))
+        downloaded = tmp_path / "downloaded"
+        downloaded.mkdir()
+        for record in records:
+            (downloaded / record["file"]).write_bytes(sink.objects[f"/sink/{record['file']}"])
+    assert_every_sample_once(downloaded, dataset)

@@ -1,0 +1,118 @@
+"""Data parallel across nodes: a real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``).
+
+Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its own output directory
+(``output.node_dir=.../{node}``); the job runs as its own process joined to the cluster, as under
+``ray job submit``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobs.demo import build_synthetic_dataset
+from jobs.summary import read_summary
+from storage.manifest import DONE, SINK, read_manifest
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_every_sample_once
+from tests.test_budget_resume import DiskSampler
+
+NUM_SAMPLES = 24
+SHARD_SIZE = 4
+BUDGET = 800_000  # about two shards of this dataset: each node must wait on its own uploads
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    temp = tmp_path_factory.mktemp("ray-cluster")
+    common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(common, resources={"node_a": 1}, labels={"eagle3-node": "a"}, include_dashboard=False),
+    )
+    worker = cluster.add_node(**common, resources={"node_b": 1}, labels={"eagle3-node": "b"})
+    cluster.wait_for_nodes()
+    yield cluster, {"a": cluster.head_node.node_id, "b": worker.node_id}
+    cluster.shutdown()
+
+
+def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nodes, llama_fp32, tmp_path):
+    cluster, node_ids = two_nodes
+    data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=5)
+    out, sink = tmp_path / "out", tmp_path / "sink"
+    node_dirs = {name: tmp_path / "nodes" / name for name in node_ids}
+    args = [
+        f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={tmp_path}/nodes/{{node}}",
+        f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
+        "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0", f"output.disk_budget={BUDGET}",
+        "output.rescan_s=0.2", f"output.sink=file://{sink}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("RAY_ADDRESS", None)
+    samplers = {name: DiskSampler(directory) for name, directory in node_dirs.items()}
+    for sampler in samplers.values():
+        sampler.__enter__()
+    try:
+        job = subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        for sampler in samplers.values():
+            sampler.__exit__(None, None, None)
+    assert job.returncode == 0, job.stderr[-3000:]
+
+    summary = read_summary(out)
+    # one extractor group per node; _check_node made sure its extractor and writers ran there
+    assert {name: node["node_id"] for name, node in summary["nodes"].items()} == node_ids
+    records = read_manifest(out)["shards"]
+    assert all(r["state"] == DONE and r["location"] == SINK for r in records)
+    per_node = {name: [r["index"] for r in records if r["node"] == name] for name in node_ids}
+    assert all(per_node.values()), f"a node wrote no shard: {per_node}"  # both extractors worked
+    assert sorted(sum(per_node.values(), [])) == list(range(NUM_SAMPLES // SHARD_SIZE))
+    # each node's own budget held, on its own directory
+    for name, sampler in samplers.items():
+        assert 0 < sampler.peak <= BUDGET, (name, sampler.peak)
+        assert summary["nodes"][name]["budget_overshoot"] == 0
+        assert summary["nodes"][name]["directory"] == str(node_dirs[name])
+    assert not list(out.glob("shard-*.parquet"))  # nothing was written on the driver's own output.dir
+    assert_every_sample_once(sink, data)
+
+    # status shows each node
+    status = subprocess.run([sys.executable, "-m", "jobs.status", f"output.dir={out}"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    for name in node_ids:
+        assert f"node {name}" in status.stdout, status.stdout
+
+
+def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_fp32, tmp_path):
+    """Without a sink the files stay on their nodes; a rerun of named shards may place them on the
+    other node, and the copy the manifest no longer vouches for is removed."""
+    cluster, node_ids = two_nodes
+    data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=6)
+    out = tmp_path / "out"
+    node_dirs = [tmp_path / "nodes" / name for name in node_ids]
+    args = [
+        f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={tmp_path}/nodes/{{node}}",
+        f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
+        "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("RAY_ADDRESS", None)
+
+    def job(*extra: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "jobs.extract", *args, *extra], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    job()
+    job("shards=[0,1,2,3]")
+    records = read_manifest(out)["shards"]
+    assert [r["attempts"] for r in records] == [2, 2, 2, 2, 1, 1]
+    for record in records:  # each file is where the manifest says, and only there
+        holders = [d.name for d in node_dirs if (d / record["file"]).exists()]
+        assert holders == [record["node"]], (record["index"], holders, record["node"])
+    assert_every_sample_once(node_dirs, data)
