@@ -19,7 +19,7 @@ from jobs.budget import format_bytes
 from jobs.config import ConfigError, build_config, build_parser, program_name
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.lock import read_owner
-from jobs.summary import read_invalid_rows
+from jobs.summary import read_invalid_rows, read_summary
 from storage.config import OutputConfig
 from storage.verify import Problem, VerifyReport, verify_run
 
@@ -32,7 +32,12 @@ class VerifyConfig:
 def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = None) -> VerifyReport:
     """Check the run in ``output_dir``; a job still running there is a problem too (its files are in flux)."""
     invalid = [row["sample_id"] for row in read_invalid_rows(output_dir)]
-    report = verify_run(output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid)
+    # With several nodes, each node's directory as the run's summary recorded it (seen from this host).
+    nodes = (read_summary(output_dir) or {}).get("nodes") or {}
+    report = verify_run(
+        output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid,
+        node_directories={name: Path(node["directory"]) for name, node in nodes.items()},
+    )
     owner = read_owner(output_dir)
     if owner is not None and owner.is_alive() is not False:
         report.problems.insert(0, Problem(

@@ -108,13 +108,15 @@ class _ShardCheck:
 
 def verify_run(
     output_dir: str | Path, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
-    invalid_sample_ids: Collection[int] = (),
+    invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
     ``storage_options`` open the sink's files (``output.sink_options``); ``invalid_sample_ids`` are
-    the input rows the run left out under ``data.on_invalid=skip``.
+    the input rows the run left out under ``data.on_invalid=skip``; ``node_directories`` (node name ->
+    directory) say where the shards a record places on a node are, when the run had several nodes.
     """
+    node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
     manifest = read_manifest(output_dir)
     records = sorted(manifest["shards"], key=lambda record: record["index"])
@@ -135,7 +137,7 @@ def verify_run(
                 f"{record['rows']} rows count as the manifest recorded them, its file cannot be checked"
             )
             continue
-        url = record["sink_url"] if record["location"] == SINK else str(output_dir / record["file"])
+        url = record["sink_url"] if record["location"] == SINK else str(_home(record, node_directories, output_dir) / record["file"])
         expected = planned[record["start"] : record["stop"]] if planned is not None else None
         to_check.append((record, url, expected))
     options = dict(storage_options or {})
@@ -145,7 +147,8 @@ def verify_run(
     for check in checks:
         report.problems += check.problems
     report.problems += _disagreements(checks, manifest["content"])
-    report.problems += _stray_files(output_dir, records)
+    for directory in {output_dir, *node_directories.values()}:
+        report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
     # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.
     report.problems.sort(key=lambda problem: len(records) if problem.shard is None else problem.shard)
     return report
@@ -377,6 +380,11 @@ def _stray_files(output_dir: Path, records: list[dict]) -> list[Problem]:
         for path in sorted(output_dir.glob(SHARD_GLOB)) if path.name not in recorded
     ]
     return problems
+
+
+def _home(record: dict, node_directories: Mapping[str, Path], output_dir: Path) -> Path:
+    """The directory a done shard's file is in: its node's, or output.dir."""
+    return node_directories.get(record.get("node", ""), output_dir)
 
 
 def _ids(ids: Collection[int]) -> str:

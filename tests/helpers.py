@@ -140,13 +140,25 @@ def assert_reads_as_parquet_dataset(out: Path, rows: int) -> None:
     assert counts == dict.fromkeys(counts, rows), counts
 
 
+def assert_run_verifies(output_dir: Path, sink_options: dict | None = None) -> None:
+    """``jobs.verify --deep`` finds no problem in the run (files, sizes, sha256, schema, ids, NaN/Inf)."""
+    from jobs.verify import format_report, verify
+
+    report = verify(Path(output_dir), deep=True, sink_options=sink_options)
+    assert report.ok, format_report(report)
+
+
 def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Path) -> None:
     """The shard files under ``output_dir`` (one directory or several: one per node) hold every sample
-    of the dataset exactly once, and no temp file of a shard remains."""
+    of the dataset exactly once, and no temp file of a shard remains; a run's directory (one with a
+    manifest) also passes ``jobs.verify --deep``."""
     from jobs.dataset import open_tokenized_dataset
+    from storage.manifest import MANIFEST_FILE
     from storage.writer import TEMP_GLOB
 
     directories = [Path(output_dir)] if isinstance(output_dir, (str, Path)) else [Path(d) for d in output_dir]
+    if len(directories) == 1 and (directories[0] / MANIFEST_FILE).exists():
+        assert_run_verifies(directories[0])
     seen: list[int] = []
     for directory in directories:
         assert not list(directory.glob(TEMP_GLOB)), f"temp files left in {directory}"

@@ -28,7 +28,7 @@ from jobs.extract import main
 from jobs.summary import read_summary
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB
-from tests.helpers import assert_every_sample_once
+from tests.helpers import assert_every_sample_once, assert_run_verifies
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
@@ -369,4 +369,5 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
         downloaded.mkdir()
         for record in records:
             (downloaded / record["file"]).write_bytes(sink.objects[f"/sink/{record['file']}"])
+        assert_run_verifies(out)  # reads every file back from the sink
     assert_every_sample_once(downloaded, dataset)

@@ -17,7 +17,7 @@ from jobs.demo import build_synthetic_dataset
 from jobs.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once
+from tests.helpers import assert_every_sample_once, assert_run_verifies
 from tests.test_budget_resume import DiskSampler
 
 NUM_SAMPLES = 24
@@ -80,6 +80,7 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
         assert summary["nodes"][name]["directory"] == str(node_dirs[name])
     assert not list(out.glob("shard-*.parquet"))  # nothing was written on the driver's own output.dir
     assert_every_sample_once(sink, data)
+    assert_run_verifies(out)
 
     # status shows each node
     status = subprocess.run([sys.executable, "-m", "jobs.status", f"output.dir={out}"], cwd=REPO_ROOT, env=env,
@@ -116,3 +117,4 @@ def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_f
         holders = [d.name for d in node_dirs if (d / record["file"]).exists()]
         assert holders == [record["node"]], (record["index"], holders, record["node"])
     assert_every_sample_once(node_dirs, data)
+    assert_run_verifies(out)  # finds each file in its node's directory
