@@ -47,6 +47,7 @@ from jobs.dataset import open_tokenized_dataset
 from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
+from extractor.types import TokenBatch
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.extractor_actor import start_extractor
 from jobs.cluster import ray_session
@@ -116,12 +117,12 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
         batches = [dataset.rows(a, b)[0] for a, b in pack_batches(lengths, batches_of, 256)]
         ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
         bare = tokens / sum(ray.get(actor.bare_prefill.remote(batch)) for batch in batches)
-        ray.get(actor.extract.remote(batches[0]))
+        ray.get(actor.extract.remote(TokenBatch.of(batches[0])))
         ray.get(actor.warm_object_store.remote(spec.host_buffers + 2))  # as the job does before its clock starts
         started = time.perf_counter()
         in_flight: list[ray.ObjectRef] = []
         for batch in batches:  # as the job feeds it: the next batch is queued while one is handed on
-            in_flight.append(actor.extract.remote(batch))
+            in_flight.append(actor.extract.remote(TokenBatch.of(batch)))
             if len(in_flight) > spec.host_buffers:
                 ray.get(in_flight.pop(0))
         ray.get(in_flight)

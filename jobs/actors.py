@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from extractor.types import CaptureActivity, EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, EngineInfo, EngineSpec, TokenBatch
 from jobs.errors import JobFault
 from jobs.extractor_actor import start_extractor
 from jobs.sink import UploaderActor
@@ -65,8 +65,8 @@ class ExtractorHost:
     def warm_object_store(self, batches: int) -> ray.ObjectRef:
         return self.actor.warm_object_store.remote(batches)
 
-    def extract(self, input_ids: list) -> ray.ObjectRef:
-        return self.actor.extract.remote(input_ids)
+    def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
+        return self.actor.extract.remote(tokens)
 
     def restart(self, reason: str) -> None:
         """Start a new extractor after a fault in generation ``self.generation``; JobFault past the bound."""

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from extractor.types import TokenBatch
 from jobs.input_files import (
     INPUT_IDS, LARGE_ROW_GROUP_ROWS, LOSS_MASK, Block, InputFile, largest_row_group, read_segment, resolve_files,
     scan,
@@ -121,6 +122,33 @@ class TokenizedDataset:
                 position = end
             segment += 1
         return input_ids, loss_masks
+
+    def flat_rows(self, start: int, stop: int) -> tuple[TokenBatch, np.ndarray]:
+        """Kept rows [start, stop) as one flat batch of ids and its flat loss masks (what ``rows`` gives,
+        in a few arrays: a row range of one segment is one slice of it)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"rows [{start}, {stop}) outside the dataset's {len(self)} rows")
+        ids: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        segment = int(np.searchsorted(self._segment_kept, start, side="right")) - 1
+        position = start
+        while position < stop:
+            base, end = int(self._segment_kept[segment]), min(stop, int(self._segment_kept_end[segment]))
+            if end > position:
+                tokens = self._tokens(segment)
+                first, last = position - base, end - base
+                begin, finish = tokens.offsets[first], tokens.offsets[last]
+                ids.append(tokens.ids[begin:finish])
+                masks.append(tokens.masks[begin:finish])
+                lengths.append(np.diff(tokens.offsets[first : last + 1]))
+                position = end
+            segment += 1
+        if len(ids) == 1:  # the usual case: one slice, no copy
+            offsets = np.concatenate([[0], np.cumsum(lengths[0])])
+            return TokenBatch(ids[0], offsets), masks[0]
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]) if lengths else np.zeros(1, np.int64)
+        return TokenBatch(_concat(ids, np.int32), offsets), _concat(masks, np.uint8)
 
     def _tokens(self, segment: int) -> _Tokens:
         """A segment's kept rows, decoded once and checked against the first pass."""
@@ -357,6 +385,10 @@ def _id_reason(values: pa.Array, offsets: np.ndarray, row: int, vocab_size: int)
         f"token id {bad} is outside the model's vocabulary [0, {vocab_size}); was the dataset tokenized "
         "for another model?"
     )
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def decode_rows(table: pa.Table) -> _Tokens:

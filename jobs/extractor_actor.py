@@ -9,15 +9,15 @@ import numpy as np
 import ray
 
 from extractor.actor import Extractor
-from extractor.types import CapturedBatch, EngineSpec
+from extractor.types import CapturedBatch, EngineSpec, TokenBatch
 
 EXTRACTOR_CPUS = 1
 
 
 class ExtractorActor(Extractor):
-    def extract(self, input_ids: list[np.ndarray]) -> ray.ObjectRef:
+    def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
         """One batch's states, put in the object store straight from the host buffer (one copy)."""
-        return self.capture(input_ids, ray.put)
+        return self.capture(tokens.samples(), ray.put)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

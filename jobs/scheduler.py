@@ -117,14 +117,11 @@ class Scheduler:
         start, stop = attempt.batches[attempt.sent]
         attempt.sent += 1
         first, last = attempt.record.start + start, attempt.record.start + stop
-        input_ids, loss_masks = self._dataset.rows(first, last)
+        tokens, loss_masks = self._dataset.flat_rows(first, last)
         rows = BatchRows(
-            shard=attempt.index,
-            sample_ids=self._dataset.sample_ids[first:last].tolist(),
-            input_ids=input_ids,
-            loss_masks=loss_masks,
+            shard=attempt.index, sample_ids=self._dataset.sample_ids[first:last], tokens=tokens, loss_masks=loss_masks
         )
-        extracted = lane.extractor.extract(rows.input_ids)
+        extracted = lane.extractor.extract(tokens)
         self._work.add(attempt.writer.append.remote(rows, [extracted]), Append(attempt, lane.extractor.generation))
         attempt.inflight += 1
         lane.inflight += 1

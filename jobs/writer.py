@@ -12,23 +12,25 @@ from __future__ import annotations
 import dataclasses
 import errno
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import ray
 
-from extractor.types import CapturedBatch
+from extractor.types import CapturedBatch, TokenBatch, split_flat
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 from storage.writer import StageClock, temp_file_name
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchRows:
-    """The dataset rows of one batch, as the driver sends them (small: ids and masks)."""
+    """The dataset rows of one batch, as the driver sends them: a few flat arrays (see ``TokenBatch``)."""
 
     shard: int
-    sample_ids: list[int]
-    input_ids: list[np.ndarray]
-    loss_masks: list[np.ndarray]
+    sample_ids: np.ndarray
+    tokens: TokenBatch
+    loss_masks: np.ndarray
+    """uint8, flat like ``tokens.ids``."""
 
 
 class ShardFailed(RuntimeError):
@@ -80,7 +82,8 @@ class WriterActor:
                 writer = ShardWriter(path, self._metadata, self._on_nonfinite).__enter__()
                 self._open[rows.shard] = writer
             writer.append(
-                rows.sample_ids, rows.input_ids, rows.loss_masks, batch.aux_hidden_states, batch.last_hidden_state,
+                rows.sample_ids.tolist(), rows.tokens.samples(), split_flat(rows.loss_masks, rows.tokens.offsets),
+                batch.aux_hidden_states, batch.last_hidden_state,
                 batch.aux_scales, batch.last_scales, batch.finite,
             )
         except Exception as error:  # the shard is lost, the job goes on
@@ -125,8 +128,8 @@ class WriterActor:
             writer.abort()
         (self._dir / temp_file_name(shard_file_name(shard))).unlink(missing_ok=True)
 
-    def _fail(self, shard: int, error: Exception, sample_ids: list[int]) -> None:
-        where = f"samples {sample_ids[0]}..{sample_ids[-1]}" if sample_ids else "an empty batch"
+    def _fail(self, shard: int, error: Exception, sample_ids: Sequence[int]) -> None:
+        where = f"samples {sample_ids[0]}..{sample_ids[-1]}" if len(sample_ids) else "an empty batch"
         message = f"shard {shard} ({where}): {type(error).__name__}: {error}"
         if isinstance(error, _EXTRACTOR_GONE):
             self._failed[shard] = ExtractorLost(message)

@@ -10,7 +10,7 @@ import numpy as np
 import ray
 import torch
 
-from extractor.types import CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
 from jobs.extractor_actor import fetch_batch, start_extractor
 from storage import ShardReader, ShardWriter
 
@@ -39,7 +39,7 @@ class ExtractorHandle:
         self.info = ray.get(self.actor.info.remote())
 
     def extract(self, input_ids: list[np.ndarray]) -> CapturedBatch:
-        return fetch_batch(self.actor.extract.remote(input_ids))
+        return fetch_batch(self.actor.extract.remote(TokenBatch.of(input_ids)))
 
     def close(self) -> None:
         ray.get(self.actor.close.remote())

@@ -80,8 +80,16 @@ def test_directory_of_files_in_sorted_order_with_rows_across_boundaries(three_fi
             assert [i.tolist() for i in ids] == [r["input_ids"] for r in expected[start:stop]]
             assert [m.tolist() for m in masks] == [r["loss_mask"] for r in expected[start:stop]]
             assert all(i.dtype == np.int32 for i in ids) and all(m.dtype == np.uint8 for m in masks)
+            # the driver's form: the same rows as a few flat arrays
+            tokens, flat_masks = dataset.flat_rows(start, stop)
+            assert len(tokens) == stop - start and tokens.offsets.tolist() == np.cumsum([0] + [len(i) for i in ids]).tolist()
+            assert [i.tolist() for i in tokens.samples()] == [i.tolist() for i in ids]
+            assert flat_masks.tolist() == [bit for m in masks for bit in m.tolist()]
+            assert tokens.ids.dtype == np.int32 and flat_masks.dtype == np.uint8
     with pytest.raises(IndexError):
         dataset.rows(20, 22)
+    with pytest.raises(IndexError):
+        dataset.flat_rows(20, 22)
 
 
 def test_glob_and_file_url(three_files):
