@@ -49,7 +49,7 @@ class OutputConfig:
     sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
     num_writers: int = 0
-    """CPU writer actors; 0 follows the CPUs Ray has left after the extractor (at most 8)."""
+    """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
     max_inflight_batches: int = 0

@@ -118,3 +118,11 @@ def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_f
         assert holders == [record["node"]], (record["index"], holders, record["node"])
     assert_every_sample_once(node_dirs, data)
     assert_run_verifies(out)  # finds each file in its node's directory
+
+
+@pytest.mark.parametrize("cpus, groups, writers", [(2, 1, 1), (16, 1, 8), (32, 1, 16), (128, 1, 32), (128, 2, 16)])
+def test_automatic_writers_follow_the_node(cpus, groups, writers):
+    """output.num_writers=0: half the node's CPUs, 8 to 32 per node, never more than it has spare."""
+    from jobs.nodes import _writers
+
+    assert _writers({"Resources": {"CPU": cpus}, "NodeManagerAddress": "10.0.0.1"}, groups, 0) == writers
