@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from extractor.types import TokenBatch
+from extractor.types import TokenBatch, split_flat
 from jobs.input_files import (
     INPUT_IDS, LARGE_ROW_GROUP_ROWS, LOSS_MASK, Block, InputFile, largest_row_group, read_segment, resolve_files,
     scan,
@@ -103,34 +103,19 @@ class TokenizedDataset:
         return {**self.__dict__, "_cache": collections.OrderedDict()}
 
     def rows(self, start: int, stop: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """input_ids (int32) and loss masks (uint8, all ones when absent) of kept rows [start, stop)."""
-        if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"rows [{start}, {stop}) outside the dataset's {len(self)} rows")
-        input_ids: list[np.ndarray] = []
-        loss_masks: list[np.ndarray] = []
-        # The last segment whose kept rows start at or before `start` holds it (empty ones are skipped).
-        segment = int(np.searchsorted(self._segment_kept, start, side="right")) - 1
-        position = start
-        while position < stop:
-            base, end = int(self._segment_kept[segment]), min(stop, int(self._segment_kept_end[segment]))
-            if end > position:
-                tokens = self._tokens(segment)
-                for i in range(position - base, end - base):
-                    begin, finish = tokens.offsets[i], tokens.offsets[i + 1]
-                    input_ids.append(tokens.ids[begin:finish])
-                    loss_masks.append(tokens.masks[begin:finish])
-                position = end
-            segment += 1
-        return input_ids, loss_masks
+        """input_ids (int32) and loss masks (uint8, all ones when absent) of kept rows [start, stop), one array a row."""
+        tokens, masks = self.flat_rows(start, stop)
+        return tokens.samples(), split_flat(masks, tokens.offsets)
 
     def flat_rows(self, start: int, stop: int) -> tuple[TokenBatch, np.ndarray]:
-        """Kept rows [start, stop) as one flat batch of ids and its flat loss masks (what ``rows`` gives,
-        in a few arrays: a row range of one segment is one slice of it)."""
+        """Kept rows [start, stop) as one flat batch of ids and its flat loss masks: what the driver sends
+        (a row range within one segment is one slice of its arrays, no copy)."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"rows [{start}, {stop}) outside the dataset's {len(self)} rows")
         ids: list[np.ndarray] = []
         masks: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
+        # The last segment whose kept rows start at or before `start` holds it (empty ones are skipped).
         segment = int(np.searchsorted(self._segment_kept, start, side="right")) - 1
         position = start
         while position < stop:
@@ -144,10 +129,9 @@ class TokenizedDataset:
                 lengths.append(np.diff(tokens.offsets[first : last + 1]))
                 position = end
             segment += 1
-        if len(ids) == 1:  # the usual case: one slice, no copy
-            offsets = np.concatenate([[0], np.cumsum(lengths[0])])
-            return TokenBatch(ids[0], offsets), masks[0]
         offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]) if lengths else np.zeros(1, np.int64)
+        if len(ids) == 1:  # the usual case
+            return TokenBatch(ids[0], offsets), masks[0]
         return TokenBatch(_concat(ids, np.int32), offsets), _concat(masks, np.uint8)
 
     def _tokens(self, segment: int) -> _Tokens:
