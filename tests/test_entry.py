@@ -34,6 +34,7 @@ from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
 from tests.test_budget_resume import free_port
 from tests.test_job import read_all
+from tests.helpers import assert_run_verifies
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -60,6 +61,7 @@ def assert_manifest_matches_disk(out: Path, samples: int) -> None:
     assert not list(out.glob(TEMP_GLOB))
     report = status_report(out)
     assert "not the job's" not in report and "unrecorded" not in report and "temp files" not in report, report
+    assert_run_verifies(out)
 
 
 # -- the output.dir lock, between real jobs ---------------------------------------------------------------
