@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Before ray is imported anywhere: stay on loopback, no auth token, no usage stats.
@@ -50,3 +53,39 @@ def qwen3_fp32(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> Path:
     return build_synthetic_dataset(tmp_path_factory.mktemp("data") / "data.parquet", num_samples=20, max_len=96)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on loopback, with one bucket."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    options = {
+        "key": "test", "secret": "test",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"},
+    }
+    import s3fs
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            fs = s3fs.S3FileSystem(**options)
+            fs.mkdir("eagle3-test")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+            time.sleep(0.3)
+    yield options
+    process.terminate()
+    process.wait(timeout=10)

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -89,42 +88,6 @@ class DiskSampler:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on loopback, with one bucket."""
-    port = free_port()
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    options = {
-        "key": "test", "secret": "test",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"},
-    }
-    import s3fs
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            fs = s3fs.S3FileSystem(**options)
-            fs.mkdir("eagle3-test")
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.3)
-    yield options
-    process.terminate()
-    process.wait(timeout=10)
 
 
 def assert_every_sample_once(samples, count=NUM_SAMPLES):

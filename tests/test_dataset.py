@@ -12,7 +12,6 @@ import pytest
 
 from jobs import input_files
 from jobs.dataset import InvalidRow, open_tokenized_dataset
-from tests.test_budget_resume import s3_server  # noqa: F401  (fixture: moto's S3 on loopback)
 
 VOCAB = 1000
 

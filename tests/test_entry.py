@@ -31,9 +31,8 @@ from jobs.status import status_report
 from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, free_port
 from tests.helpers import assert_run_verifies
-from tests.test_budget_resume import free_port
 from tests.test_job import read_all
 
 RAY = str(Path(sys.executable).parent / "ray")

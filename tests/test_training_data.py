@@ -24,7 +24,6 @@ from storage.destination import Destination
 from storage.manifest import DONE, SINK, Manifest, read_manifest
 from storage.training import HiddenStatesDataset, collate
 from tests.conftest import REPO_ROOT
-from tests.test_budget_resume import s3_server  # noqa: F401  (fixture: moto's S3 on loopback)
 from tests.test_job import HIDDEN, imported_by, job_config
 
 SKIPPED_ROW = 5
