@@ -17,7 +17,7 @@ Parquet file of synthetic token ids (random lengths around --mean-tokens).
             per batch and per shard, is the driver's cost of scheduling.
 
     python -m benchmarks.driver_scale --rows 1000000 --shards 10000 --mean-tokens 8 --max-samples-per-batch 32
-    python -m benchmarks.driver_scale --rows 20000 --shards 200 --mean-tokens 8      # CI smoke test
+    python -m benchmarks.driver_scale --rows 5000 --shards 50 --mean-tokens 8        # CI smoke test
 
 Steps are functions of a shared context, run in order (``STEPS``). ``--profile FILE`` runs the
 schedule step's full run under cProfile (slower) and prints where the driver's Python time goes.
