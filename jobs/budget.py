@@ -148,8 +148,8 @@ class DiskBudget:
     def wait_until_fits(
         self, nbytes: int, settle: Callable[[float], bool], rescan: Callable[[], None], wait_s: float,
         rescan_s: float, exhausted: Callable[[str], str],
-    ) -> float:
-        """Hold the next shard (``nbytes``) until it fits; returns the seconds waited.
+    ) -> None:
+        """Hold the next shard (``nbytes``) until it fits; the wait adds to ``blocked_seconds``.
 
         While waiting, ``settle(timeout)`` handles one completion of the work in flight (False if
         nothing is in flight) and ``rescan()`` looks for files a consumer deleted. With nothing in
@@ -157,7 +157,7 @@ class DiskBudget:
         """
         policy = self.blocking_policy(nbytes)
         if policy is None:
-            return 0.0
+            return
         started = last_log = time.monotonic()
         idle_since: float | None = None
         logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self), format_bytes(nbytes))
@@ -180,7 +180,6 @@ class DiskBudget:
             waited = time.monotonic() - started
             self.blocked_seconds += waited
         logger.info("disk budget free again after %.1f s: %s", waited, self.policies[0].describe(self))
-        return waited
 
     def free_after_reservations(self) -> int:
         """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""

@@ -292,14 +292,14 @@ class ExtractionRun:
         if lane.budget.blocking_policy(nbytes) is None:
             return
         self.progress.disk_wait_started()
-        started = time.monotonic()
+        blocked_before = lane.budget.blocked_seconds
         try:
             lane.budget.wait_until_fits(
                 nbytes, self._settle_one_if_any, self._rescan_and_report, self.output.budget_wait_s,
                 self.output.rescan_s, lambda state: self._exhausted_message(lane, state),
             )
-        finally:
-            self.progress.disk_wait_ended(time.monotonic() - started)
+        finally:  # the budget's own clock of this wait, also when it ends in BudgetExhausted
+            self.progress.disk_wait_ended(lane.budget.blocked_seconds - blocked_before)
 
     def _exhausted_message(self, lane: Lane, state: str) -> str:
         remaining = [r for r in self.manifest.shards.values() if r.state != DONE]
