@@ -235,9 +235,13 @@ def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_clu
                 assert error.errno == errno.ENOSPC, error
             file.truncate(max(0, file.tell() - 2 * slack))
 
+    # One shard of every sample, one sample per batch: the fill lands while ~20 batches (~1.5 MB) are
+    # still to come, however late the polling thread runs (with 4-sample shards, a shard was once
+    # written whole before the fill came, and the next shard's budget check stopped the job instead).
+    # One writer: the space the failed shard frees is what the job's own files then use.
+    one_shard = (f"data.shard_size={NUM_SAMPLES}", "output.num_writers=1", "extract.max_tokens_per_batch=60")
     with When(lambda: next(out.glob(TEMP_GLOB), None), fill) as killer:
-        # one writer: the space the failed shard frees is what the job's own files then use
-        code = main(job_args(llama_fp32, dataset, out, "output.num_writers=1", "extract.max_tokens_per_batch=60"))
+        code = main(job_args(llama_fp32, dataset, out, *one_shard))
     assert killer.done is not None, "the disk was not filled while a shard was written"
     summary = read_summary(out)
     assert (code, summary["outcome"]) == (EXIT_BUDGET_EXHAUSTED, "disk_full"), summary["message"]
@@ -247,7 +251,7 @@ def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_clu
     assert not list(out.glob(TEMP_GLOB))
 
     filler.unlink()
-    assert main(job_args(llama_fp32, dataset, out, "output.num_writers=1")) == EXIT_OK
+    assert main(job_args(llama_fp32, dataset, out, *one_shard)) == EXIT_OK
     assert_every_sample_once(out, dataset)
 
 
