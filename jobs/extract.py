@@ -30,7 +30,7 @@ from jobs.pipeline import ExtractionRun, build_engine_spec, resolve_device
 from jobs.plan import plan_shards
 from jobs.preflight import check_shards_fit, demo_config, planned_metadata, refuse_pickled_weights
 from jobs.progress import RunProgress
-from jobs.resume import clean_output_dir, refuse_foreign_output, select_shards
+from jobs.resume import claim_directory, clean_output_dir, refuse_foreign_output, select_shards
 from jobs.summary import (
     BAD_INPUT, COMPLETE, DRAFTER_CONFIG_FILE, NOTHING_TO_DO, SHARDS_FAILED, RunSummary, manifest_totals,
     write_drafter_config, write_invalid_rows,
@@ -132,6 +132,8 @@ def _run_locked(inputs: RunInputs) -> dict:
         )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
+        for group in groups:
+            claim_directory(group.disk(), manifest, group.name, group.directory == output_dir)
         for group in groups:
             clean_output_dir(group.disk(), manifest, to_run, group.name, group.directory == output_dir)
         logger.info(

@@ -9,11 +9,18 @@ behind the writers).
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
+
+CLAIM_FILE = ".eagle3-claim.json"
+"""In every directory a run writes shards to: which run it is (``Manifest.run_id``) and where that run's
+output.dir is. A run removes files only in a directory it claims, and no run claims another's."""
+
 
 def _free_and_unwritten(directory: str, reserved: dict[int, int]) -> tuple[int, int]:
     """Free bytes on the filesystem, and the reserved bytes the open shards' temp files do not hold yet.
@@ -53,6 +60,38 @@ def _clean(directory: str, keep: set[str]) -> list[str]:
     return removed
 
 
+def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+    """Claim ``directory`` for the run ``owner`` names; None if it is now the run's, else why not:
+    ``{"owner": record}`` (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that
+    holds shard or temp files, which ``adopt_files`` accepts: the run's own output.dir, under its lock).
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    claim = path / CLAIM_FILE
+    if not claim.exists():
+        files = sorted(file.name for file in [*path.glob(SHARD_GLOB), *path.glob(TEMP_GLOB)])
+        if files and not adopt_files:
+            return {"files": files}
+        # Written whole under a private name, then linked to the claim's: of two runs claiming at once,
+        # exactly one link succeeds, and nobody ever reads a half-written claim.
+        temp = path / f"{CLAIM_FILE}.{os.getpid()}.tmp"
+        with open(temp, "w") as file:
+            json.dump(owner, file)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(temp, claim)
+        except FileExistsError:
+            pass  # another run claimed it a moment ago: read whose it is below
+        finally:
+            temp.unlink()
+    try:
+        holder = json.loads(claim.read_text())
+    except ValueError:
+        holder = {"run_id": "?", "output_dir": f"(unreadable {claim})"}
+    return None if holder.get("run_id") == owner["run_id"] else {"owner": holder}
+
+
 class LocalDisk:
     """A directory the driver's own host holds."""
 
@@ -71,6 +110,9 @@ class LocalDisk:
 
     def clean(self, keep: set[str]) -> list[str]:
         return _clean(str(self.directory), keep)
+
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+        return _claim(str(self.directory), owner, adopt_files)
 
 
 def disk_on(directory: Path, node_id: str, placement: dict[str, Any]) -> LocalDisk:
@@ -112,3 +154,6 @@ class NodeDisk(LocalDisk):
 
     def clean(self, keep: set[str]) -> list[str]:
         return self._run(_clean, str(self.directory), keep)
+
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+        return self._run(_claim, str(self.directory), owner, adopt_files)

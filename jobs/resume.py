@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,30 @@ def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     if unknown:
         raise ValueError(f"shards={selection}: the plan has shards 0..{len(manifest.shards) - 1}, not {unknown}")
     return [manifest.shards[i] for i in sorted(set(selection))]
+
+
+def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> None:
+    """Make one node's directory this run's before anything in it is removed; ValueError if it is
+    another run's (its claim), or unclaimed but holding shard files (they are not this run's).
+
+    output.dir's lock guards output.dir only: without the claim, a run whose output.node_dir is
+    another run's directory would remove that run's shards as "not recorded here".
+    """
+    owner = {"run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname()}
+    refusal = disk.claim(owner, adopt_files=is_output_dir)
+    if refusal is None:
+        return
+    where = f"{disk.directory} (on node {node})" if node else str(disk.directory)
+    if "owner" in refusal:
+        holder = refusal["owner"]
+        why = f"belongs to the run whose output.dir is {holder.get('output_dir')} on {holder.get('host', '?')}"
+    else:
+        files = refusal["files"]
+        why = f"holds {len(files)} shard files (e.g. {files[0]}) that are not this run's"
+    raise ValueError(
+        f"{where} {why}; nothing there was touched. Give this run a directory of its own "
+        "(e.g. output.node_dir=/mnt/nvme/eagle3/<run>/{node}), or rerun that run's own command"
+    )
 
 
 def clean_output_dir(

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 from jobs.budget import format_bytes
 from jobs.config import ConfigError, build_config, build_parser, program_name
 from jobs.lock import LOCK_FILE, read_owner
+from jobs.node_disk import CLAIM_FILE
 from jobs.progress import ProgressSnapshot
 from jobs.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
 from storage.config import OutputConfig
@@ -33,7 +34,7 @@ JOB_FILES = frozenset(
     name
     for base in (MANIFEST_FILE, MANIFEST_JOURNAL_FILE, SUMMARY_FILE, DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE)
     for name in (base, base + ".tmp")
-) | {LOCK_FILE}
+) | {LOCK_FILE, CLAIM_FILE}
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -65,8 +66,12 @@ _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecor
 
 
 class Manifest:
-    def __init__(self, path: Path, content: dict[str, Any], shards: dict[int, ShardRecord], sequence: int = 0) -> None:
+    def __init__(
+        self, path: Path, content: dict[str, Any], shards: dict[int, ShardRecord], sequence: int = 0, run_id: str = "",
+    ) -> None:
         self.path = path
+        self.run_id = run_id or uuid.uuid4().hex
+        """Names this run for the directories it claims on other nodes (manifests before it get one)."""
         self.journal_path = path.with_name(MANIFEST_JOURNAL_FILE)
         self.content = content
         self.shards = shards
@@ -101,7 +106,7 @@ class Manifest:
                 "settings, or write to a new output.dir"
             )
         shards = {record["index"]: ShardRecord(**record) for record in stored["shards"]}
-        manifest = cls(path, content, shards, stored["sequence"])
+        manifest = cls(path, content, shards, stored["sequence"], stored.get("run_id", ""))
         manifest.save()  # a journal that ends in a torn line must not be appended to
         return manifest
 
@@ -126,6 +131,7 @@ class Manifest:
         payload = {
             "version": MANIFEST_VERSION,
             "sequence": self._sequence,
+            "run_id": self.run_id,
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }

@@ -262,15 +262,22 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     assert_every_sample_once(read_all(out))
 
 
-def test_resume_with_other_content_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
+def test_resume_with_other_content_or_into_another_runs_directory_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
     run(budget_config(llama_fp32, dataset, out, "1TB"))
+    files = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
     with pytest.raises(ValueError, match=r"different content \(extract.layers: was \[2, 4, 5\], now \[1, 4, 5\]"):
         run(budget_config(llama_fp32, dataset, out, "1TB", "extract.layers=[1,4,5]"))
     with pytest.raises(ValueError, match=r"model.dtype: was 'bfloat16', now 'float32'"):
         run(budget_config(llama_fp32, dataset, out, "1TB", "model.dtype=float32"))
+    # A second run whose node directory is this run's output.dir: its start-up clean-up would remove
+    # every shard there as "not recorded"; the directory's claim refuses it before anything is touched.
+    with pytest.raises(ValueError, match=f"belongs to the run whose output.dir is {out} .*nothing there was touched"):
+        run(budget_config(llama_fp32, dataset, tmp_path / "other", "1TB", f"output.node_dir={out}"))
+    assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == files
     records = read_manifest(out)["shards"]
     assert all(r["state"] == DONE and r["attempts"] == 1 for r in records)
+    assert_every_sample_once(read_all(out))
 
 
 def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):

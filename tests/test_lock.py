@@ -1,10 +1,12 @@
-"""The output.dir lock with real processes: held, refused with who holds it, stale records taken over."""
+"""The output.dir lock with real processes: held, refused with who holds it, stale records taken over; and
+the claim each run puts on the directories it writes shards to (output.node_dir)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import pytest
 
 from jobs.errors import EXIT_LOCKED, OutputLocked
 from jobs.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
+from jobs.node_disk import CLAIM_FILE, LocalDisk
 from jobs.status import job_state
 from tests.conftest import REPO_ROOT
 
@@ -95,3 +98,38 @@ def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, 
     record(tmp_path, dataclasses.replace(me, host="other-host"))
     with pytest.raises(OutputLocked, match=r"That is another host, which this one cannot check.*delete .*.job.lock"):
         OutputLock(tmp_path).acquire()
+
+
+def owner(run_id: str) -> dict[str, str]:
+    return {"run_id": run_id, "output_dir": f"/runs/{run_id}", "host": "h"}
+
+
+def test_a_directory_is_one_runs_and_unclaimed_shard_files_are_not_adopted(tmp_path):
+    disk = LocalDisk(tmp_path / "node")
+    assert disk.claim(owner("a"), adopt_files=False) is None
+    assert disk.claim(owner("a"), adopt_files=False) is None, "a run's resume finds its own claim"
+    assert disk.claim(owner("b"), adopt_files=True) == {"owner": owner("a")}
+    assert json.loads((tmp_path / "node" / CLAIM_FILE).read_text()) == owner("a")
+
+    foreign = LocalDisk(tmp_path / "foreign")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "shard-00003.parquet").write_bytes(b"x")
+    assert foreign.claim(owner("a"), adopt_files=False) == {"files": ["shard-00003.parquet"]}
+    assert not (tmp_path / "foreign" / CLAIM_FILE).exists()
+    # a run's own output.dir (under its lock) is adopted with what it holds
+    assert foreign.claim(owner("a"), adopt_files=True) is None
+    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == [CLAIM_FILE, "shard-00003.parquet"]
+
+
+def _claim_in_a_process(args: tuple[str, str]) -> bool:
+    directory, run_id = args
+    return LocalDisk(directory).claim(owner(run_id), adopt_files=False) is None
+
+
+def test_of_runs_claiming_one_directory_at_once_exactly_one_gets_it(tmp_path):
+    runs = [str(i) for i in range(8)]
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        won = pool.map(_claim_in_a_process, [(str(tmp_path / "node"), run) for run in runs])
+    assert sum(won) == 1
+    assert json.loads((tmp_path / "node" / CLAIM_FILE).read_text()) == owner(runs[won.index(True)])
+    assert sorted(p.name for p in (tmp_path / "node").iterdir()) == [CLAIM_FILE], "no temp claim left"
