@@ -4,7 +4,7 @@
 |---|---|---|
 | 0 | every selected shard is done (or already was: nothing to do) | nothing |
 | 1 | some shards failed (their errors are in the manifest) | rerun with ``shards=failed`` |
-| 2 | bad config or input, refused before any work | fix what the message names |
+| 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
 | 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC) | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |

@@ -155,7 +155,7 @@ def _run_locked(inputs: RunInputs) -> dict:
         except JobStopped as error:
             _record_end(summary, manifest, error.outcome, error.exit_code, str(error))
             raise
-        except ValueError as error:  # a setting the cluster cannot meet (e.g. more writers than CPUs)
+        except ValueError as error:  # an input file that changed under the running job: fix it, not a fault
             _record_end(summary, manifest, BAD_INPUT, EXIT_BAD_INPUT, str(error))
             raise
         except BaseException as error:
