@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -49,8 +49,14 @@ class ExtractorHost:
         self._started = time.perf_counter()
         self.actor = start_extractor(self.spec, **self.placement)
 
-    def ready(self) -> EngineInfo:
-        engine: EngineInfo = ray.get(self.actor.info.remote())
+    def ready(self, while_waiting: Optional[Callable[[], None]] = None) -> EngineInfo:
+        """Wait for the model to load (minutes for a large one); ``while_waiting`` runs every second
+        meanwhile (the run's progress: its gauges and status file must not go stale during a restart)."""
+        info = self.actor.info.remote()
+        if while_waiting is not None:
+            while not ray.wait([info], timeout=1.0)[0]:
+                while_waiting()
+        engine: EngineInfo = ray.get(info)
         logger.info(
             "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s "
             "(drafter ids %s)",
@@ -68,8 +74,9 @@ class ExtractorHost:
     def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
         return self.actor.extract.remote(tokens)
 
-    def restart(self, reason: str) -> None:
-        """Start a new extractor after a fault in generation ``self.generation``; JobFault past the bound."""
+    def restart(self, reason: str, while_waiting: Callable[[], None]) -> None:
+        """Start a new extractor after a fault in generation ``self.generation`` and wait for it (see
+        ``ready``); JobFault past the bound."""
         if self.generation >= self.max_restarts:
             raise JobFault(
                 f"the extractor died {self.generation + 1} times in this run (extract.max_restarts="
@@ -81,7 +88,7 @@ class ExtractorHost:
             ray.kill(self.actor, no_restart=True)
         self.generation += 1
         self.launch()
-        self.ready()
+        self.ready(while_waiting)
 
     def stop(self) -> CaptureActivity:
         activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)

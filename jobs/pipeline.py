@@ -344,7 +344,7 @@ class ExtractionRun:
             tokens = ray.get(ref)
         except ExtractorLost as error:
             if item.generation == lane.extractor.generation:
-                lane.extractor.restart(_error_text(error))
+                lane.extractor.restart(_error_text(error), self.progress.tick)
             self._lose(attempt, f"the extractor died: {_error_text(error)}")
             return
         except ray.exceptions.RayActorError as error:

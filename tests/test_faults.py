@@ -11,6 +11,7 @@ import collections
 import errno
 import hashlib
 import http.server
+import logging
 import os
 import signal
 import subprocess
@@ -129,10 +130,11 @@ def attempts(out: Path) -> dict[int, int]:
     return {record["index"]: record["attempts"] for record in read_manifest(out)["shards"]}
 
 
-def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama_fp32, dataset, tmp_path):
+def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     out = tmp_path / "out"
     with When(extractor_after_first_shard(out), sigkill) as killer:
-        code = main(job_args(llama_fp32, dataset, out))
+        code = main(job_args(llama_fp32, dataset, out, "progress.interval_s=0.5"))
     assert killer.done is not None, "the job ended before the extractor could be killed"
     summary = read_summary(out)
     assert code == EXIT_OK, summary["message"]
@@ -140,6 +142,11 @@ def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama
     # the shards the fault cut short were written again, in the same run
     assert max(attempts(out).values()) == 2
     assert_every_sample_once(out, dataset)
+    # While the new extractor loaded, the driver went on reporting progress (gauges, status file, log)
+    logged = [(record.name, record.getMessage()) for record in caplog.records]
+    died = next(i for i, (_, text) in enumerate(logged) if "died" in text and "starting it again" in text)
+    ready = next(i for i, (_, text) in enumerate(logged) if i > died and "ready after" in text)
+    assert any(name == "jobs.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
 
 
 def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):
