@@ -1,4 +1,5 @@
-"""Check a drafter config against a run: ``python -m jobs.check_drafter DRAFTER_CONFIG [...] output.dir=RUN``.
+"""Check a drafter config against a run: ``python -m jobs.check_drafter DRAFTER_CONFIG [...] output.dir=RUN``
+(or ``eagle3-check-drafter``).
 
 Asks the installed SGLang which layers each drafter config would make it capture
 from the run's target model (built on the meta device: no weights are read, a
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
+from jobs.config import program_name
 from jobs.summary import SUMMARY_FILE
 from storage import ShardReader
 
@@ -131,7 +133,7 @@ def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
-    parser = argparse.ArgumentParser(prog="python -m jobs.check_drafter", description=__doc__,
+    parser = argparse.ArgumentParser(prog=program_name("jobs.check_drafter"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
                         help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
@@ -160,5 +162,10 @@ def main(argv: Sequence[str]) -> int:
     return EXIT_OK if all(v.ok for v in verdicts) else EXIT_MISMATCH
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point ``eagle3-check-drafter``."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

@@ -3,9 +3,10 @@
 The file is memory-mapped; a sample's state tensors are views on the Arrow
 buffer of the row group that holds it (states are stored uncompressed), so
 reading one sample decodes only its row group and copies no state bytes
-beyond that. The tensors are read-only views: ``.clone()`` before writing
-into them. fp8 shards are dequantized to the model dtype (a new tensor per
-sample) unless the reader is asked for the raw fp8 values and their scales.
+beyond that. The tensors are views sharing that row group's buffers (torch
+has no read-only tensor): ``.clone()`` before modifying one in place. fp8
+shards are dequantized to the model dtype (a new tensor per sample) unless
+the reader is asked for the raw fp8 values and their scales.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -
     start, end = int(offsets[row]), int(offsets[row + 1])
     data = column.buffers()[2]
     with warnings.catch_warnings():
-        # Arrow buffers are read-only; the tensor is documented as a read-only view.
+        # Arrow exports its buffers read-only, which torch cannot carry over and warns about; the
+        # module docstring tells callers not to write into the view.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start)
     return flat.view(-1, width)

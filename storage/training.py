@@ -8,11 +8,13 @@
 
 Any sample is two bisects away (file, then row group, from an index built once from the
 files' footers, ``storage.run_index``); reading it decodes its row group only, from a
-memory-mapped file (local) or by range reads (a URL). State tensors are read-only views on
-that row group's buffers; fp8 shards are dequantized to the model dtype unless ``raw_fp8``.
-The last row group read stays cached, so reading samples in file order decodes each group
-once. Files are opened lazily in the process that reads them: the dataset pickles as its
-index (a few numbers per file), so each ``DataLoader`` worker opens its own.
+memory-mapped file (local) or by range reads (a URL). State tensors are views on that row
+group's buffers; fp8 shards are dequantized to the model dtype unless ``raw_fp8``. The last row
+group read stays cached, so reading samples in file order decodes each group once, and an
+in-place op on a sample's tensor changes what later reads of that row group return: ``clone()``
+before modifying one (``collate`` copies). Files are opened lazily in the process that reads
+them: the dataset pickles as its index (a few numbers per file), so each ``DataLoader`` worker
+opens its own.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.shapes import KIMI_K25
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
-from jobs.check_drafter import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK
+from jobs.check_drafter import EXIT_BAD_INPUT, EXIT_MISMATCH
 from jobs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from tests.conftest import REPO_ROOT
@@ -114,12 +114,20 @@ def test_deepseek_v2_adds_one_only_when_the_first_id_is_1(ray_cluster, small_dat
         "written": written,  # first id 1: SGLang adds 1
         # One more: the first id is no longer 1, SGLang adds nothing, and the same layers come out.
         "plus1": with_ids(written, [2, 4, 6]),
+        # One lower, as if SGLang added 1 here as it does for Llama: the first id is 0, nothing is added.
+        "minus1": with_ids(written, [0, 2, 4]),
+        "plus2": with_ids(written, [3, 5, 7]),  # one more than plus1: no first id 1, taken as they are
+        "vllm": vllm_style(written, [2, 4, 6]),  # SGLang ignores the top-level key: its default [2, 4, 5]
     }, tmp_path)
-    assert code == EXIT_OK, output
+    assert code == EXIT_MISMATCH, output
     assert verdicts["written"].startswith("PASS") and verdicts["plus1"].startswith("PASS"), output
     assert "layers_to_capture [2, 4, 6]" in verdicts["written"], output
-    # The ids one lower (canonical [0, 2, 4]) are the other direction; tests/test_kimi.py covers
-    # deepseek_v2 with a first id that is not 1, where both directions fail.
+    for name, captured in (("minus1", "[0, 2, 4]"), ("plus2", "[3, 5, 7]"), ("vllm", "[2, 4, 5]")):
+        assert verdicts[name].startswith("FAIL"), output
+        assert f"would capture layers_to_capture {captured}" in verdicts[name], output
+        assert "but the run stored layers_to_capture [2, 4, 6]" in verdicts[name], output
+        assert f"Fix: set eagle_config.{IDS} to [1, 3, 5]" in verdicts[name], output
+    assert "written for vLLM's convention" in verdicts["vllm"], output
 
 
 def test_bad_input_exits_2(tmp_path):

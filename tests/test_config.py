@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
+from jobs.preflight import refuse_pickled_weights
 from storage.config import OutputConfig
 from tests.conftest import REPO_ROOT
 
@@ -129,6 +131,20 @@ def test_cli_mistakes_exit_2_with_one_line_before_ray(module, args, message):
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr and "Ray" not in result.stderr + result.stdout
     print(f"{module} {args}: exit 2 after {time.monotonic() - started:.1f} s")
+
+
+def test_pickled_weights_are_refused_unless_trusted(llama_fp32, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copy2(llama_fp32 / "config.json", tmp_path / "config.json")
+    torch.save(load_file(llama_fp32 / "model.safetensors"), tmp_path / "pytorch_model.bin")  # the same weights, pickled
+    with pytest.raises(ConfigError, match=rf"model.path={tmp_path} has only pickled weights \(pytorch_model.bin\).*"
+                                          r"Convert the checkpoint to safetensors, or set model.trust_remote_code=true"):
+        refuse_pickled_weights(ModelConfig(path=str(tmp_path)))
+    refuse_pickled_weights(ModelConfig(path=str(tmp_path), trust_remote_code=True))
+    shutil.copy2(llama_fp32 / "model.safetensors", tmp_path / "model.safetensors")
+    refuse_pickled_weights(ModelConfig(path=str(tmp_path)))  # SGLang loads the safetensors, never the pickle
 
 
 def test_paths_resolved_once_and_relative_ones_refused_under_a_ray_job(tmp_path, monkeypatch):

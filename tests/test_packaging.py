@@ -63,11 +63,13 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     result = pip(venv, "install", "--no-deps", "--no-build-isolation", str(project), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled", "HOME": str(Path.home())}
-    for command, key in (("eagle3-extract", "model.trust_remote_code"), ("eagle3-status", "output.dir"),
-                         ("eagle3-export", "dest"), ("eagle3-plan", "output.disk_budget")):
+    for command, text in (("eagle3-extract", "  model.trust_remote_code = "), ("eagle3-status", "  output.dir = "),
+                          ("eagle3-export", "  dest = "), ("eagle3-plan", "  output.disk_budget = "),
+                          ("eagle3-verify", "  --deep "),
+                          ("eagle3-check-drafter", "Exit codes: 0 every config captures")):
         ran = subprocess.run([command, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr[-2000:]
-        assert f"usage: {command} " in ran.stdout and f"  {key} = " in ran.stdout
+        assert f"usage: {command} " in ran.stdout and text in ran.stdout, ran.stdout
     # the installed copy is what ran, not the checkout
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
                            capture_output=True, text=True, check=True).stdout

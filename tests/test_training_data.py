@@ -137,6 +137,10 @@ def test_dataset_gives_every_sample_as_the_shards_hold_it(runs):
         assert item["aux_hidden_states"].shape == (len(sample.input_ids), LAYERS * HIDDEN)
         assert same(item["aux_hidden_states"], sample.aux_hidden_states)
         assert same(item["last_hidden_state"], sample.last_hidden_state)
+    # reads of one row group share its cached buffers (no copy); collate copies, so a batch can be written into
+    assert dataset[0]["aux_hidden_states"].data_ptr() == dataset[0]["aux_hidden_states"].data_ptr()
+    collate([dataset[0], dataset[1]])["aux_hidden_states"].add_(1)
+    assert same(dataset[0]["aux_hidden_states"], expected[ids[0]].aux_hidden_states)
     # what a DataLoader worker receives: the index, no open file or Arrow table
     blob = pickle.dumps(dataset)
     assert len(blob) < 8_000 and b"ParquetFile" not in blob and b"pyarrow.lib.Table" not in blob
