@@ -151,11 +151,13 @@ def is_loopback(ip: str) -> bool:
     return ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback
 
 
-def test_demo_is_private_loopback_resumable_and_keeps_user_files(tmp_path):
-    """`python -m jobs.extract` with no paths, no address and no loopback setting in the environment:
-    a private Ray cluster whose processes (GCS, raylet, agents, workers, the TP=2 extractor and its
-    follower rank) listen on loopback only; absolute paths in the final message; a rerun does nothing
-    without starting Ray; a user-named output.dir holding something else is refused and kept."""
+def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_path):
+    """`python -m jobs.extract` with no paths, no address and no loopback setting in the environment,
+    while a head started with `ray start --head --node-ip-address=127.0.0.1` runs (a plain run once
+    retried for minutes to join it at the host's other address): a private Ray cluster whose processes
+    (GCS, raylet, agents, workers, the TP=2 extractor and its follower rank) listen on loopback only;
+    absolute paths in the final message; a rerun does nothing without starting Ray; a user-named
+    output.dir holding something else is refused and kept."""
     args = ["demo.dir=demo", "demo.num_samples=12", "model.tp_size=2"]  # relative: resolved on the driver
     driver = start_job(args, cwd=tmp_path)
     seen: dict[tuple[str, str, int], None] = {}
@@ -165,6 +167,7 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(tmp_path):
         time.sleep(0.25)
     stdout, stderr = driver.communicate()
     assert driver.returncode == 0, stderr[-3000:]
+    assert "started a private Ray cluster on 127.0.0.1 for this run" in stderr  # its GCS: sampled below
     print(f"{len(seen)} listening sockets sampled: {sorted({(ip, port) for _, ip, port in seen})}")
     assert any("gcs_server" in command for command, _, _ in seen)
     assert any("spawn_main" in command for command, _, _ in seen), "the TP follower rank was never sampled"
