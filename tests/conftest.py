@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,19 +27,21 @@ from jobs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     import ray
 
-    temp_dir = tmp_path_factory.mktemp("ray")
+    # Short: Ray's socket paths live under it (at most 107 bytes)
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(
         _node_ip_address="127.0.0.1",
-        _temp_dir=str(temp_dir),
+        _temp_dir=temp_dir,
         include_dashboard=False,
         num_cpus=3,  # extractor + writers; the machine has 2 cores, Ray's CPUs are logical
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
     )
     yield
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

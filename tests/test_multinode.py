@@ -8,8 +8,10 @@ Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,11 +28,13 @@ BUDGET = 800_000  # about two shards of this dataset: each node must wait on its
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     from ray.cluster_utils import Cluster
 
-    temp = tmp_path_factory.mktemp("ray-cluster")
-    common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp))
+    # Short: Ray's socket paths live under it (at most 107 bytes; pytest's temp paths, with a worker's
+    # folder under xdist, leave too little)
+    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=temp)
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(common, resources={"node_a": 1}, labels={"eagle3-node": "a"}, include_dashboard=False),
@@ -39,6 +43,7 @@ def two_nodes(tmp_path_factory):
     cluster.wait_for_nodes()
     yield cluster, {"a": cluster.head_node.node_id, "b": worker.node_id}
     cluster.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nodes, llama_fp32, tmp_path):
