@@ -218,7 +218,10 @@ class RunProgress:
 
     def tokens_written(self, shard: int, tokens: int) -> None:
         self.written += tokens
-        self.open_tokens[shard] = self.open_tokens.get(shard, 0) + tokens
+        # A batch's completion may reach the driver after its shard's publication did (Ray reports the
+        # writer's two results independently): the manifest's record already counts those tokens.
+        if shard not in self.settled:
+            self.open_tokens[shard] = self.open_tokens.get(shard, 0) + tokens
         self.metrics.add(self.metrics.tokens, tokens)
         if self.bars:
             self.bars[1].update(tokens)

@@ -101,6 +101,21 @@ def test_a_failed_shard_rerun_is_work_still_to_do(tmp_path):
     assert snapshot.tokens_to_go == 160
 
 
+def test_a_batch_reported_after_its_shard_was_published_counts_once(tmp_path):
+    """Seen under ray job submit on a loaded machine: the final report said 101%."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 100}, [0], run="r", interval_s=3600,
+                           interactive=False)
+    progress.begin()
+    progress.tokens_written(0, 60)
+    manifest.update(0, state=DONE, rows=4, tokens=100, bytes=5000)
+    progress.shard_settled(0)
+    progress.tokens_written(0, 40)  # the last batch's completion, handled after the shard's
+    snapshot = progress.snapshot()
+    assert (snapshot.tokens_done, snapshot.tokens_planned, snapshot.tokens_to_go) == (100, 100, 0)
+    assert snapshot.describe().startswith("shards 1/1, tokens 100/100 (100%)")
+
+
 def test_disk_wait_shows_while_it_lasts(tmp_path):
     manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
     summary = _Summary()
