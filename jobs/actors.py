@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import ray
 
@@ -49,14 +49,12 @@ class ExtractorHost:
         self._started = time.perf_counter()
         self.actor = start_extractor(self.spec, **self.placement)
 
-    def ready(self, while_waiting: Optional[Callable[[], None]] = None) -> EngineInfo:
-        """Wait for the model to load (minutes for a large one); ``while_waiting`` runs every second
-        meanwhile (the run's progress: its gauges and status file must not go stale during a restart)."""
-        info = self.actor.info.remote()
-        if while_waiting is not None:
-            while not ray.wait([info], timeout=1.0)[0]:
-                while_waiting()
-        engine: EngineInfo = ray.get(info)
+    def ready(self) -> EngineInfo:
+        """Wait for the model to load."""
+        return self.loaded(ray.get(self.actor.info.remote()))
+
+    def loaded(self, engine: EngineInfo) -> EngineInfo:
+        """Log what the started extractor captures."""
         logger.info(
             "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s "
             "(drafter ids %s)",
@@ -74,9 +72,12 @@ class ExtractorHost:
     def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
         return self.actor.extract.remote(tokens)
 
-    def restart(self, reason: str, while_waiting: Callable[[], None]) -> None:
-        """Start a new extractor after a fault in generation ``self.generation`` and wait for it (see
-        ``ready``); JobFault past the bound."""
+    def restart(self, reason: str) -> ray.ObjectRef:
+        """Start a new extractor after a fault in generation ``self.generation``, without waiting for its
+        model: returns the reference that completes with its EngineInfo once loaded (or raises if it
+        died meanwhile). Batches sent before then wait in its queue (Ray runs an actor's calls after
+        its constructor), so a load of minutes holds up neither the driver nor other nodes' extractors.
+        JobFault past ``max_restarts``."""
         if self.generation >= self.max_restarts:
             raise JobFault(
                 f"the extractor died {self.generation + 1} times in this run (extract.max_restarts="
@@ -88,7 +89,7 @@ class ExtractorHost:
             ray.kill(self.actor, no_restart=True)
         self.generation += 1
         self.launch()
-        self.ready(while_waiting)
+        return self.actor.info.remote()
 
     def stop(self) -> CaptureActivity:
         activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)

@@ -12,7 +12,8 @@ budget's own wait loop settles the work in flight (writes, uploads) and
 re-scans the directories for files a consumer deleted.
 
 Faults are survived in the same run: a dead extractor is started again (at
-most ``extract.max_restarts`` times), a dead writer is replaced, and every
+most ``extract.max_restarts`` times; the run, and other nodes' lanes, go on
+while its model loads), a dead writer is replaced, and every
 shard a fault cut short is discarded (no temp file stays) and extracted again
 (at most ``extract.max_attempts`` tries per shard); past those bounds the job
 stops with ``JobFault`` (exit 4) and a rerun resumes.
@@ -40,7 +41,7 @@ from jobs.plan import Shard
 from jobs.progress import RunProgress
 from jobs.scheduler import Lane, Scheduler
 from jobs.uploads import UploadQueue
-from jobs.work import Append, Discard, Finish, PendingWork, ShardAttempt, Upload
+from jobs.work import Append, Discard, Finish, PendingWork, Restarted, ShardAttempt, Upload
 from jobs.writer import ExtractorLost, ShardDiskFull
 from storage import ShardFileInfo, ShardMetadata, shard_file_name
 from storage.config import OutputConfig
@@ -335,6 +336,8 @@ class ExtractionRun:
             self._on_discard(item.attempt, ref)
         elif isinstance(item, Upload):
             self._on_upload(item.shard, ref)
+        elif isinstance(item, Restarted):
+            self._on_restarted(item, ref)
 
     def _on_append(self, item: Append, ref: ray.ObjectRef) -> None:
         attempt, lane = item.attempt, item.attempt.lane
@@ -344,7 +347,7 @@ class ExtractionRun:
             tokens = ray.get(ref)
         except ExtractorLost as error:
             if item.generation == lane.extractor.generation:
-                lane.extractor.restart(_error_text(error), self.progress.tick)
+                self._restart_extractor(lane, _error_text(error))
             self._lose(attempt, f"the extractor died: {_error_text(error)}")
             return
         except ray.exceptions.RayActorError as error:
@@ -381,6 +384,15 @@ class ExtractionRun:
         self.uploads.offer(record, lane.group.name, lane.group.directory / record.file, self.work)
         self.progress.shard_settled(attempt.index)
 
+    def _on_restarted(self, item: Restarted, ref: ray.ObjectRef) -> None:
+        extractor = item.lane.extractor
+        if item.generation != extractor.generation:
+            return  # a later fault already replaced it
+        try:
+            extractor.loaded(ray.get(ref))
+        except ray.exceptions.RayError as error:  # died while loading: its queued batches died with it
+            self._restart_extractor(item.lane, _error_text(error))
+
     def _shard_failed(self, attempt: ShardAttempt, error: Exception) -> None:
         lane = attempt.lane
         self.scheduler.settled(attempt)
@@ -398,6 +410,11 @@ class ExtractionRun:
             )
 
     # -- faults ----------------------------------------------------------------------------------
+
+    def _restart_extractor(self, lane: Lane, reason: str) -> None:
+        """A new extractor for the lane; the run goes on while it loads (see ``ExtractorHost.restart``)."""
+        loaded = lane.extractor.restart(reason)
+        self.work.add(loaded, Restarted(lane, lane.extractor.generation))
 
     def _writer_died(self, lane: Lane, writer: Any, error: Exception) -> None:
         """Replace the writer; every attempt it held is lost (once: its other failures change nothing)."""

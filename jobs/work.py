@@ -3,7 +3,8 @@
 A shard is written by one ``ShardAttempt``: its batches go to one writer
 (``Append``), then ``Finish`` publishes the file. A fault (an actor lost) ends
 an attempt early; ``Discard`` then removes what the writer held of it before
-the shard may start again. ``Upload`` carries a committed file to the sink.
+the shard may start again. ``Upload`` carries a committed file to the sink;
+``Restarted`` is an extractor started again after a fault, loading its model.
 The driver waits on all of them at once and handles each completion by its
 type, never by looking a reference up in several maps.
 """
@@ -68,7 +69,15 @@ class Upload:
     shard: int
 
 
-Work = Union[Append, Finish, Discard, Upload]
+@dataclasses.dataclass(frozen=True)
+class Restarted:
+    """An extractor started again after a fault: completes once its model has loaded."""
+
+    lane: Any
+    generation: int
+
+
+Work = Union[Append, Finish, Discard, Upload, Restarted]
 
 
 class PendingWork:
