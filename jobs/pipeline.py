@@ -283,8 +283,9 @@ class ExtractionRun:
             lane = self.scheduler.ready_lane()
             if lane is None:
                 # Every lane is at its batches in flight, or nothing is open: shards cut short by a
-                # fault come back once discarded.
-                self._settle_one(timeout=None if self.scheduler.any_open else self.output.rescan_s)
+                # fault come back once discarded. Bounded, so that progress is reported while nothing
+                # completes (an extractor loading its model after a fault holds every batch of its lane).
+                self._settle_one(timeout=self.progress.refresh_s if self.scheduler.any_open else self.output.rescan_s)
                 continue
             self.scheduler.send_batch(lane)
 
