@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 # Before ray is imported anywhere: stay on loopback, no auth token, no usage stats.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -26,22 +28,32 @@ sys.path.insert(0, str(REPO_ROOT))
 from jobs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
 
 
+@contextlib.contextmanager
+def ray_temp_dir(prefix: str) -> Iterator[Path]:
+    """A Ray cluster's own temp dir, removed after. Short, directly under /tmp: Ray's socket paths live
+    under it and may not exceed 107 bytes, which pytest's temp paths (with a worker's folder under
+    xdist) leave too little of."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
-    # Short: Ray's socket paths live under it (at most 107 bytes)
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-        include_dashboard=False,
-        num_cpus=3,  # extractor + writers; the machine has 2 cores, Ray's CPUs are logical
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
-    )
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_temp_dir("ray") as temp_dir:
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            _temp_dir=str(temp_dir),
+            include_dashboard=False,
+            num_cpus=3,  # extractor + writers; the machine has 2 cores, Ray's CPUs are logical
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        )
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

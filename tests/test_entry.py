@@ -11,10 +11,8 @@ import hashlib
 import ipaddress
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -31,7 +29,7 @@ from jobs.status import status_report
 from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
 from tests.helpers import assert_run_verifies
 from tests.test_job import read_all
 
@@ -230,32 +228,31 @@ def ray_head() -> Iterator[RayHead]:
 
     `ray stop` would stop every Ray on the machine: teardown kills only this head's processes.
     """
-    temp_dir = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths live under it
-    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
-    started = subprocess.run(
-        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-         f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
-         f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
-         "--disable-usage-stats"],
-        # Metrics reach the endpoint every second (Ray's floor) rather than every 10 s: the job is short.
-        env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000"),
-        capture_output=True, text=True, timeout=180,
-    )
-    try:
-        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
-        yield RayHead(f"127.0.0.1:{ports['gcs']}", f"http://127.0.0.1:{ports['dashboard']}", ports["metrics"], temp_dir)
-    finally:
-        processes = _head_processes(temp_dir)
-        for process in processes:
-            try:
-                process.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(processes, timeout=15)
-        for process in alive:
-            process.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_temp_dir("rh") as temp_dir:
+        ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+        started = subprocess.run(
+            [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+             f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
+             f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
+             "--disable-usage-stats"],
+            # Metrics reach the endpoint every second (Ray's floor) rather than every 10 s: the job is short.
+            env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000"),
+            capture_output=True, text=True, timeout=180,
+        )
+        try:
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+            yield RayHead(f"127.0.0.1:{ports['gcs']}", f"http://127.0.0.1:{ports['dashboard']}", ports["metrics"], temp_dir)
+        finally:
+            processes = _head_processes(temp_dir)
+            for process in processes:
+                try:
+                    process.terminate()
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(processes, timeout=15)
+            for process in alive:
+                process.kill()
 
 
 def submit(head: RayHead, submission_id: str, args: list[str]) -> None:

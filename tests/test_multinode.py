@@ -8,17 +8,15 @@ Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from jobs.demo import build_synthetic_dataset
 from jobs.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, ray_temp_dir
 from tests.helpers import assert_every_sample_once, assert_run_verifies
 from tests.test_budget_resume import DiskSampler
 
@@ -31,19 +29,16 @@ BUDGET = 800_000  # about two shards of this dataset: each node must wait on its
 def two_nodes():
     from ray.cluster_utils import Cluster
 
-    # Short: Ray's socket paths live under it (at most 107 bytes; pytest's temp paths, with a worker's
-    # folder under xdist, leave too little)
-    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=temp)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=dict(common, resources={"node_a": 1}, labels={"eagle3-node": "a"}, include_dashboard=False),
-    )
-    worker = cluster.add_node(**common, resources={"node_b": 1}, labels={"eagle3-node": "b"})
-    cluster.wait_for_nodes()
-    yield cluster, {"a": cluster.head_node.node_id, "b": worker.node_id}
-    cluster.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with ray_temp_dir("rc") as temp:
+        common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp))
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(common, resources={"node_a": 1}, labels={"eagle3-node": "a"}, include_dashboard=False),
+        )
+        worker = cluster.add_node(**common, resources={"node_b": 1}, labels={"eagle3-node": "b"})
+        cluster.wait_for_nodes()
+        yield cluster, {"a": cluster.head_node.node_id, "b": worker.node_id}
+        cluster.shutdown()
 
 
 def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nodes, llama_fp32, tmp_path):
