@@ -132,6 +132,7 @@ def _run_locked(inputs: RunInputs) -> dict:
         )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         to_run = select_shards(manifest, config.shards)
+        # Every directory is claimed before any is cleaned: a refusal leaves all of them untouched.
         for group in groups:
             claim_directory(group.disk(), manifest, group.name, group.directory == output_dir)
         for group in groups:
