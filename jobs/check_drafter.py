@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.config import program_name
-from jobs.summary import SUMMARY_FILE
+from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")

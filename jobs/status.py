@@ -16,15 +16,23 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from jobs.budget import format_bytes
+from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import ConfigError, build_config, build_parser, program_name
-from jobs.lock import LOCK_FILE, read_owner
-from jobs.node_disk import CLAIM_FILE
-from jobs.progress import ProgressSnapshot
-from jobs.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
-from storage.config import OutputConfig
+from jobs.driver.budget import format_bytes
+from jobs.driver.config import OutputConfig
+from jobs.driver.progress import ProgressSnapshot
+from jobs.rundir.lock import LOCK_FILE, read_owner
+from jobs.rundir.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
 from storage.manifest import (
-    CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, MANIFEST_JOURNAL_FILE, PENDING, SINK, read_manifest,
+    CONSUMED,
+    DONE,
+    FAILED,
+    LOCAL,
+    MANIFEST_FILE,
+    MANIFEST_JOURNAL_FILE,
+    PENDING,
+    SINK,
+    read_manifest,
 )
 from storage.nonfinite import KEPT, SKIPPED
 from storage.writer import SHARD_GLOB, TEMP_GLOB

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from jobs.budget import format_bytes
 from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.driver.budget import format_bytes
+from jobs.driver.config import OutputConfig
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
-from jobs.lock import read_owner
-from jobs.summary import read_invalid_rows, read_summary
-from storage.config import OutputConfig
+from jobs.rundir.lock import read_owner
+from jobs.rundir.summary import read_invalid_rows, read_summary
 from storage.verify import Problem, VerifyReport, verify_run
 
 

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
-from jobs.extractor_actor import fetch_batch, start_extractor
+from jobs.actors.extractor import fetch_batch, start_extractor
 from storage import ShardReader, ShardWriter
 
 
@@ -152,7 +152,7 @@ def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Pa
     """The shard files under ``output_dir`` (one directory or several: one per node) hold every sample
     of the dataset exactly once, and no temp file of a shard remains; a run's directory (one with a
     manifest) also passes ``jobs.verify --deep``."""
-    from jobs.dataset import open_tokenized_dataset
+    from jobs.inputs.dataset import open_tokenized_dataset
     from storage.manifest import MANIFEST_FILE
     from storage.writer import TEMP_GLOB
 

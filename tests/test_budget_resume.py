@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import ray
 
-from jobs.budget import format_bytes
-from jobs.node_disk import LocalDisk
-from jobs.demo import build_synthetic_dataset
-from jobs.extract import run
+from jobs.cluster.node_disk import LocalDisk
+from jobs.driver.budget import format_bytes
 from jobs.errors import BudgetExhausted
+from jobs.extract import run
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from jobs.summary import read_summary
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT

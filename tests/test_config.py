@@ -12,10 +12,10 @@ import time
 import pytest
 
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.cluster import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
-from jobs.preflight import refuse_pickled_weights
-from storage.config import OutputConfig
+from jobs.driver.config import OutputConfig
+from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
 
 

@@ -22,11 +22,11 @@ import psutil
 import pytest
 import ray
 
-from jobs.demo import build_synthetic_dataset
+from jobs.driver.progress import METRICS, RUN_LABEL
 from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
-from jobs.progress import METRICS, RUN_LABEL
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
@@ -279,7 +279,7 @@ def done_shards(out: Path) -> int:
 
 _SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-# The log line of jobs.progress: "shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB".
+# The log line of jobs.driver.progress: "shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB".
 PROGRESS_LINE = re.compile(r"shards (\d+)/(\d+), tokens \S+/\S+ \((\d+)%\), \S+ tok/s, ETA \S+, disk [^,\n]+")
 
 

@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional
 import psutil
 import pytest
 
-from jobs.demo import build_synthetic_dataset
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK
 from jobs.extract import main
-from jobs.summary import read_summary
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.helpers import assert_every_sample_once, assert_run_verifies
@@ -146,7 +146,7 @@ def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama
     logged = [(record.name, record.getMessage()) for record in caplog.records]
     died = next(i for i, (_, text) in enumerate(logged) if "died" in text and "starting it again" in text)
     ready = next(i for i, (_, text) in enumerate(logged) if i > died and "ready after" in text)
-    assert any(name == "jobs.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
+    assert any(name == "jobs.driver.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
 
 
 def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):

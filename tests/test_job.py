@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from jobs.config import load_config
-from jobs.dataset import open_tokenized_dataset
-from jobs.extract import run
-from jobs.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE
 from extractor.quantize import quantize_fp8
-from jobs.plan import pack_batches
+from jobs.config import load_config
+from jobs.extract import run
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.planning.shards import pack_batches
+from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE
 from storage import ShardReader
 from tests.conftest import REPO_ROOT
 from tests.helpers import ExtractorHandle, assert_reads_as_parquet_dataset, engine_spec, split_tokens
@@ -194,17 +194,17 @@ def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
 
 
 def test_storage_and_jobs_do_not_import_sglang():
-    assert imported_by("storage, jobs.extract, jobs.pipeline", ("sglang",)) == []
+    assert imported_by("storage, jobs.extract, jobs.driver.run", ("sglang",)) == []
 
 
 def test_writer_processes_do_not_import_torch():
     """Eight writers each importing torch would spend seconds and GBs before their first batch."""
-    assert imported_by("jobs.writer, jobs.sink", ("torch", "sglang")) == []
+    assert imported_by("jobs.actors.writer, jobs.actors.uploader", ("torch", "sglang")) == []
 
 
 def test_dry_run_imports_sglang_and_torch_only_for_the_layer_check():
     """`python -m jobs.plan` with the synthetic source (no layer check to run) answers without either."""
-    assert imported_by("jobs.plan, jobs.dry_run", ("torch", "sglang")) == []
+    assert imported_by("jobs.plan, jobs.planning.dry_run", ("torch", "sglang")) == []
 
 
 def test_status_starts_without_ray_or_torch():

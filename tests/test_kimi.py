@@ -22,8 +22,8 @@ from benchmarks.shapes import KIMI_K25, kimi_k25_reduced
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from jobs.check_drafter import EXIT_MISMATCH
-from jobs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
+from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from jobs.demo import build_synthetic_dataset
-from jobs.summary import read_summary
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
 from tests.conftest import REPO_ROOT, ray_temp_dir
 from tests.helpers import assert_every_sample_once, assert_run_verifies
@@ -123,6 +123,6 @@ def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_f
 @pytest.mark.parametrize("cpus, groups, writers", [(2, 1, 1), (16, 1, 8), (32, 1, 16), (128, 1, 32), (128, 2, 16)])
 def test_automatic_writers_follow_the_node(cpus, groups, writers):
     """output.num_writers=0: half the node's CPUs, 8 to 32 per node, never more than it has spare."""
-    from jobs.nodes import _writers
+    from jobs.cluster.nodes import _writers
 
     assert _writers({"Resources": {"CPU": cpus}, "NodeManagerAddress": "10.0.0.1"}, groups, 0) == writers

@@ -13,7 +13,7 @@ import torch
 
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.extract import run
-from jobs.summary import NOTHING_TO_DO
+from jobs.rundir.summary import NOTHING_TO_DO
 from jobs.verify import main as verify_main
 from storage import ShardReader, shard_file_name
 from storage.manifest import read_manifest

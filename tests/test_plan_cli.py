@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from jobs.config import ConfigError
-from jobs.dry_run import main
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
 from jobs.extract import run
+from jobs.plan import main
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token

@@ -10,13 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
-from jobs.summary import INVALID_ROWS_FILE
-from jobs.verify import main as verify_main
-from storage import ShardMetadata, ShardReader, ShardWriter, shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
 from extractor.config import NONFINITE_ACTIONS
-from storage import nonfinite
+from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.rundir.summary import INVALID_ROWS_FILE
+from jobs.verify import main as verify_main
+from storage import ShardMetadata, ShardReader, ShardWriter, nonfinite, shard_file_name
+from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
 from storage.nonfinite import NonFiniteStates
 from storage.verify import verify_run
 

@@ -14,11 +14,11 @@ from typing import Iterable
 
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
-from jobs.budget import DiskBudget, format_bytes
 from jobs.config import ConfigError, JobConfig
-from jobs.demo import prepare_demo
-from jobs.lock import LOCK_FILE
-from jobs.plan import Shard
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.inputs.demo import prepare_demo
+from jobs.planning.shards import Shard
+from jobs.rundir.lock import LOCK_FILE
 from storage import ShardMetadata
 from storage.manifest import MANIFEST_FILE, read_manifest
 from storage.writer import state_bytes_per_token

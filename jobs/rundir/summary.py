@@ -3,7 +3,7 @@
 The summary is written when the run starts (outcome ``running``, the plan and the
 budget, so that ``jobs.status`` can show planned tokens and the run's own budget),
 every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate,
-ETA, disk; ``jobs.progress``), and again when it ends, whatever the end: complete,
+ETA, disk; ``jobs.driver.progress``), and again when it ends, whatever the end: complete,
 shards failed, budget exhausted, a fault or a signal. Totals cover every done shard of the output directory; the
 ``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
 run's time. Both names start with a dot, so that Parquet dataset readers skip them.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jobs.config import JobConfig
-from jobs.dataset import InvalidRow
+from jobs.inputs.dataset import InvalidRow
 from storage.manifest import DONE, FAILED, SINK, Manifest
 from storage.nonfinite import KEPT, SKIPPED
 
@@ -121,13 +121,13 @@ class RunSummary:
         self.started_at = _now()
         self.started = time.monotonic()
         self.progress: Optional[dict[str, Any]] = None
-        """The last progress report (``jobs.progress.ProgressSnapshot``), kept in the final summary too."""
+        """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
 
     def start(self, manifest: Manifest) -> None:
         write_json(self.path, self._build(manifest, RUNNING, None, "", None))
 
     def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
-        """The running summary with the latest progress (``jobs.progress`` calls this every interval)."""
+        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval)."""
         self.progress = progress
         write_json(self.path, self._build(manifest, RUNNING, None, "", None))
 

@@ -18,14 +18,14 @@ import collections
 import dataclasses
 from typing import Callable, Optional
 
-from jobs.actors import RERUN, ExtractorHost, WriterPool
-from jobs.budget import DiskBudget
-from jobs.dataset import TokenizedDataset
+from jobs.actors.handles import RERUN, ExtractorHost, WriterPool
+from jobs.actors.writer import BatchRows
+from jobs.cluster.nodes import NodeGroup
+from jobs.driver.budget import DiskBudget
+from jobs.driver.work import Append, Finish, PendingWork, ShardAttempt
 from jobs.errors import JobFault
-from jobs.nodes import NodeGroup
-from jobs.plan import Shard
-from jobs.work import Append, Finish, PendingWork, ShardAttempt
-from jobs.writer import BatchRows
+from jobs.inputs.dataset import TokenizedDataset
+from jobs.planning.shards import Shard
 from storage.manifest import FAILED, PENDING, Manifest, ShardRecord
 
 

@@ -23,10 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.inputs.config import DEMO_ARCHS
+
 logger = logging.getLogger(__name__)
 
 DEMO_VOCAB_SIZE = 512
-DEMO_ARCHS = ("llama", "qwen3", "deepseek_v3", "kimi_k25")
 
 # Kimi-K2.5's MoonViT (27 blocks of width 1152 as released) at toy size. The released config.json
 # carries only the vt_* names (the projector reads them); SGLang's MoonViT reads the plain names and

@@ -30,21 +30,22 @@ from typing import Any
 
 import ray
 
-from extractor.config import ExtractConfig, ModelConfig
+from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
-from jobs.actors import ExtractorHost, WriterPool
-from jobs.budget import DiskBudget, format_bytes
-from jobs.dataset import TokenizedDataset
+from jobs.actors.handles import ExtractorHost, WriterPool
+from jobs.actors.writer import ExtractorLost, ShardDiskFull
+from jobs.cluster.nodes import NodeGroup
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.config import OutputConfig
+from jobs.driver.progress import RunProgress
+from jobs.driver.scheduler import Lane, Scheduler
+from jobs.driver.uploads import UploadQueue
+from jobs.driver.work import Append, Discard, Finish, PendingWork, Restarted, ShardAttempt, Upload
 from jobs.errors import DiskFull, JobFault
-from jobs.nodes import NodeGroup
-from jobs.plan import Shard
-from jobs.progress import RunProgress
-from jobs.scheduler import Lane, Scheduler
-from jobs.uploads import UploadQueue
-from jobs.work import Append, Discard, Finish, PendingWork, Restarted, ShardAttempt, Upload
-from jobs.writer import ExtractorLost, ShardDiskFull
-from storage import ShardFileInfo, ShardMetadata, shard_file_name
-from storage.config import OutputConfig
+from jobs.inputs.dataset import TokenizedDataset
+from jobs.planning.engine import shard_metadata
+from jobs.planning.shards import Shard
+from storage import ShardFileInfo, shard_file_name
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest, ShardRecord
 from storage.writer import state_bytes_per_token
 
@@ -91,47 +92,6 @@ def resolve_device(requested: str, tp_size: int) -> str:
     if requested == "cuda" and gpus < tp_size:
         raise ValueError(f"model.device=cuda with model.tp_size={tp_size}, but the Ray cluster has {gpus} GPUs")
     return requested
-
-
-def build_engine_spec(
-    model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int,
-    state_dtype: str = "model",
-) -> EngineSpec:
-    return EngineSpec(
-        model_path=str(Path(model.path).resolve()),
-        dtype=model.dtype,
-        device=device,
-        tp_size=model.tp_size,
-        attention_backend=model.attention_backend or ("torch_native" if device == "cpu" else "flashinfer"),
-        layer_ids=tuple(layer_ids),
-        last_hidden_state=extract.last_hidden_state,
-        state_dtype=state_dtype,
-        engine=model.engine,
-        synthetic_tokens_per_s=model.synthetic_tokens_per_s,
-        max_tokens_per_batch=max(extract.max_tokens_per_batch, longest_sample),
-        max_samples_per_batch=extract.max_samples_per_batch,
-        context_length=model.context_length,
-        mem_fraction_static=model.mem_fraction_static,
-        load_format=model.load_format,
-        trust_remote_code=model.trust_remote_code,
-    )
-
-
-def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
-    return ShardMetadata(
-        dtype=engine.dtype,
-        state_dtype=engine.dtype if spec.state_dtype == "model" else spec.state_dtype,
-        hidden_size=engine.hidden_size,
-        layer_ids=engine.layer_ids,
-        layers_to_capture=engine.layers_to_capture,
-        drafter_layer_ids=engine.drafter_layer_ids,
-        last_hidden_state=spec.last_hidden_state,
-        model_path=spec.model_path,
-        model_architecture=engine.model_architecture,
-        language_model_architecture=engine.language_model_architecture,
-        sglang_version=engine.sglang_version,
-        tp_size=engine.tp_size,
-    )
 
 
 class ExtractionRun:

@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from jobs.extractor_actor import EXTRACTOR_CPUS
-from jobs.node_disk import LocalDisk, disk_on
+from jobs.actors.extractor import EXTRACTOR_CPUS
+from jobs.cluster.node_disk import LocalDisk, disk_on
 
 NODE_LABEL = "eagle3-node"
 NODE_PLACEHOLDER = "{node}"

@@ -7,31 +7,19 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
 
 if TYPE_CHECKING:
-    from jobs.node_disk import LocalDisk
+    from jobs.cluster.node_disk import LocalDisk
 
 logger = logging.getLogger(__name__)
 
 # What earlier versions of the job called the manifest (before the output directory had to read
 # as a Parquet dataset).
 LEGACY_MANIFEST_FILE = "manifest.json"
-SELECT_PENDING = "pending"
-SELECT_FAILED = "failed"
-
-
-def check_selection(selection: Any) -> None:
-    if selection in (SELECT_PENDING, SELECT_FAILED):
-        return
-    if isinstance(selection, list) and selection and all(isinstance(i, int) for i in selection):
-        return
-    raise ValueError(
-        f"shards={selection!r}: use `pending` (every shard not done yet: resume), "
-        "`failed` (rerun failed shards only) or a list of shard indices like [3,17]"
-    )
 
 
 def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:

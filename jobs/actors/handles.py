@@ -17,10 +17,10 @@ from typing import Any
 import ray
 
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec, TokenBatch
+from jobs.actors.extractor import start_extractor
+from jobs.actors.uploader import UploaderActor
+from jobs.actors.writer import WriterActor
 from jobs.errors import JobFault
-from jobs.extractor_actor import start_extractor
-from jobs.sink import UploaderActor
-from jobs.writer import WriterActor
 from storage import ShardMetadata
 
 logger = logging.getLogger(__name__)

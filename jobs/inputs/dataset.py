@@ -2,7 +2,7 @@
 
 Each row has ``input_ids`` (list of integers) and optionally ``loss_mask``
 (0/1 integers, same length). One streaming pass over the files
-(``jobs.input_files``) checks every row with vectorised Arrow/NumPy
+(``jobs.inputs.files``) checks every row with vectorised Arrow/NumPy
 operations, block by block, and keeps only what planning needs: each kept
 row's length and sample id (its global row index across the files), a
 fingerprint of every token and mask, and an index of segments (row group,
@@ -30,14 +30,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from extractor.types import TokenBatch, split_flat
-from jobs.input_files import (
-    INPUT_IDS, LARGE_ROW_GROUP_ROWS, LOSS_MASK, Block, InputFile, largest_row_group, read_segment, resolve_files,
+from jobs.inputs.config import ON_INVALID
+from jobs.inputs.files import (
+    INPUT_IDS,
+    LARGE_ROW_GROUP_ROWS,
+    LOSS_MASK,
+    Block,
+    InputFile,
+    largest_row_group,
+    read_segment,
+    resolve_files,
     scan,
 )
 
 logger = logging.getLogger(__name__)
 
-ON_INVALID = ("fail", "skip")
 EXCEEDS_CONTEXT = "tokens exceed the context length"
 """In the reason of a row longer than the context length (the dry run counts them)."""
 FINGERPRINT_VERSION = b"eagle3-tokenized-dataset-v2"

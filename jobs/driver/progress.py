@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any, Optional, Protocol, Sequence
 
-from jobs.budget import DiskBudget, format_bytes
+from jobs.driver.budget import DiskBudget, format_bytes
 from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)

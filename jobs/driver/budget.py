@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+from jobs.cluster.node_disk import LocalDisk
 from jobs.errors import BudgetExhausted
-from jobs.node_disk import LocalDisk
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from storage import peer_formats
 from storage.reader import Sample, sample_from_table
 from storage.run_index import RunIndex, open_parquet
 from storage.schema import ShardMetadata
+from training import peer_formats
 
 SAMPLE = "sample"
 VIEWS = (SAMPLE, peer_formats.SPECFORGE, peer_formats.SPECULATORS)

@@ -1,32 +1,16 @@
-"""The ``output`` section of the job config (checks its own keys when built), and byte sizes as people write them."""
+"""The ``output`` and ``progress`` sections: where shards go and how the driver paces them (budget, sink, writers).
+
+Each checks its own keys when built; byte sizes are parsed once, into ``*_bytes``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
 from typing import Any, Dict
 
-_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
-}
-
-
-# Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
-# float32 scale per token and layer (half the bytes through the host copy, object store and disk).
-STATE_DTYPES = ("model", "float8_e4m3fn")
-
-
-def parse_bytes(value: str | int, key: str) -> int:
-    """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(f"{key}={value!r}: write a size like 500GB, 1.3TB, 64GiB or a byte count")
-    return int(float(match.group(1)) * _UNITS[unit])
+from common.checks import check_choice, check_int, check_seconds, parse_bytes
+from storage.schema import STATE_DTYPES
 
 
 @dataclasses.dataclass
@@ -64,32 +48,35 @@ class OutputConfig:
             raise ValueError(
                 f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes, or no shard could ever be written"
             )
-        parse_bytes(self.min_free_bytes, "output.min_free_bytes")  # raises naming the key
+        self.free_floor_bytes  # raises naming the key
         for key in ("budget_wait_s", "rescan_s"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"output.{key}={value!r}: must be a number of seconds >= 0")
+            check_seconds(f"output.{key}", getattr(self, key))
         if self.rescan_s == 0:
             raise ValueError("output.rescan_s=0: must be more than 0 seconds (the job re-scans output.dir that often)")
-        for key, minimum, meaning in (
-            ("num_writers", 0, "0 picks the count from the CPUs Ray has left"),
-            ("num_uploaders", 1, "at least one uploader carries shards to the sink"),
-            ("max_inflight_batches", 0, "0 picks writers + 2"),
-        ):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"output.{key}={value!r}: must be an integer >= {minimum} ({meaning})")
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"output.state_dtype={self.state_dtype!r}: use one of {', '.join(STATE_DTYPES)}")
+        check_int("output.num_writers", self.num_writers, 0, "0 picks the count from the CPUs Ray has left")
+        check_int("output.num_uploaders", self.num_uploaders, 1, "at least one uploader carries shards to the sink")
+        check_int("output.max_inflight_batches", self.max_inflight_batches, 0, "0 picks writers + 2")
+        check_choice("output.state_dtype", self.state_dtype, STATE_DTYPES)
         if self.sink_options and not self.sink:
             raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
 
-    @property
+    @functools.cached_property
     def disk_budget_bytes(self) -> int:
         """``disk_budget`` in bytes."""
         return parse_bytes(self.disk_budget, "output.disk_budget")
 
-    @property
+    @functools.cached_property
     def free_floor_bytes(self) -> int:
         """``min_free_bytes`` in bytes."""
         return parse_bytes(self.min_free_bytes, "output.min_free_bytes")
+
+
+@dataclasses.dataclass
+class ProgressConfig:
+    interval_s: float = 10.0
+    """How often the driver rewrites the progress in .summary.json (what jobs.status shows) and, when its log is
+    not a terminal (e.g. under `ray job submit`), logs one progress line. Ray metrics are re-set every few seconds
+    regardless."""
+
+    def __post_init__(self) -> None:
+        check_seconds("progress.interval_s", self.interval_s, positive=True)

@@ -1,11 +1,11 @@
-"""``python -m jobs.plan [--config FILE] [key=value ...]`` (or ``eagle3-plan``): what a run would do, before it does it.
+"""What a run would do, before it does it: the dry run behind ``python -m jobs.plan``.
 
 Takes the job's own config and reads what the job reads before Ray starts: the
 checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
 nothing is written. Prints samples, tokens, invalid rows, shards and batches, bytes
 per token, the predicted bytes against ``output.disk_budget`` and the free space,
 the layers SGLang will capture and the drafter ids, and what will not fit. Each
-number comes from the function the job itself uses (``jobs.extract.read_inputs``,
+number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
 ``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
 from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
 does (``extractor.drafter_check.plan_capture``: about a second for Kimi-K2.5, plus
@@ -20,20 +20,18 @@ sink, or more than the filesystem has free above ``output.min_free_bytes``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from jobs.budget import DiskBudget, format_bytes
-from jobs.config import ConfigError, JobConfig, build_config, build_parser, program_name
-from jobs.dataset import EXCEEDS_CONTEXT
+from jobs.config import ConfigError, JobConfig
+from jobs.driver.budget import DiskBudget, format_bytes
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
-from jobs.extract import RunInputs, read_inputs
-from jobs.plan import Shard, plan_shards
-from jobs.preflight import check_shards_fit, planned_metadata
+from jobs.inputs.dataset import EXCEEDS_CONTEXT
+from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.preflight import check_shards_fit, planned_metadata
+from jobs.planning.shards import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
 from storage.writer import state_bytes_per_token
 
@@ -224,75 +222,3 @@ def _problems(report: DryRun, to_write: list[Shard], budget: DiskBudget, metadat
             "or a consumer), or choose another output.dir"
         )))
     return problems
-
-
-def format_report(report: DryRun) -> str:
-    layers = report.layers
-    final = "" if report.final_state == "none" else f" + final state ({report.final_state})"
-    captured = (
-        f"SGLang layers_to_capture {layers.layers_to_capture}, drafter eagle_aux_hidden_state_layer_ids "
-        f"{layers.drafter_layer_ids}" if layers.layers_to_capture is not None else "layers_to_capture unknown"
-    )
-    invalid = (
-        f"{report.invalid_rows:,} rows ({report.invalid_over_context:,} longer than the context length); "
-        f"data.on_invalid={report.on_invalid}: " + ("they will be left out" if report.on_invalid == "skip" else
-                                                     "they stop the job") if report.invalid_rows else "none"
-    )
-    resumed = (
-        f"; {report.done_shards} shards already done in output.dir ({format_bytes(report.done_local_bytes)} "
-        "there): the job writes the rest" if report.done_shards else ""
-    )
-    lines = [
-        "dry run: config.json and the dataset only; no weights, no Ray, nothing written",
-        f"model    {report.model_path}: {report.architecture} (language model {report.language_model_architecture}), "
-        f"{report.num_layers} layers, hidden {report.hidden_size}, context length {report.context_length:,}",
-        f"data     {report.data_path}: {report.samples:,} samples, {report.tokens:,} tokens "
-        f"(mean {report.tokens / max(1, report.samples):,.0f}, longest {report.longest_sample:,})",
-        f"invalid  {invalid}",
-        *(f"         {example}" for example in report.invalid_examples),
-        f"plan     {report.shards:,} shards of {report.shard_size:,} samples, {report.batches:,} batches (at most "
-        f"{report.max_tokens_per_batch:,} tokens and {report.max_samples_per_batch:,} samples each){resumed}",
-        f"layers   {layers.layer_ids} -> {captured} ({layers.source})",
-        f"states   {report.state_dtype}, {len(layers.layer_ids)} layers{final} x hidden {report.hidden_size}: "
-        f"{report.state_bytes_per_token:,} B/token",
-        f"disk     {format_bytes(report.predicted_bytes)} predicted for the {report.shards - report.done_shards:,} "
-        f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}), "
-        f"{(report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of output.disk_budget "
-        f"{format_bytes(report.disk_budget)}; "
-        + (f"sink {report.sink}" if report.sink else "no sink"),
-        f"         {report.output_dir}: {format_bytes(report.free_bytes)} free on its filesystem, "
-        f"output.min_free_bytes {format_bytes(report.min_free_bytes)}",
-    ]
-    if not report.problems:
-        lines.append("fits     yes: nothing above stops the run")
-    lines += [f"WILL NOT FIT (exit {problem.exit_code}): {problem.text}" for problem in report.problems]
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # SGLang's model registry warns about every model file it cannot import on this machine: not this model.
-    logging.getLogger("sglang.srt.models.registry").setLevel(logging.ERROR)
-    parser = build_parser(
-        program_name("jobs.plan"),
-        "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
-        "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space.",
-        JobConfig,
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    try:
-        args = parser.parse_args(list(argv))
-        report = dry_run(build_config(JobConfig, args.config, args.overrides, prog=parser.prog))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.json:
-        print(json.dumps({**dataclasses.asdict(report), "exit_code": report.exit_code}))
-    else:
-        print(format_report(report))
-    return report.exit_code
-
-
-def cli() -> None:
-    """Console entry point ``eagle3-plan``."""
-    sys.exit(main(sys.argv[1:]))

@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from jobs.actors import start_uploaders
-from jobs.work import PendingWork, Upload
+from jobs.actors.handles import start_uploaders
+from jobs.driver.work import PendingWork, Upload
 from storage.manifest import LOCAL, ShardRecord
 
 
