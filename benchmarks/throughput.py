@@ -48,7 +48,7 @@ from extractor.types import TokenBatch
 from jobs.actors.extractor import start_extractor
 from jobs.cluster.session import ray_session
 from jobs.config import load_config
-from jobs.driver.run import resolve_device
+from jobs.driver.startup import resolve_device
 from jobs.extract import run
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model

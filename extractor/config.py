@@ -92,7 +92,7 @@ class ExtractConfig:
     max_restarts: int = 3
     """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
     max_attempts: int = 3
-    """Tries per shard in one run when faults (a dead extractor or writer) cut it short, and per upload to the sink."""
+    """Tries per shard in one run when faults (a dead extractor or writer) cut it short (uploads: output.upload_attempts)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (

@@ -19,20 +19,18 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
-from jobs.config import program_name
+from jobs.cli import console_entry, run_command
+from jobs.config import CommandParser, program_name
+from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")
 
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +131,7 @@ def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
-    parser = argparse.ArgumentParser(prog=program_name("jobs.check_drafter"), description=__doc__,
+    parser = CommandParser(prog=program_name("jobs.check_drafter"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
                         help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
@@ -149,22 +147,19 @@ def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
 
 
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_command(_check_drafter, argv)
+
+
+def _check_drafter(argv: Sequence[str]) -> int:
     paths, output_dir, model_path = parse_args(argv)
-    try:
-        verdicts = check(paths, output_dir, model_path)
-    except ValueError as error:
-        logger.error("%s", error)
-        return EXIT_BAD_INPUT
+    verdicts = check(paths, output_dir, model_path)
     for verdict in verdicts:
         for line in verdict.lines:
             print(line)
-    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_MISMATCH
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_DRAFTER_MISMATCH
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-check-drafter``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ class JobConfig:
         return not self.model.path and not self.data.path
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are ``ConfigError``s (exit 2, one line), not argparse's exit."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} ({self.prog} --help lists the options and keys)")
 
@@ -96,7 +98,7 @@ def program_name(module: str) -> str:
 
 def build_parser(prog: str, description: str, schema: type) -> argparse.ArgumentParser:
     """``[--config FILE] [key=value ...]`` with every key of ``schema`` and its help in the epilog."""
-    parser = _ArgumentParser(
+    parser = CommandParser(
         prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,

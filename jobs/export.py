@@ -8,12 +8,11 @@ stopped by a signal (rerun: it resumes).
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from typing import Any, Sequence
 
+from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import build_config, build_parser, program_name
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, JobInterrupted
+from jobs.errors import EXIT_OK
 from training.export import ExportConfig, prepare, write
 
 logger = logging.getLogger("jobs.export")
@@ -44,39 +43,24 @@ def final_message(report: dict[str, Any]) -> str:
     )
 
 
-def _raise_on_signal(signum: int, frame: Any) -> None:
-    raise JobInterrupted(signum)
-
-
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    previous = {signum: signal.signal(signum, _raise_on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    return run_command(
+        _export, argv, level=logging.INFO, fmt=DETAILED,
+        fault_hint="the files written are whole. Rerun the same command to resume",
+    )
+
+
+def _export(argv: Sequence[str]) -> int:
+    job = prepare(load_config(argv))  # a ValueError here is a refusal: nothing written yet
     try:
-        try:
-            job = prepare(load_config(argv))
-        except ValueError as error:  # config or input (ConfigError too): refused before anything is written
-            logger.error("%s", error)
-            return EXIT_BAD_INPUT
         report = write(job)
-    except JobInterrupted as error:
-        logger.error("export stopped by %s; the files written are whole. Rerun the same command to resume",
-                     signal.Signals(error.signum).name)
-        return error.exit_code
-    except Exception as error:
-        logger.exception("the export failed: %s", error)
-        logger.error("the export failed (%s); the files written are whole. Rerun the same command to resume",
-                     type(error).__name__)
-        return EXIT_FAULT
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    except ValueError as error:  # once writing, an error is a fault (exit 4: a rerun resumes), not a refusal
+        raise RuntimeError(str(error)) from error
     print(final_message(report))
     return EXIT_OK
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-export``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

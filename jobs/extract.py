@@ -11,56 +11,35 @@ The job itself: ``jobs.driver.job.run``.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import load_config
 from jobs.driver.job import run
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK, EXIT_SHARDS_FAILED, JobInterrupted, JobStopped
+from jobs.errors import EXIT_OK
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 
 logger = logging.getLogger("jobs.extract")
 
 
-def _raise_on_signal(signum: int, frame: Any) -> None:
-    raise JobInterrupted(signum)
-
-
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _raise_on_signal)
-    output_dir = ""
-    try:
-        config = load_config(argv)
-        output_dir = config.output.dir
-        summary = run(config)
-    except ValueError as error:  # config or input: refused before any work
-        logger.error("%s", error)
-        return EXIT_BAD_INPUT
-    except JobStopped as error:
-        logger.error("%s", error)
-        return error.exit_code
-    except Exception as error:  # a fault: what is done stays done
-        logger.exception("the job failed: %s", error)
-        where = f" output.dir={output_dir}" if output_dir else ""
-        logger.error(
-            "the job failed (%s); done shards are kept. Rerun the same command to resume "
-            "(python -m jobs.status%s shows where it stands)", type(error).__name__, where,
-        )
-        return EXIT_FAULT
+    return run_command(
+        _extract, argv, level=logging.INFO, fmt=DETAILED,
+        fault_hint="done shards are kept. Rerun the same command to resume (python -m jobs.status output.dir=DIR "
+        "shows where it stands)",
+    )
+
+
+def _extract(argv: Sequence[str]) -> int:
+    summary = run(load_config(argv))
     print(final_message(summary))
-    if summary.get("shards_failed"):
-        for shard, error in summary["shards_failed"].items():
-            print(f"shard {shard} FAILED: {error}", file=sys.stderr)
-        print(
-            f"{len(summary['shards_failed'])} shards failed and wrote no file; rerun them with the same "
-            "command plus shards=failed", file=sys.stderr,
-        )
-        return EXIT_SHARDS_FAILED
-    return EXIT_OK
+    for shard, error in summary.get("shards_failed", {}).items():
+        print(f"shard {shard} FAILED: {error}", file=sys.stderr)
+    if summary.get("message"):
+        print(f"error: {summary['message']}", file=sys.stderr)
+    return summary.get("exit_code") or EXIT_OK
 
 
 def final_message(summary: dict) -> str:
@@ -73,7 +52,7 @@ def final_message(summary: dict) -> str:
         )
     engine, this_run = summary["engine"], summary["this_run"]
     return (
-        f"\n{summary['shards_done']} shards done in {out}: {summary['samples']} samples, "
+        f"\n{summary['shards_done']} of {summary['plan']['shards']} shards done in {out}: {summary['samples']} samples, "
         f"{summary['tokens']} tokens, {summary['bytes'] / 1e6:.1f} MB; this run extracted "
         f"{this_run['tokens']} tokens in {this_run['seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)\n"
         f"layers {engine['layer_ids']} (SGLang {engine['sglang_version']} layers_to_capture "
@@ -82,9 +61,7 @@ def final_message(summary: dict) -> str:
     )
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-extract``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import sys
 from typing import Sequence
 
+from jobs.cli import console_entry, run_command
 from jobs.config import JobConfig, build_config, build_parser, program_name
 from jobs.driver.budget import format_bytes
-from jobs.errors import EXIT_BAD_INPUT
 from jobs.planning.dry_run import DryRun, dry_run
 
 
@@ -75,9 +74,12 @@ def format_report(report: DryRun) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # SGLang's model registry warns about every model file it cannot import on this machine: not this model.
     logging.getLogger("sglang.srt.models.registry").setLevel(logging.ERROR)
+    return run_command(_plan, argv)
+
+
+def _plan(argv: Sequence[str]) -> int:
     parser = build_parser(
         program_name("jobs.plan"),
         "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
@@ -85,12 +87,8 @@ def main(argv: Sequence[str]) -> int:
         JobConfig,
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    try:
-        args = parser.parse_args(list(argv))
-        report = dry_run(build_config(JobConfig, args.config, args.overrides, prog=parser.prog))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    args = parser.parse_args(list(argv))
+    report = dry_run(build_config(JobConfig, args.config, args.overrides, prog=parser.prog))
     if args.json:
         print(json.dumps({**dataclasses.asdict(report), "exit_code": report.exit_code}))
     else:
@@ -98,6 +96,8 @@ def main(argv: Sequence[str]) -> int:
     return report.exit_code
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-plan``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import ConfigError, build_config, build_parser, program_name
 from jobs.driver.budget import format_bytes
 from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
+from jobs.errors import EXIT_OK
 from jobs.rundir.lock import LOCK_FILE, read_owner
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
 from storage.manifest import (
@@ -186,25 +187,23 @@ def _file_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -
 
 
 def main(argv: Sequence[str]) -> int:
+    return run_command(_status, argv)
+
+
+def _status(argv: Sequence[str]) -> int:
     parser = build_parser(
         program_name("jobs.status"), "Where an extraction run stands, from its output directory.", StatusConfig
     )
-    try:
-        args = parser.parse_args(list(argv))
-        config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
-        if not config.output.dir:
-            raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
-        given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)
-        print(status_report(Path(config.output.dir), config.output.disk_budget_bytes if given_budget else None))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    args = parser.parse_args(list(argv))
+    config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
+    if not config.output.dir:
+        raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
+    given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)
+    print(status_report(Path(config.output.dir), config.output.disk_budget_bytes if given_budget else None))
+    return EXIT_OK
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-status``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
+
 from storage.sink import SinkVerificationError, upload_verified
 
 
@@ -24,3 +26,11 @@ class UploaderActor:
             raise
         except Exception as error:
             raise SinkUploadError(f"{type(error).__name__}: {error}") from None
+
+
+def start_uploaders(sink: str, options: dict[str, Any], count: int, placement: dict[str, Any]) -> list[Any]:
+    """Uploaders on the node whose files they upload (``placement``)."""
+    # No CPU slot: uploads mostly wait on the network, and the disk budget may be waiting
+    # on them, so writers holding every CPU slot must never keep them from starting.
+    uploader_class = ray.remote(UploaderActor).options(num_cpus=0, **placement)
+    return [uploader_class.remote(sink, options) for _ in range(max(1, count))]

@@ -1,4 +1,4 @@
-"""CPU writer actor: turns captured batches into shard files.
+"""CPU writer actors: they turn captured batches into shard files; ``WriterPool`` starts and replaces them.
 
 The driver sends each shard's batches to one writer, in order, then
 ``finish``. A batch arrives as a reference to the extractor's result (wrapped
@@ -9,17 +9,22 @@ failure instead of publishing a file with rows missing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import ray
 
 from extractor.types import CapturedBatch, TokenBatch, split_flat
+from jobs.errors import RERUN, JobFault
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 from storage.writer import StageClock, temp_file_name
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +150,66 @@ class WriterActor:
 def _disk_full(error: BaseException) -> bool:
     # pyarrow reports ENOSPC as an OSError whose errno is not always set; its message names it.
     return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))
+
+
+# Writers start in a few seconds; much longer means Ray has no CPU slot for them.
+WRITER_START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+class WriterPool:
+    """The writer actors; a dead one is replaced by a new one in its slot."""
+
+    def __init__(
+        self, output_dir: Path, metadata: ShardMetadata, on_nonfinite: str, count: int, placement: dict[str, Any]
+    ) -> None:
+        self._output_dir = str(output_dir)
+        self._metadata = metadata
+        self._on_nonfinite = on_nonfinite
+        self._class = ray.remote(WriterActor).options(num_cpus=1, **placement)
+        self.writers = [self._new() for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.writers)
+
+    def _new(self) -> Any:
+        return self._class.remote(self._output_dir, self._metadata, self._on_nonfinite)
+
+    def wait_ready(self) -> list[str]:
+        """Every writer's process is up (process start-up is start-up time); returns their node ids."""
+        refs = [writer.ready.remote() for writer in self.writers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WRITER_START_TIMEOUT_S)
+        if len(ready) < len(refs):
+            raise JobFault(
+                f"{len(refs) - len(ready)} of {len(refs)} writer actors did not start within "
+                f"{WRITER_START_TIMEOUT_S:.0f} s: Ray has no CPU slot for them (each takes 1 CPU; "
+                f"{ray.available_resources().get('CPU', 0):.0f} free now). Lower output.num_writers or "
+                f"free the cluster's CPUs. {RERUN}"
+            )
+        return ray.get(refs)  # raises if a writer failed to start
+
+    def is_member(self, writer: Any) -> bool:
+        return any(writer is current for current in self.writers)
+
+    def replace(self, dead: Any) -> Any:
+        """A new writer in the dead one's slot (once: later faults of the dead one change nothing)."""
+        for slot, writer in enumerate(self.writers):
+            if writer is dead:
+                logger.error("a writer actor died; starting a new one in its place")
+                self.writers[slot] = self._new()
+                return self.writers[slot]
+        return None
+
+    def stop(self, collect_stats: bool = True) -> dict[str, dict[str, float]]:
+        """Kill every writer; returns their stage seconds summed (``WriterActor.stats``, with ``collect_stats``)."""
+        totals: dict[str, dict[str, float]] = {}
+        if collect_stats:
+            with contextlib.suppress(Exception):
+                for stats in ray.get([writer.stats.remote() for writer in self.writers], timeout=STOP_TIMEOUT_S):
+                    for clock, stages in stats.items():
+                        clock_totals = totals.setdefault(clock, {})
+                        for stage, seconds in stages.items():
+                            clock_totals[stage] = clock_totals.get(stage, 0.0) + seconds
+        for writer in self.writers:
+            ray.kill(writer)
+        return totals

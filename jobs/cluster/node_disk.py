@@ -9,6 +9,7 @@ behind the writers).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +44,27 @@ def _existing(directory: str, names: list[str]) -> list[str]:
     return [name for name in names if (Path(directory) / name).exists()]
 
 
+def _file_facts(directory: str, names: list[str], checksum: bool) -> dict[str, tuple[int, str]]:
+    """Size (and, with ``checksum``, sha256) of each of ``names`` that is a file there."""
+    facts = {}
+    for name in names:
+        path = Path(directory) / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        facts[name] = (size, _sha256(path) if checksum else "")
+    return facts
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _remove(directory: str, names: list[str]) -> None:
     for name in names:
         (Path(directory) / name).unlink(missing_ok=True)
@@ -58,6 +80,14 @@ def _clean(directory: str, keep: set[str]) -> list[str]:
             file.unlink()
             removed.append(file.name)
     return removed
+
+
+def read_claim(directory: Path) -> Optional[dict[str, Any]]:
+    """The claim of a directory on this host, if it has a readable one."""
+    try:
+        return json.loads((Path(directory) / CLAIM_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
@@ -105,6 +135,10 @@ class LocalDisk:
     def existing(self, names: Iterable[str]) -> set[str]:
         return set(_existing(str(self.directory), list(names)))
 
+    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
+        """Size and (with ``checksum``) sha256 of each named file present."""
+        return _file_facts(str(self.directory), list(names), checksum)
+
     def remove(self, names: Iterable[str]) -> None:
         _remove(str(self.directory), list(names))
 
@@ -148,6 +182,9 @@ class NodeDisk(LocalDisk):
 
     def existing(self, names: Iterable[str]) -> set[str]:
         return set(self._run(_existing, str(self.directory), list(names)))
+
+    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
+        return self._run(_file_facts, str(self.directory), list(names), checksum)
 
     def remove(self, names: Iterable[str]) -> None:
         self._run(_remove, str(self.directory), list(names))

@@ -11,15 +11,10 @@ holds the shard back.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 from jobs.cluster.node_disk import LocalDisk
-from jobs.errors import BudgetExhausted
-
-logger = logging.getLogger(__name__)
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -28,7 +23,6 @@ INITIAL_OVERHEAD_PER_TOKEN = 16
 FILE_OVERHEAD_BYTES = 64 * 1024
 # Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
 BATCH_OVERHEAD_BYTES = 16 * 1024
-WAIT_LOG_PERIOD_S = 30.0
 
 
 def format_bytes(count: float) -> str:
@@ -55,7 +49,7 @@ class BudgetPolicy:
         return budget.used + nbytes <= self.limit
 
     def describe(self, budget: "DiskBudget") -> str:
-        return f"used {format_bytes(budget.used)} of {format_bytes(self.limit)}"
+        return f"used {format_bytes(budget.used)} of output.disk_budget {format_bytes(self.limit)}"
 
 
 @dataclasses.dataclass
@@ -68,11 +62,13 @@ class FreeSpacePolicy:
         return budget.free_after_reservations() - nbytes >= self.floor
 
     def describe(self, budget: "DiskBudget") -> str:
-        return f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, floor {format_bytes(self.floor)}"
+        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free_bytes "
+                f"{format_bytes(self.floor)}")
 
 
 class DiskBudget:
-    """Bytes of shard files under output.dir: committed files and reservations, and the wait for room."""
+    """Bytes of shard files under one directory: committed files and reservations (the wait for room is
+    ``jobs.driver.disk_wait``)."""
 
     def __init__(self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None) -> None:
         self.output_dir = output_dir
@@ -88,8 +84,6 @@ class DiskBudget:
         self.overhead_per_token = INITIAL_OVERHEAD_PER_TOKEN
         self.peak = 0
         self.overshoot = 0
-        self.blocked_seconds = 0.0
-        """Time spent in ``wait_until_fits`` with the next shard held back."""
         self.changes = 0
         """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
 
@@ -144,42 +138,6 @@ class DiskBudget:
                 self.forget(shard)
         self.changes += 1  # free space on disk may have moved too
         return gone
-
-    def wait_until_fits(
-        self, nbytes: int, settle: Callable[[float], bool], rescan: Callable[[], None], wait_s: float,
-        rescan_s: float, exhausted: Callable[[str], str],
-    ) -> None:
-        """Hold the next shard (``nbytes``) until it fits; the wait adds to ``blocked_seconds``.
-
-        While waiting, ``settle(timeout)`` handles one completion of the work in flight (False if
-        nothing is in flight) and ``rescan()`` looks for files a consumer deleted. With nothing in
-        flight for ``wait_s`` seconds, raises BudgetExhausted with ``exhausted(state)`` as message.
-        """
-        policy = self.blocking_policy(nbytes)
-        if policy is None:
-            return
-        started = last_log = time.monotonic()
-        idle_since: float | None = None
-        logger.warning("waiting for disk budget: %s (next shard needs %s)", policy.describe(self), format_bytes(nbytes))
-        try:
-            while policy is not None:
-                now = time.monotonic()
-                if settle(rescan_s):
-                    idle_since = None
-                else:
-                    idle_since = idle_since or now
-                    if now - idle_since >= wait_s:
-                        raise BudgetExhausted(exhausted(policy.describe(self)))
-                    time.sleep(min(rescan_s, wait_s - (now - idle_since)))
-                rescan()
-                if time.monotonic() - last_log >= WAIT_LOG_PERIOD_S:
-                    last_log = time.monotonic()
-                    logger.warning("waiting for disk budget: %s", policy.describe(self))
-                policy = self.blocking_policy(nbytes)
-        finally:
-            waited = time.monotonic() - started
-            self.blocked_seconds += waited
-        logger.info("disk budget free again after %.1f s: %s", waited, self.policies[0].describe(self))
 
     def free_after_reservations(self) -> int:
         """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""

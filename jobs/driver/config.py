@@ -12,6 +12,8 @@ from typing import Any, Dict
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
 from storage.schema import STATE_DTYPES
 
+RESUME_CHECKS = ("size", "sha256")
+
 
 @dataclasses.dataclass
 class OutputConfig:
@@ -36,8 +38,13 @@ class OutputConfig:
     """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
+    upload_attempts: int = 3
+    """Tries per shard's upload in one run; after the last the shard stays local, listed, and the run exits 7."""
     max_inflight_batches: int = 0
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
+    resume_check: str = "size"
+    """What a rerun checks of every done shard's file before it trusts it: size (present, of its recorded size) or
+    sha256 (also its checksum; reads every file once). A file that fails is extracted again."""
     state_dtype: str = "model"
     """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
     per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
@@ -55,8 +62,10 @@ class OutputConfig:
             raise ValueError("output.rescan_s=0: must be more than 0 seconds (the job re-scans output.dir that often)")
         check_int("output.num_writers", self.num_writers, 0, "0 picks the count from the CPUs Ray has left")
         check_int("output.num_uploaders", self.num_uploaders, 1, "at least one uploader carries shards to the sink")
+        check_int("output.upload_attempts", self.upload_attempts, 1)
         check_int("output.max_inflight_batches", self.max_inflight_batches, 0, "0 picks writers + 2")
         check_choice("output.state_dtype", self.state_dtype, STATE_DTYPES)
+        check_choice("output.resume_check", self.resume_check, RESUME_CHECKS)
         if self.sink_options and not self.sink:
             raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
 

@@ -1,4 +1,4 @@
-"""The scheduler: opens shards and sends their batches, nothing else.
+"""The scheduler: opens shards, sends their batches, and settles each attempt; it alone changes lanes and attempts.
 
 One shard is one file written by one writer, in order, then ``finish``. Each
 data-parallel group (a ``Lane``: an extractor, its writers and its node's disk
@@ -7,60 +7,52 @@ batches of a lane's open shards interleaved, always for the one with the
 fewest batches in flight. Shards are handed out dynamically: the next shard
 goes to whichever lane has a free writer and room in its budget, so a fast
 node takes more. A shard is opened only once its whole predicted size fits
-its lane's budget, so open shards can always be finished. Work per batch does
-not depend on the dataset's size: the plan is computed once, and only the
-batch's own rows are read.
+its lane's budget, so open shards can always be finished; when nothing is open
+and the next shard does not fit, ``open_what_fits`` says so and the driver
+waits for disk (``jobs.driver.disk_wait``) without the scheduler doing anything.
+Work per batch does not depend on the dataset's size: the plan is computed once,
+and only the batch's own rows are read.
+
+The shard's life in the manifest follows the scheduler: pending when opened,
+done when published, failed when its writer reports an error or faults cut it
+short ``extract.max_attempts`` times.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Callable, Optional
+import logging
+from pathlib import Path
+from typing import Any, Optional
 
-from jobs.actors.handles import RERUN, ExtractorHost, WriterPool
 from jobs.actors.writer import BatchRows
-from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
-from jobs.driver.work import Append, Finish, PendingWork, ShardAttempt
-from jobs.errors import JobFault
+from jobs.driver.lanes import Lane, Lanes, ShardAttempt
+from jobs.driver.progress import RunProgress
+from jobs.driver.work import Append, Discard, Finish, PendingWork
+from jobs.errors import RERUN, JobFault
 from jobs.inputs.dataset import TokenizedDataset
 from jobs.planning.shards import Shard
-from storage.manifest import FAILED, PENDING, Manifest, ShardRecord
+from storage import ShardFileInfo
+from storage.manifest import DONE, FAILED, LOCAL, PENDING, Manifest, ShardRecord
 
-
-@dataclasses.dataclass(eq=False)
-class Lane:
-    """One data-parallel group as the driver runs it: its node, actors, the node's budget, what it has open."""
-
-    group: NodeGroup
-    extractor: ExtractorHost
-    writers: WriterPool
-    budget: DiskBudget
-    """Shared by the lanes of one node."""
-    max_inflight: int
-    """Batches between this lane's extractor and a finished write (bounds the states in its node's memory)."""
-    inflight: int = 0
-    open: dict[int, ShardAttempt] = dataclasses.field(default_factory=dict)
-    """Attempts receiving batches: at most one per writer."""
-    refused_at: int = -1
-    """``budget.changes`` when the next shard last did not fit: no need to ask again before it moves."""
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(
         self, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord], manifest: Manifest,
-        lanes: list[Lane], work: PendingWork, bytes_per_token: int, max_attempts: int,
+        lanes: Lanes, work: PendingWork, progress: RunProgress, bytes_per_token: int, max_attempts: int,
     ) -> None:
         self._dataset = dataset
         self._plan = plan
         self._manifest = manifest
-        self.lanes = lanes
+        self._lanes = lanes
         self._work = work
+        self._progress = progress
         self._bytes_per_token = bytes_per_token
         self._max_attempts = max_attempts
         self._waiting = collections.deque(shards)
-        self.active: dict[int, ShardAttempt] = {}
+        self._active: dict[int, ShardAttempt] = {}
         """Attempts not settled yet: open, finishing, or being discarded after a fault."""
         self._tries: dict[int, int] = {}
         self.peak_open_shards = 0
@@ -68,94 +60,152 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Shards wait to be opened, or are not settled yet."""
-        return bool(self._waiting or self.active)
+        return bool(self._waiting or self._active)
 
     @property
     def any_open(self) -> bool:
-        return any(lane.open for lane in self.lanes)
+        return any(lane.has_open for lane in self._lanes)
 
-    def predicted_bytes(self, record: ShardRecord, budget: DiskBudget) -> int:
-        shard = self._plan[record.index]
-        return budget.predict(shard.tokens, self._bytes_per_token, len(shard.batches))
+    def active(self) -> list[ShardAttempt]:
+        return list(self._active.values())
 
-    def open_shards(self, wait_for_disk: Callable[[Lane, int], None]) -> None:
+    # -- opening and sending ---------------------------------------------------------------------
+
+    def open_what_fits(self) -> Optional[tuple[Lane, int]]:
         """Open the next shards on every lane with a free writer whose budget fits them whole.
 
-        With nothing open on any lane, ``wait_for_disk(lane, nbytes)`` holds the next shard until
-        it fits; otherwise the open shards keep the extractors busy and it is tried again later.
+        Returns the lane and bytes of the next shard when it fits nowhere and nothing is open (the
+        run must wait for disk); None otherwise (open shards keep the extractors busy meanwhile).
         """
-        for lane in self.lanes:
-            while self._waiting and len(lane.open) < len(lane.writers):
+        blocked: Optional[tuple[Lane, int]] = None
+        for lane in self._lanes:
+            while self._waiting:
+                writer = lane.free_writer()
+                if writer is None:
+                    break
                 record = self._waiting[0]
-                nbytes = self.predicted_bytes(record, lane.budget)
-                if lane.refused_at == lane.budget.changes or lane.budget.blocking_policy(nbytes) is not None:
-                    if self.any_open:
-                        lane.refused_at = lane.budget.changes
-                        break
-                    wait_for_disk(lane, nbytes)
-                self._waiting.popleft()
-                self._open_shard(lane, record, nbytes)
+                shard = self._plan[record.index]
+                nbytes = lane.budget.predict(shard.tokens, self._bytes_per_token, len(shard.batches))
+                if lane.refused_since_last_change() or lane.budget.blocking_policy(nbytes) is not None:
+                    lane.refused()
+                    blocked = blocked or (lane, nbytes)
+                    break
+                self._open(lane, writer, self._waiting.popleft(), nbytes)
+        return None if self.any_open else blocked
 
-    def _open_shard(self, lane: Lane, record: ShardRecord, nbytes: int) -> None:
-        busy = {id(attempt.writer) for attempt in lane.open.values()}
-        writer = next(w for w in lane.writers.writers if id(w) not in busy)
+    def _open(self, lane: Lane, writer: Any, record: ShardRecord, nbytes: int) -> None:
         lane.budget.reserve(record.index, nbytes)
         record = self._manifest.update(record.index, state=PENDING, attempts=record.attempts + 1, error="")
         attempt = ShardAttempt(record, lane, writer, self._plan[record.index].batches, nbytes)
-        lane.open[record.index] = self.active[record.index] = attempt
+        lane.add(attempt)
+        self._active[record.index] = attempt
         self._tries[record.index] = self._tries.get(record.index, 0) + 1
-        self.peak_open_shards = max(self.peak_open_shards, sum(len(lane.open) for lane in self.lanes))
+        self.peak_open_shards = max(self.peak_open_shards, sum(len(lane.open) for lane in self._lanes))
 
     def ready_lane(self) -> Optional[Lane]:
         """The lane with open shards and the fewest batches in flight, if it may take one more."""
-        lanes = [lane for lane in self.lanes if lane.open and lane.inflight < lane.max_inflight]
+        lanes = [lane for lane in self._lanes if lane.may_send]
         return min(lanes, key=lambda lane: lane.inflight) if lanes else None
 
     def send_batch(self, lane: Lane) -> None:
         """The next batch of the lane's open shard with the fewest batches in flight."""
-        attempt = min(lane.open.values(), key=lambda a: (a.inflight, a.index))
-        start, stop = attempt.batches[attempt.sent]
-        attempt.sent += 1
+        attempt = lane.least_busy()
+        start, stop = attempt.next_batch()
         first, last = attempt.record.start + start, attempt.record.start + stop
         tokens, loss_masks = self._dataset.flat_rows(first, last)
         rows = BatchRows(
             shard=attempt.index, sample_ids=self._dataset.sample_ids[first:last], tokens=tokens, loss_masks=loss_masks
         )
         extracted = lane.extractor.extract(tokens)
-        self._work.add(attempt.writer.append.remote(rows, [extracted]), Append(attempt, lane.extractor.generation))
-        attempt.inflight += 1
-        lane.inflight += 1
+        self._work.add(attempt.writer.append.remote(rows, [extracted]), Append(attempt, attempt.writer, lane.extractor.generation))
+        lane.batch_sent()
         if attempt.all_sent:
-            self.close(attempt)
+            self._close(attempt)
 
-    def close(self, attempt: ShardAttempt) -> None:
+    def _close(self, attempt: ShardAttempt) -> None:
         """No more batches for this attempt: its writer publishes (or reports) the shard and is free again."""
+        if attempt.lane.close(attempt):
+            self._work.add(attempt.writer.finish.remote(attempt.index), Finish(attempt, attempt.writer))
+
+    # -- what comes back -------------------------------------------------------------------------
+
+    def batch_returned(self, attempt: ShardAttempt) -> None:
+        """A batch's write ended, however it ended: it is no longer in flight."""
+        attempt.batch_done()
+        attempt.lane.batch_done()
+
+    def batch_written(self, attempt: ShardAttempt, tokens: int) -> None:
+        if tokens == 0 and not attempt.lost:  # the writer dropped the shard: spend no more extraction on it
+            self._close(attempt)
+        self._progress.tokens_written(attempt.index, tokens)
+
+    def published(self, attempt: ShardAttempt, info: ShardFileInfo) -> ShardRecord:
+        """The shard's file is whole under its final name: done, its bytes committed."""
+        if attempt.lost:  # every batch was written before the fault hit: the file is whole
+            logger.info("shard %d was published before the fault reached it", attempt.index)
         lane = attempt.lane
-        if lane.open.get(attempt.index) is attempt:
-            del lane.open[attempt.index]
-            self._work.add(attempt.writer.finish.remote(attempt.index), Finish(attempt))
+        self._settled(attempt)
+        lane.budget.commit(attempt.index, info.bytes, info.tokens, self._bytes_per_token)
+        record = self._manifest.update(
+            attempt.index, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
+            bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="", node=lane.group.name,
+            nonfinite=list(info.nonfinite),
+        )
+        self._progress.shard_settled(attempt.index)
+        return record
 
-    def drop(self, attempt: ShardAttempt) -> None:
-        """A fault ended the attempt: send nothing more for it (its writer slot is free again)."""
-        lane = attempt.lane
-        if lane.open.get(attempt.index) is attempt:
-            del lane.open[attempt.index]
+    def failed(self, attempt: ShardAttempt, message: str) -> None:
+        """The writer reported an error for the shard (its temp file is gone): failed, its reservation freed."""
+        self._settled(attempt)
+        attempt.lane.budget.release(attempt.index)
+        self._manifest.update(attempt.index, state=FAILED, error=message)
+        logger.error("shard %d failed: %s", attempt.index, message)
+        self._progress.shard_settled(attempt.index)
 
-    def settled(self, attempt: ShardAttempt) -> None:
-        """The attempt's shard is published, failed, or discarded."""
-        self.drop(attempt)
-        if self.active.get(attempt.index) is attempt:
-            del self.active[attempt.index]
+    # -- faults ----------------------------------------------------------------------------------
 
-    def retry(self, attempt: ShardAttempt) -> None:
-        """Extract a shard a fault cut short again, before the shards not started yet; JobFault once
-        it has had ``extract.max_attempts`` tries in this run."""
-        self.settled(attempt)
+    def lose(self, attempt: ShardAttempt, reason: str) -> None:
+        """A fault cut the attempt short: stop sending its batches and discard what its writer holds."""
+        if not attempt.mark_lost(reason):
+            return
+        logger.warning("shard %d: %s; it will be written again", attempt.index, reason)
+        attempt.lane.close(attempt)
+        self.discard(attempt)
+
+    def discard(self, attempt: ShardAttempt) -> None:
+        """After the writer's calls for this shard (one caller's calls run in order): no write of the
+        attempt can follow the discard, which also removes a temp file a dead writer left (a writer of
+        the same node: the file is on its disk)."""
+        writers = attempt.lane.writers
+        if not writers.is_member(attempt.writer):
+            attempt.discard_with(writers.writers[0])
+        self._work.add(attempt.writer.discard.remote(attempt.index), Discard(attempt, attempt.writer))
+
+    def writer_died(self, lane: Lane, writer: Any, reason: str) -> None:
+        """Replace the writer; every attempt it held is lost (once: its other failures change nothing)."""
+        if lane.writers.replace(writer) is None:
+            return
+        for attempt in self.active():
+            if attempt.writer is writer:
+                self.lose(attempt, f"its writer died: {reason}")
+
+    def discarded(self, attempt: ShardAttempt) -> None:
+        """What a lost attempt wrote is gone: extract the shard again, before the shards not started yet;
+        JobFault once it has had ``extract.max_attempts`` tries in this run."""
+        attempt.lane.budget.release(attempt.index)
+        self._progress.shard_discarded(attempt.index)
+        self._settled(attempt)
         tries = self._tries[attempt.index]
         if tries >= self._max_attempts:
             self._manifest.update(attempt.index, state=FAILED, error=attempt.lost)
+            self._progress.shard_settled(attempt.index)
             raise JobFault(
                 f"shard {attempt.index} was cut short by faults {tries} times in this run (extract.max_attempts="
                 f"{self._max_attempts}); last: {attempt.lost}. {RERUN}"
             )
         self._waiting.appendleft(self._manifest.update(attempt.index, error=attempt.lost))
+
+    def _settled(self, attempt: ShardAttempt) -> None:
+        attempt.lane.close(attempt)
+        if self._active.get(attempt.index) is attempt:
+            del self._active[attempt.index]

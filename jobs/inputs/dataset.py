@@ -82,7 +82,7 @@ class TokenizedDataset:
 
     def __init__(
         self, source: str, fs: fsspec.AbstractFileSystem, files: list[InputFile], segments: dict[str, np.ndarray],
-        sample_ids: np.ndarray, lengths: np.ndarray, invalid: list[InvalidRow], fingerprint: str, vocab_size: int,
+        segment_digests: list[bytes], sample_ids: np.ndarray, lengths: np.ndarray, invalid: list[InvalidRow], fingerprint: str, vocab_size: int,
     ) -> None:
         self.source = source
         self.sample_ids = sample_ids
@@ -98,6 +98,8 @@ class TokenizedDataset:
         self._segment_rows = segments["rows"]
         self._segment_key = segments["key"]
         self._segment_bytes = segments["bytes"]
+        self._segment_digests = segment_digests
+        """What each segment's kept ids and masks hashed to when checked: a file changed in place is noticed."""
         self._segment_kept = np.searchsorted(sample_ids, self._segment_first)
         self._segment_kept_end = np.append(self._segment_kept[1:], len(sample_ids))
         self._vocab_size = vocab_size
@@ -158,6 +160,12 @@ class TokenizedDataset:
             len(tokens.ids) and (tokens.ids.min() < 0 or tokens.ids.max() >= self._vocab_size)
         ):
             raise _changed(file, f"rows from sample id {self.sample_ids[kept.start]} on differ from what was checked")
+        ids, masks = _segment_digest(), _segment_digest()
+        ids.update(memoryview(np.ascontiguousarray(tokens.ids)))
+        masks.update(memoryview(np.ascontiguousarray(tokens.masks)))
+        if ids.digest() + masks.digest() != self._segment_digests[segment]:
+            raise _changed(file, f"the tokens of the rows from sample id {self.sample_ids[kept.start]} on are not the "
+                                 "ones checked (same size, other content)")
         for array in (tokens.offsets, tokens.ids, tokens.masks):
             array.flags.writeable = False
         self._cache[segment] = tokens
@@ -166,6 +174,10 @@ class TokenizedDataset:
         ):
             self._cache.popitem(last=False)
         return tokens
+
+
+def _segment_digest() -> Any:
+    return hashlib.blake2b(digest_size=16)
 
 
 def _changed(file: InputFile, what: str) -> ValueError:
@@ -186,8 +198,14 @@ def open_tokenized_dataset(
     fs, files = resolve_files(path, storage_options)
     scanner = _Scanner(vocab_size, max_length, on_invalid)
     for number, file in enumerate(files):
-        scanner.scan_file(fs, number, file)
-        rows = largest_row_group(fs, file)
+        try:
+            scanner.scan_file(fs, number, file)
+            rows = largest_row_group(fs, file)
+        except (pa.ArrowException, OSError) as error:  # a broken or unreadable file among good ones: name it
+            raise ValueError(
+                f"{file.name}: cannot be read as {file.format} ({type(error).__name__}: {' '.join(str(error).split())}); "
+                "fix or remove it from data.path, then rerun"
+            ) from None
         if rows > LARGE_ROW_GROUP_ROWS:
             logger.warning(
                 "%s has row groups of up to %d rows; each is decoded whole to send any of its rows, so the "
@@ -215,6 +233,8 @@ class _Scanner:
         self.lengths: list[np.ndarray] = []
         self.invalid: list[InvalidRow] = []
         self.segments: dict[str, list[int]] = {"file": [], "first": [], "rows": [], "key": [], "bytes": []}
+        self.segment_digests: list[tuple[Any, Any]] = []
+        """Per segment: digests of its kept rows' token ids and loss masks (a block may be part of one)."""
         self.hashes = [hashlib.sha256() for _ in range(3)]  # lengths, token ids, loss masks
 
     def scan_file(self, fs: fsspec.AbstractFileSystem, number: int, file: InputFile) -> None:
@@ -223,6 +243,7 @@ class _Scanner:
             if not self.segments["file"] or (self.segments["file"][-1], self.segments["key"][-1]) != (number, block.segment):
                 for name, value in zip(self.segments, (number, self.next_sample, 0, block.segment, block.segment_bytes)):
                     self.segments[name].append(value)
+                self.segment_digests.append((_segment_digest(), _segment_digest()))
             self.segments["rows"][-1] += block.table.num_rows
             self._block(file, file_row, block)
             file_row += block.table.num_rows
@@ -252,6 +273,8 @@ class _Scanner:
         self.lengths.append(lengths)
         for digest, array in zip(self.hashes, (lengths.astype("<i8"), tokens.ids.astype("<i4", copy=False), tokens.masks)):
             digest.update(memoryview(np.ascontiguousarray(array)))  # little-endian, no copy on x86/ARM
+        for digest, array in zip(self.segment_digests[-1], (tokens.ids, tokens.masks)):
+            digest.update(memoryview(np.ascontiguousarray(array)))
 
     def finish(self, path: str, fs: fsspec.AbstractFileSystem, files: list[InputFile]) -> TokenizedDataset:
         sample_ids = np.concatenate(self.sample_ids) if self.sample_ids else np.zeros(0, np.int64)
@@ -271,8 +294,9 @@ class _Scanner:
         if self.invalid:
             fingerprint.update(hashlib.sha256(sample_ids.astype("<i8").tobytes()).digest())
         segments = {name: np.asarray(values, dtype=np.int64) for name, values in self.segments.items()}
+        digests = [ids.digest() + masks.digest() for ids, masks in self.segment_digests]
         return TokenizedDataset(
-            path, fs, files, segments, sample_ids.astype(np.int64), lengths.astype(np.int64), self.invalid,
+            path, fs, files, segments, digests, sample_ids.astype(np.int64), lengths.astype(np.int64), self.invalid,
             fingerprint.hexdigest(), self.vocab_size,
         )
 

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 from jobs.config import ConfigError, JobConfig
 from jobs.driver.budget import DiskBudget, format_bytes
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.planning.inputs import RunInputs, read_inputs
-from jobs.planning.preflight import check_shards_fit, planned_metadata
+from jobs.planning.preflight import check_shards_fit, free_bytes, planned_metadata
 from jobs.planning.shards import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
 from storage.writer import state_bytes_per_token
@@ -140,7 +139,7 @@ def dry_run(config: JobConfig) -> DryRun:
         final_state=metadata.last_hidden_state, state_bytes_per_token=bytes_per_token,
         predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
         done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
-        sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=_free_bytes(inputs.output_dir),
+        sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
         min_free_bytes=config.output.free_floor_bytes, layers=_layers(inputs), problems=[],
     )
     report.problems = _problems(report, to_write, budget, metadata)
@@ -155,12 +154,6 @@ def _done_shards(output_dir: Path) -> dict[int, int]:
         record["index"]: record["bytes"] if record["location"] == LOCAL else 0
         for record in read_manifest(output_dir)["shards"] if record["state"] == DONE
     }
-
-
-def _free_bytes(output_dir: Path) -> int:
-    """Free bytes on the filesystem output.dir is (or will be) on."""
-    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists())
-    return shutil.disk_usage(existing).free
 
 
 def _layers(inputs: RunInputs) -> Layers:
@@ -203,6 +196,8 @@ def _problems(report: DryRun, to_write: list[Shard], budget: DiskBudget, metadat
         check_shards_fit(to_write, budget, metadata)
     except ConfigError as error:
         problems.append(Problem(EXIT_BAD_INPUT, str(error)))
+    except BudgetExhausted:
+        pass  # a shard that cannot fit above the floor: the free-space problem below says so, for the whole run
     needed = report.done_local_bytes + report.predicted_bytes
     if not report.sink and needed > report.disk_budget:
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (

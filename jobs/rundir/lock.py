@@ -4,7 +4,8 @@ The kernel lock is the truth: ``fcntl.flock`` on ``output.dir/.job.lock``, kept 
 for the run and released by the kernel when the process ends, however it ends
 (``kill -9`` included). The same file holds a JSON record of the owner (host, pid
 and its start time, Ray job id, start time, command) for the message a second job
-gets and for ``jobs.status``; it is emptied when the owner releases the lock.
+gets and for ``jobs.status``; the owner removes it when it releases the lock (a refused or
+finished run leaves no lock file).
 
 A record left by an owner that died is stale: the next job takes the lock over
 and logs whose it was. A record whose owner still runs on this host although the
@@ -121,12 +122,7 @@ class OutputLock:
         self.release()
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputLocked(self._held_message(self._wait_for_record())) from None
+        fd = self._lock_file()
         try:
             self._take_over(_parse(_read_all(fd)))
             _write_all(fd, json.dumps(dataclasses.asdict(self.owner), indent=1) + "\n")
@@ -135,12 +131,30 @@ class OutputLock:
             raise
         self._fd = fd
 
+    def _lock_file(self) -> int:
+        """The lock file, open and flock'ed. A releasing owner removes the file while it still holds the
+        lock: a lock won on a file that is no longer the one at the path is worth nothing, so try again."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputLocked(self._held_message(self._wait_for_record())) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
     def release(self) -> None:
+        """Remove the lock file (a refused or finished run leaves nothing), then let the kernel lock go."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            _write_all(fd, "")  # an empty record: nobody holds it
+            self.path.unlink(missing_ok=True)
         finally:
             os.close(fd)
 

@@ -41,7 +41,9 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
     output.dir's lock guards output.dir only: without the claim, a run whose output.node_dir is
     another run's directory would remove that run's shards as "not recorded here".
     """
-    owner = {"run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname()}
+    owner = {
+        "run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname(), "node": node,
+    }
     refusal = disk.claim(owner, adopt_files=is_output_dir)
     if refusal is None:
         return
@@ -56,6 +58,35 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
         f"{where} {why}; nothing there was touched. Give this run a directory of its own "
         "(e.g. output.node_dir=/mnt/nvme/eagle3/<run>/{node}), or rerun that run's own command"
     )
+
+
+def check_done_files(
+    disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
+) -> list[int]:
+    """Before a rerun trusts them: every done shard's file in this node's directory is there, of the size
+    the manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending
+    again (the clean-up removes what is left of it) and is written again; returns those shards."""
+    records = [
+        record for record in manifest.in_state(DONE)
+        if record.location == LOCAL and (record.node == node or (not record.node and holds_unnamed))
+    ]
+    facts = disk.file_facts([record.file for record in records], checksum)
+    damaged = []
+    for record in records:
+        size, sha256 = facts.get(record.file, (None, ""))
+        if size is None:
+            problem = "missing"
+        elif size != record.bytes:
+            problem = f"{size} bytes, the manifest recorded {record.bytes}"
+        elif checksum and sha256 != record.sha256:
+            problem = "its sha256 is not the one the manifest recorded"
+        else:
+            continue
+        message = f"{disk.directory / record.file}: {problem}; the shard is written again"
+        logger.warning("shard %d: %s", record.index, message)
+        manifest.update(record.index, state=PENDING, error=message)
+        damaged.append(record.index)
+    return damaged
 
 
 def clean_output_dir(

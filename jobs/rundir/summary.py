@@ -36,6 +36,7 @@ RUNNING = "running"
 COMPLETE = "complete"
 NOTHING_TO_DO = "nothing_to_do"
 SHARDS_FAILED = "shards_failed"
+UPLOADS_FAILED = "uploads_failed"
 BAD_INPUT = "bad_input"
 
 
@@ -122,17 +123,24 @@ class RunSummary:
         self.started = time.monotonic()
         self.progress: Optional[dict[str, Any]] = None
         """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
+        self._ended = False
 
     def start(self, manifest: Manifest) -> None:
         write_json(self.path, self._build(manifest, RUNNING, None, "", None))
 
     def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
-        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval)."""
+        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval);
+        once the run has ended (``finish``), a late report changes nothing."""
         self.progress = progress
+        if self._ended:
+            return
         write_json(self.path, self._build(manifest, RUNNING, None, "", None))
 
     def finish(self, manifest: Manifest, outcome: str, exit_code: int, message: str, result: Any = None) -> dict:
-        """Write and return the final summary; ``result`` is the pipeline's RunResult when it got that far."""
+        """Write and return the final summary; ``result`` is the pipeline's RunResult when it got that far.
+        A run that stops early finishes twice: at once (a stop may be followed by SIGKILL within seconds),
+        then once its open shards are wound down, with the final counts."""
+        self._ended = True
         summary = self._build(manifest, outcome, exit_code, message, result)
         write_json(self.path, summary)
         return summary
