@@ -109,17 +109,27 @@ def build_parser(prog: str, description: str, schema: type) -> argparse.Argument
     return parser
 
 
+def parse_command(
+    module: str, description: str, schema: type[T], argv: Sequence[str], flags: dict[str, str] | None = None,
+) -> tuple[T, argparse.Namespace]:
+    """A command's ``[--config FILE] [--flag ...] [key=value ...]``: its checked config and its flags
+    (``flags``: name -> help of each on/off flag). Raises ConfigError."""
+    parser = build_parser(program_name(module), description, schema)
+    for flag, help in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=help)
+    args = parser.parse_args(list(argv))
+    return build_config(schema, args.config, args.overrides, prog=parser.prog), args
+
+
 def load_config(argv: Sequence[str]) -> JobConfig:
     """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig; raises ConfigError."""
-    parser = build_parser(
-        program_name("jobs.extract"),
+    return parse_command(
+        "jobs.extract",
         "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
-        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 130/143 stopped by a "
-        "signal (README: Exit codes).",
-        JobConfig,
-    )
-    args = parser.parse_args(list(argv))
-    return build_config(JobConfig, args.config, args.overrides, prog=parser.prog)
+        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards not uploaded, "
+        "130/143 stopped by a signal (docs/reference.md: exit codes).",
+        JobConfig, argv,
+    )[0]
 
 
 def build_config(schema: type[T], config_file: str | None, overrides: Sequence[str], prog: str) -> T:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
-from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.config import ConfigError, parse_command
 from jobs.driver.budget import format_bytes
 from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
@@ -191,11 +191,9 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _status(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.status"), "Where an extraction run stands, from its output directory.", StatusConfig
+    config, args = parse_command(
+        "jobs.status", "Where an extraction run stands, from its output directory.", StatusConfig, argv
     )
-    args = parser.parse_args(list(argv))
-    config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
     if not config.output.dir:
         raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
     given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)

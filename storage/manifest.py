@@ -30,6 +30,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from storage.atomic import fsync_path, replace_atomically
+
 MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
 MANIFEST_VERSION = 1
@@ -135,18 +137,13 @@ class Manifest:
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }
-        temp = self.path.with_name(self.path.name + ".tmp")
-        with open(temp, "w") as file:
-            json.dump(payload, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, self.path)
+        replace_atomically(self.path, json.dumps(payload, indent=1))
         self._close_journal()
         # Lines left by a crash right here carry sequence numbers the snapshot already holds.
         with open(self.journal_path, "wb") as journal:
             os.fsync(journal.fileno())
         self._torn = False
-        _fsync_directory(self.path.parent)
+        fsync_path(self.path.parent)
         self._compacted = self._sequence
 
     def close(self) -> None:
@@ -175,14 +172,6 @@ class Manifest:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
 from storage.manifest import DONE, SINK, Manifest, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.test_job import HIDDEN, imported_by, job_config
+from tests.helpers import HIDDEN, imported_by, job_config
 from training import peer_formats
 from training.dataset import HiddenStatesDataset, collate
 from training.destination import Destination

@@ -121,7 +121,7 @@ class ExtractionRun:
         self._clock["first_batch"] = time.perf_counter()
         self._progress.begin(lanes.budgets())
         DriverLoop(
-            self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
+            lanes, self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
         ).run()
         self._clock["end"] = time.perf_counter()
 
