@@ -146,6 +146,14 @@ class Manifest:
         fsync_path(self.path.parent)
         self._compacted = self._sequence
 
+    def start_over(self, shards: Iterable[int]) -> None:
+        """Forget what earlier runs recorded of ``shards`` (a rerun writes them again): pending, with only
+        their attempts kept; saved at once."""
+        for index in shards:
+            record = self.shards[index]
+            self.shards[index] = ShardRecord(index, record.start, record.stop, attempts=record.attempts)
+        self.save()
+
     def close(self) -> None:
         """Compact and release the journal."""
         self.save()

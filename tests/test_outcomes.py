@@ -26,7 +26,7 @@ from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model
 from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
-from storage.manifest import DONE, MANIFEST_FILE, read_manifest
+from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_every_sample_once, job_config, python_env
 
@@ -114,7 +114,8 @@ def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp
 
 
 def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged(ray_cluster, llama_fp32, demo_dataset, tmp_path):
-    """Truncated, deleted, replaced or swapped files: the rerun used to say "nothing to do" without a look."""
+    """Truncated or replaced files: the rerun used to say "nothing to do" without a look. A deleted file is
+    consumed (as a trainer deletes them), said so and recorded; ``shards=[i]`` writes it again."""
     out = tmp_path / "out"
     config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0")
     first = run(config)
@@ -128,10 +129,11 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged(ray_cluster, 
     data[len(data) // 2] ^= 0xFF
     files[2].write_bytes(bytes(data))
 
-    rerun = run(config)  # sizes only (the default): shards 0 and 1 again
-    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
-    attempts = {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}
-    assert attempts == {0: 2, 1: 2, 2: 1, 3: 1, 4: 1}
+    rerun = run(config)  # sizes only (the default): shard 0 again; shard 1's file gone: consumed, as a trainer does
+    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 1
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert {i: r["attempts"] for i, r in records.items()} == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
+    assert records[1]["location"] == CONSUMED and records[1]["state"] == DONE
 
     checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
                           "output.resume_check=sha256")
@@ -140,6 +142,8 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged(ray_cluster, 
     assert {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}[2] == 2
     assert {path.name: path.stat().st_mtime_ns for path in files[3:]} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
+    assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
+                          "shards=[1]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
     assert_every_sample_once(out, demo_dataset)
 
 
