@@ -126,8 +126,8 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     return parse_command(
         "jobs.extract",
         "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
-        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards not uploaded, "
-        "130/143 stopped by a signal (docs/reference.md: exit codes).",
+        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards written but not "
+        "all uploaded to output.sink, 130/143 stopped by a signal (docs/reference.md: exit codes).",
         JobConfig, argv,
     )[0]
 
@@ -270,15 +270,24 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe(cls: type, prefix: str = "") -> str:
-    """One line per key: ``section.key = default  # doc``."""
-    lines: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One key of a config tree: its dotted name, its default and the docstring under its field."""
+
+    key: str
+    default: Any
+    doc: str
+
+
+def key_docs(cls: type, prefix: str = "") -> list[KeyDoc]:
+    """Every key of a config dataclass tree, in field order, with its default and docstring."""
+    found: list[KeyDoc] = []
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         key = f"{prefix}{field.name}"
         section = _section_type(field)
         if section is not None:
-            lines.append(describe(section, prefix=key + "."))
+            found += key_docs(section, prefix=key + ".")
             continue
         if field.default is not dataclasses.MISSING:
             default: Any = field.default
@@ -286,6 +295,12 @@ def describe(cls: type, prefix: str = "") -> str:
             default = field.default_factory()
         else:
             default = None
-        doc = docs.get(field.name, "")
-        lines.append(f"  {key} = {default!r}" + (f"  # {doc}" if doc else ""))
-    return "\n".join(lines)
+        found.append(KeyDoc(key, default, docs.get(field.name, "")))
+    return found
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """One line per key: ``section.key = default  # doc``."""
+    return "\n".join(
+        f"  {item.key} = {item.default!r}" + (f"  # {item.doc}" if item.doc else "") for item in key_docs(cls, prefix)
+    )

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
 from jobs.cli import console_entry, run_command
 from jobs.config import ConfigError, parse_command
 from jobs.driver.budget import format_bytes
-from jobs.driver.config import OutputConfig
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
@@ -25,8 +24,19 @@ from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
+class VerifiedRun:
+    """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
+
+    dir: str = ""
+    """The run's output.dir, where it is now (a copied or moved run is checked there)."""
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """fsspec options for the shards in the sink, as the run had them (the manifest records each uploaded file's
+    URL)."""
+
+
+@dataclasses.dataclass
 class VerifyConfig:
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
 
 
 DESCRIPTION = (

@@ -15,7 +15,8 @@ import pytest
 
 from benchmarks.shapes import KIMI_K25
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
-from jobs.check_drafter import EXIT_BAD_INPUT, EXIT_MISMATCH
+from jobs.errors import EXIT_BAD_INPUT
+from jobs.errors import EXIT_DRAFTER_MISMATCH as EXIT_MISMATCH
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from tests.conftest import REPO_ROOT

@@ -1,4 +1,4 @@
-"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, the README's
+"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, docs/training.md's
 training example. Three real runs of the job on a tiny Llama (bf16 post-norm, bf16 pre-norm, fp8
 pre-norm), built once; the sample with id 5 is an invalid row the runs skip, so sample ids have a gap."""
 
@@ -424,14 +424,14 @@ def test_a_failed_write_leaves_no_file(tmp_path):
     assert_failed_write_leaves_nothing(Destination(str(tmp_path / "dest")), os.path.exists)
 
 
-# -- the README's training example ------------------------------------------------------------------
+# -- the training example of docs/training.md ---------------------------------------------------------
 
-def test_readme_training_example_takes_a_step(runs):
-    text = (REPO_ROOT / "README.md").read_text()
+def test_docs_training_example_takes_a_step(runs):
+    text = (REPO_ROOT / "docs" / "training.md").read_text()
     block = re.search(r"<!-- training example.*?-->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert block, "the README's training example block is missing"
+    assert block, "the training example block of docs/training.md is missing"
     namespace = {"RUN": str(runs["post"])}
-    exec(compile(block.group(1), "README.md (training example)", "exec"), namespace)
+    exec(compile(block.group(1), "docs/training.md (training example)", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
     changed = [not torch.equal(a, b) for a, b in zip(namespace["before"], namespace["drafter"].parameters())]
     assert all(changed), "every drafter weight should move in one step"
