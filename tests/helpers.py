@@ -190,15 +190,15 @@ HIDDEN = 64
 def python_env(**extra: str) -> dict[str, str]:
     """The environment of a command the tests start: this checkout on the path, no Ray address (a command
     starts its own private cluster), Ray's auth off; ``extra`` on top."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
-    env.pop("RAY_ADDRESS", None)
-    return env
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    return dict(env, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
 
 
 def user_env(**extra: str) -> dict[str, str]:
     """A user's shell: like ``python_env`` but without the test session's loopback switch either."""
     env = python_env(RAY_USAGE_STATS_ENABLED="0", **extra)
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in extra:
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     return env
 
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import input_files
+from jobs.inputs import files as input_files
 from jobs.inputs.dataset import InvalidRow, open_tokenized_dataset
 
 VOCAB = 1000

@@ -341,30 +341,32 @@ def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
     ("post", "specforge", ["fp8=true"], r"SpecForge reads model-dtype states only"),
     ("post", "blob", [], r"to='blob': use specforge or speculators"),
 ])
-def test_export_refuses_what_the_format_cannot_take(runs, tmp_path, caplog, run_name, to, extra, message):
+def test_export_refuses_what_the_format_cannot_take(runs, tmp_path, capsys, run_name, to, extra, message):
     dest = tmp_path / "dest"
     assert export(runs[run_name], to, dest, *extra) == 2
-    assert re.search(message, caplog.text), caplog.text
+    errors = capsys.readouterr().err
+    assert re.search(message, errors), errors
     assert not dest.exists()
 
 
-def test_export_refuses_foreign_or_other_content_and_partial_runs(runs, tmp_path, caplog):
+def test_export_refuses_foreign_or_other_content_and_partial_runs(runs, tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     assert export(runs["post"], "specforge", foreign) == 2
-    assert "holds 1 files (notes.txt" in caplog.text and (foreign / "notes.txt").read_text() == "mine"
+    assert "holds 1 files (notes.txt" in capsys.readouterr().err and (foreign / "notes.txt").read_text() == "mine"
     dest = tmp_path / "dest"
     assert export(runs["pre"], "speculators", dest) == 0
     assert export(runs["fp8"], "speculators", dest) == 2
-    assert "holds an export of something else (run, shards, states differ" in caplog.text
+    assert "holds an export of something else (run, shards, states differ" in capsys.readouterr().err
     partial = tmp_path / "partial-run"
     shutil.copytree(runs["post"], partial)
     manifest = Manifest.open(partial, read_manifest(partial)["content"], [])
     manifest.update(2, state="failed", error="a test")
     manifest.close()
     assert export(partial, "specforge", tmp_path / "partial") == 2
-    assert "2 of 3 shards are read; left out: 1 failed" in caplog.text and "allow_partial=true" in caplog.text
+    errors = capsys.readouterr().err
+    assert "2 of 3 shards are read; left out: 1 failed" in errors and "allow_partial=true" in errors
     assert export(partial, "specforge", tmp_path / "partial", "allow_partial=true") == 0
     assert len(specforge_files(tmp_path / "partial")) == 16
 
