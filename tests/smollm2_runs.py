@@ -31,6 +31,11 @@ CHATS = (
 """Single-turn chats; their answers are hand-written (the acceptance benchmark uses the target's own)."""
 
 EXTRACT_TIMEOUT_S = 600
+POST_NORM_LAYERS = [1, 14, 26]
+"""The acceptance benchmark's layers (low, mid, high of 30)."""
+PRE_NORM_LAYERS = [0, 13, 25]
+"""One lower: the layers whose outputs are HF hidden_states[1, 14, 26], the states arm B of the
+acceptance benchmark trains on."""
 
 
 def shared_dir(tmp_path_factory) -> Path:
@@ -101,3 +106,15 @@ def extraction_run(tmp_path_factory, name: str, overrides: Sequence[str]) -> Pat
             # a failed attempt leaves its output.dir: the next attempt's run resumes it
             assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
     return out
+
+
+def post_norm_run(tmp_path_factory) -> Path:
+    """Layers [1, 14, 26] with the post-norm final state: the acceptance benchmark's arm A, on CPU."""
+    return extraction_run(tmp_path_factory, "post_norm",
+                          [f"extract.layers={POST_NORM_LAYERS}", "extract.last_hidden_state=post_norm"])
+
+
+def pre_norm_run(tmp_path_factory) -> Path:
+    """Layers [0, 13, 25] (arm B's states) with the pre-norm final state."""
+    return extraction_run(tmp_path_factory, "pre_norm",
+                          [f"extract.layers={PRE_NORM_LAYERS}", "extract.last_hidden_state=pre_norm"])
