@@ -87,6 +87,8 @@ ARM_STATES = {
 EXIT_MORE_TO_DO = 75
 """--deadline-s stopped before a step: rerun the same command to go on."""
 BOOTSTRAP_RESAMPLES = 10_000
+SERVE_MEMORY = 0.75
+"""Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
 
 
 # -- 1. prompts -----------------------------------------------------------------------------------
@@ -501,15 +503,20 @@ def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tok
     out.write_text(json.dumps({"seconds": time.perf_counter() - started, "prompts": results}) + "\n")
 
 
-def serve(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int, attention_backend: str,
-          mem_fraction_static: float = 0.5) -> list[PromptResult]:
+def start_serving(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
+                  attention_backend: str, mem_fraction_static: float) -> multiprocessing.Process:
     """``serve_arm`` in a fresh spawned process (each arm's engine starts clean and frees the GPU after)."""
     process = multiprocessing.get_context("spawn").Process(
         target=serve_arm, args=(target, drafter, prompts, out, max_new_tokens, attention_backend, mem_fraction_static))
     process.start()
+    return process
+
+
+def served_results(process: multiprocessing.Process, out: Path) -> list[PromptResult]:
     process.join()
     if process.exitcode != 0 or not out.is_file():
-        raise RuntimeError(f"serving {drafter} failed (exit {process.exitcode}); its log is above")
+        raise RuntimeError(f"serving for {out.stem} failed (exit {process.exitcode}); its log is above. Rerun "
+                           "with --serve-parallel 1 if engines sharing the GPU were the cause")
     return [PromptResult(**r) for r in json.loads(out.read_text())["prompts"]]
 
 
@@ -620,11 +627,15 @@ class Pipeline:
             raise OutOfTime(name)
         logger.info("step %s", name)
         started = time.perf_counter()
-        result = {**action(), "seconds": round(time.perf_counter() - started, 1)}
+        return self.save(name, action(), time.perf_counter() - started)
+
+    def save(self, name: str, result: dict[str, Any], seconds: float) -> dict[str, Any]:
+        """Record a finished step (also those run side by side, whose records are written as each ends)."""
+        result = {**result, "seconds": round(seconds, 1)}
         path = self.work / "steps" / f"{name}.json"
         path.with_suffix(".tmp").write_text(json.dumps(result, indent=2) + "\n")
         os.replace(path.with_suffix(".tmp"), path)
-        logger.info("step %s done in %.0f s", name, result["seconds"])
+        logger.info("step %s done in %.0f s", name, seconds)
         return result
 
     def command(self, command: list[str], log_name: str, env: Optional[dict[str, str]] = None) -> str:
@@ -723,15 +734,17 @@ def stage_train(p: Pipeline) -> None:
         processes[arm] = (subprocess.Popen(specforge_command("train", "-c", str(directory / "run.yaml")), env=env,
                                            stdout=log, stderr=subprocess.STDOUT, text=True), log, time.perf_counter())
     failed = []
-    for arm, (process, log, started) in processes.items():
-        code = process.wait()
-        log.close()
-        text = (p.work / "train" / arm / "log.txt").read_text()
-        if code != 0:
-            failed.append(f"arm {arm} (exit {code}): {p.work / 'train' / arm / 'log.txt'}\n{text[-2000:]}")
-            continue
-        p.step(f"train-{arm}", lambda text=text, started=started: {
-            "metrics": last_train_metrics(text), "train_seconds": round(time.perf_counter() - started, 1)})
+    while processes:  # polled, so each arm's wall time is its own
+        for arm in [arm for arm, (process, _, _) in processes.items() if process.poll() is not None]:
+            process, log, started = processes.pop(arm)
+            log.close()
+            text = (p.work / "train" / arm / "log.txt").read_text()
+            if process.returncode != 0:
+                failed.append(f"arm {arm} (exit {process.returncode}): {p.work / 'train' / arm / 'log.txt'}\n"
+                              f"{text[-2000:]}")
+                continue
+            p.save(f"train-{arm}", {"metrics": last_train_metrics(text)}, time.perf_counter() - started)
+        time.sleep(1)
     if failed:
         raise RuntimeError("SpecForge training failed for " + "\n".join(failed))
     p.step("train-E", lambda: {"checkpoint": str(write_untrained_checkpoint(
@@ -767,11 +780,22 @@ def stage_drafters(p: Pipeline) -> None:
 
 
 def stage_serve(p: Pipeline) -> None:
-    for arm in ARMS:
-        out = p.work / "serve" / f"{arm}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        p.step(f"serve-{arm}", lambda arm=arm, out=out: {"prompts": len(serve(
-            p.model, p.drafter(arm), p.eval_prompts, out, p.args.max_new_tokens, p.args.attention_backend))})
+    """Each arm's drafter served over the held-out prompts, ``--serve-parallel`` engines at once on the one
+    GPU (135M parameters each: the GPU's memory is shared out, each gets an equal fraction)."""
+    pending = [arm for arm in ARMS if p.record(f"serve-{arm}") is None]
+    (p.work / "serve").mkdir(parents=True, exist_ok=True)
+    parallel = max(1, p.args.serve_parallel)
+    for start in range(0, len(pending), parallel):
+        if p.args.deadline_s and time.monotonic() - p.started > p.args.deadline_s:
+            raise OutOfTime(f"serve-{pending[start]}")
+        started = time.perf_counter()
+        batch = {arm: start_serving(p.model, p.drafter(arm), p.eval_prompts, p.work / "serve" / f"{arm}.json",
+                                    p.args.max_new_tokens, p.args.attention_backend, SERVE_MEMORY / parallel)
+                 for arm in pending[start : start + parallel]}
+        for arm, process in batch.items():
+            results = served_results(process, p.work / "serve" / f"{arm}.json")
+            p.save(f"serve-{arm}", {"prompts": len(results), "engines_at_once": len(batch)},
+                   time.perf_counter() - started)
 
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
@@ -826,6 +850,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=Recipe.learning_rate)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
+    parser.add_argument("--serve-parallel", type=int, default=len(ARMS), help="serving engines at once on the GPU")
     args = parser.parse_args(argv)
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in stages if s not in STAGES]
