@@ -4,7 +4,8 @@ SGLang, measure acceptance length (issue 21).
     python -m benchmarks.acceptance --work DIR [--out results.json] [--stages all] [--gguf FILE] ...
     bash benchmarks/gpu.sh acceptance --work /root/acceptance ...      # on a lent H200 (see below)
 
-Every step is a project command or a peer's released tool, run as a subprocess:
+Every step is a project command or a peer's released tool, run as a subprocess (but for arm C's HF forward
+and arm E's initialisation, made here with transformers and SpecForge's own draft model class):
 
 1. prompts: a few thousand varied single-turn prompts composed here (no data set download) and a disjoint
    held-out set of at least 200 for evaluation;
@@ -187,6 +188,12 @@ def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens:
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
             f"output.path={out}", "prepare.regenerate=true", "prepare.temperature=0",
             f"prepare.max_new_tokens={max_new_tokens}"]
+
+
+def prepared_data(out: Path) -> str:
+    """What ``jobs.extract`` reads (its ``data.path``) from ``prepare_command``'s output: the Parquet files
+    under it (a side record beside them is not data)."""
+    return str(out / "*.parquet") if out.is_dir() else str(out)
 
 
 # -- 3. states ------------------------------------------------------------------------------------
@@ -473,19 +480,18 @@ def bootstrap_acceptance(arms: dict[str, Sequence[PromptResult]], seed: int = 0,
     return report
 
 
-def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
-              attention_backend: str, mem_fraction_static: float) -> None:
-    """GPU only, in a process of its own (``serve``): SGLang's EAGLE3 over the held-out prompts, rendered
-    with the target's chat template (its generation prompt), all submitted at once; writes per-prompt results."""
-    import sglang
-    import transformers
+def render_prompts(tokenizer: Any, prompts: Path) -> list[list[int]]:
+    """The held-out prompts as the target's chat template renders a user turn with its generation prompt
+    (what jobs.prepare renders before each answer it regenerates)."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": line["prompt"]}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+            for line in map(json.loads, prompts.read_text().splitlines())]
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(target))
-    input_ids = [list(tokenizer.apply_chat_template([{"role": "user", "content": line["prompt"]}],
-                                                    add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
-                 for line in map(json.loads, prompts.read_text().splitlines())]
-    engine = sglang.Engine(
+
+def engine_args(target: Path, drafter: Path, attention_backend: str, mem_fraction_static: float) -> dict[str, Any]:
+    """``sglang.Engine``'s arguments for one arm: EAGLE3 with the drafter, bf16, greedy-ready."""
+    return dict(
         model_path=str(target), dtype="bfloat16", speculative_algorithm="EAGLE3",
         speculative_draft_model_path=str(drafter), speculative_num_steps=SPEC_STEPS,
         speculative_eagle_topk=SPEC_TOPK, speculative_num_draft_tokens=SPEC_DRAFT_TOKENS,
@@ -493,6 +499,17 @@ def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tok
         # imports deep_gemm, which is not either (../shared/README.md section 10).
         attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=mem_fraction_static,
         random_seed=0, log_level="warning")
+
+
+def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
+              attention_backend: str, mem_fraction_static: float) -> None:
+    """GPU only, in a process of its own: SGLang's EAGLE3 over the held-out prompts, all submitted at once
+    (greedy: batching changes no answer); writes per-prompt results."""
+    import sglang
+    import transformers
+
+    input_ids = render_prompts(transformers.AutoTokenizer.from_pretrained(str(target)), prompts)
+    engine = sglang.Engine(**engine_args(target, drafter, attention_backend, mem_fraction_static))
     started = time.perf_counter()
     try:
         outputs = engine.generate(input_ids=input_ids,
@@ -685,9 +702,12 @@ def stage_prepare(p: Pipeline) -> None:
 def data_stats(data: Path, max_length: int) -> dict[str, Any]:
     """Samples and tokens of the prepared data, and the tokens one epoch trains on (SpecForge cuts each
     sample to max_length and zeroes its last loss-mask entry)."""
+    import glob
+
     import pyarrow.dataset
 
-    table = pyarrow.dataset.dataset(str(data), format="parquet").to_table(columns=["input_ids", "loss_mask"])
+    files = sorted(glob.glob(prepared_data(data)))
+    table = pyarrow.dataset.dataset(files, format="parquet").to_table(columns=["input_ids", "loss_mask"])
     masks = [np.asarray(mask[:max_length]) for mask in table.column("loss_mask").to_pylist()]
     lengths = [len(ids) for ids in table.column("input_ids").to_pylist()]
     return {"samples": len(lengths), "tokens": int(sum(lengths)),
@@ -698,7 +718,7 @@ def stage_extract(p: Pipeline) -> None:
     device = "auto" if p.args.device == "cuda" else p.args.device
     for arm in ("A", "B", "D"):
         def run(arm: str = arm) -> dict[str, Any]:
-            p.command([sys.executable, "-m", "jobs.extract", f"model.path={p.model}", f"data.path={p.data}",
+            p.command([sys.executable, "-m", "jobs.extract", f"model.path={p.model}", f"data.path={prepared_data(p.data)}",
                        f"output.dir={p.run_dir(arm)}", f"model.device={device}", "model.dtype=bfloat16",
                        *extract_overrides(arm, LAYERS)], f"extract-{arm}")
             return json.loads((p.run_dir(arm) / ".summary.json").read_text())["this_run"]

@@ -89,18 +89,26 @@ def chat_dataset(tmp_path_factory) -> Path:
     return path
 
 
+def session_ray_address() -> str:
+    """The GCS address of this test process's Ray cluster (conftest's ``ray_cluster``): the runs join it
+    (``ray.address``) rather than each starting a cluster of its own, which on the loaded 2-core machine
+    costs seconds of CPU and has timed out."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 def extraction_run(tmp_path_factory, name: str, overrides: Sequence[str]) -> Path:
     """The output.dir of ``python -m jobs.extract`` on SmolLM2 (CPU, float32) over ``chat_dataset``
-    with ``overrides``, run once per session under ``name``."""
+    with ``overrides``, run once per session under ``name``, on this process's Ray cluster."""
     model, data = checkpoint_dir(), chat_dataset(tmp_path_factory)
     out = shared_dir(tmp_path_factory) / f"smollm2-run-{name}"
     with made_once(out) as needed:
         if needed:
             command = [sys.executable, "-m", "jobs.extract", f"model.path={model}", f"data.path={data}",
                        f"output.dir={out}", "model.device=cpu", "model.dtype=float32",
-                       "output.min_free_bytes=1GB", *overrides]
+                       "output.min_free_bytes=1GB", f"ray.address={session_ray_address()}", *overrides]
             env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-            env.pop("RAY_ADDRESS", None)  # a private cluster for the run, as a user's plain run gets
             result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                     timeout=EXTRACT_TIMEOUT_S)
             # a failed attempt leaves its output.dir: the next attempt's run resumes it

@@ -38,7 +38,7 @@ def specforge_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(ray_cluster, tmp_path_factory) -> dict[str, Path]:
     """Arm A's run ([1, 14, 26], post-norm) and a run of B's layers ([0, 13, 25]), shared with
     tests/test_real_weights.py: whichever file comes first makes them."""
     return {"A": post_norm_run(tmp_path_factory), "B": pre_norm_run(tmp_path_factory)}
@@ -147,10 +147,12 @@ def test_untrained_drafter_exports_and_the_checker_flags_b(specforge_path, runs,
     draft_config = run_a / ".drafter_config.json"
     checkpoint = acceptance.write_untrained_checkpoint(draft_config, tmp_path / "E", seed=0)
     served = tmp_path / "served"
-    result = subprocess.run(acceptance.specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint),
-                                                         "--draft-config", str(draft_config), "--output-dir", str(served)),
-                            env=acceptance.specforge_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    command = acceptance.specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint),
+                                           "--draft-config", str(draft_config), "--output-dir", str(served))
+    from specforge.cli import main as specforge_main
+
+    # the command's arguments through SpecForge's own CLI, in this process (a new one imports torch again)
+    assert command[:3] == [sys.executable, "-m", "specforge.cli"] and specforge_main(command[3:]) == 0
     config = acceptance.served_config(served, json.loads(draft_config.read_text())["eagle_config"])
     assert json.loads((served / "config.json").read_text()) == config
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 49152
@@ -260,3 +262,42 @@ def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
     assert late.returncode == acceptance.EXIT_MORE_TO_DO and "stopped before step extract-A" in late.stderr
     refused = run("--stages", "train", "--device", "cpu")
     assert refused.returncode == 2 and "run on CUDA only" in refused.stderr
+
+
+def test_held_out_prompts_are_rendered_with_the_generation_prompt(tmp_path):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir()))
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 12 times 7?"}) + "\n")
+    (ids,) = acceptance.render_prompts(tokenizer, prompts)
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n"), text
+    assert text.startswith("<|im_start|>system\n")  # SmolLM2's template adds its default system prompt
+
+
+def test_engine_arguments_are_sglang_server_args():
+    """Every argument the serving engine gets is a field of the installed SGLang's ServerArgs (0.5.23 here,
+    a msgspec Struct; 0.5.17, which serves on the H200, a dataclass with the same names: checked by hand)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    fields = set(getattr(ServerArgs, "__struct_fields__", ())) or {field.name for field in dataclasses.fields(ServerArgs)}
+    args = acceptance.engine_args(Path("/target"), Path("/drafter"), "flashinfer", 0.15)
+    assert set(args) <= fields, set(args) - fields
+    assert (args["speculative_num_steps"], args["speculative_eagle_topk"], args["speculative_num_draft_tokens"]) == (3, 1, 4)
+    assert args["speculative_algorithm"] == "EAGLE3" and args["disable_cuda_graph"] is True
+
+
+def test_data_stats_count_the_tokens_specforge_trains_on(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "loss_mask": [[0, 1, 1, 1], [0, 1, 0]],
+                             "conversation_id": [0, 1]}), tmp_path / "part-0.parquet")
+    (tmp_path / "prepare.json").write_text("{}")  # a side record is not data
+    assert acceptance.prepared_data(tmp_path) == str(tmp_path / "*.parquet")
+    # SpecForge cuts each sample to max_length and zeroes the last loss-mask entry
+    assert acceptance.data_stats(tmp_path, max_length=3) == {"samples": 2, "tokens": 7, "loss_tokens_per_epoch": 2}
+    assert acceptance.data_stats(tmp_path, max_length=2048)["loss_tokens_per_epoch"] == 3

@@ -36,7 +36,7 @@ def relative_error(stored: torch.Tensor, reference: torch.Tensor) -> torch.Tenso
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list]:
+def runs(ray_cluster, tmp_path_factory) -> dict[str, list]:
     """Both runs, one after the other (two Ray clusters starting at once on the loaded 2-core machine
     timed out), shared with tests/test_acceptance_cpu.py."""
     outs = {"post_norm": post_norm_run(tmp_path_factory), "pre_norm": pre_norm_run(tmp_path_factory)}
