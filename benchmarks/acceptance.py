@@ -35,6 +35,21 @@ Results: ``--out`` (JSON) and ``results.md`` beside it (a table for benchmarks/R
 leaves a record under ``DIR/steps/``; a rerun skips the steps recorded there, so the pipeline goes
 on across device calls (``--stages`` names which to run, ``--deadline-s`` stops before starting a step
 past that time; exit code 75 then means "rerun the same command to go on").
+
+On a lent H200 (10 minutes a call, 30 of device time a session; the machine stays warm only briefly
+between calls, so make them back to back): stage SGLang 0.5.17 and Ray (``../shared/gpu/prepare-carry.sh``,
+its calls ``bash .gpuN/stage.sh``), then this benchmark's pieces (``bash benchmarks/acceptance_carry.sh
+prepare`` here, its three calls ``bash benchmarks/acceptance_carry.sh stage .gpu-accN``: SmolLM2's GGUF,
+SpecForge and its deps, the shared flashinfer/triton JIT cache), then, with the same arguments each time
+(``ARGS = --work /root/acceptance --gguf /root/acccache/SmolLM2-135M-Instruct.Q4_1.gguf``):
+
+    bash benchmarks/gpu.sh acceptance ARGS --stages checkpoint,prompts,prepare,extract,features --deadline-s 420
+    bash benchmarks/gpu.sh acceptance ARGS --stages extract,features,train --deadline-s 240
+    bash benchmarks/gpu.sh acceptance ARGS --stages drafters,serve,report --deadline-s 420
+    bash benchmarks/gpu.sh acceptance ARGS --stages drafters,serve,report; bash benchmarks/acceptance_carry.sh save-cache
+
+(a call that stops at its deadline exits 75; the next one goes on from the records). The work directory
+needs about 35 GB of disk at the default 4,000 prompts (three runs and four exports of ~1M tokens).
 """
 
 from __future__ import annotations
@@ -884,6 +899,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
+def print_steps(p: Pipeline) -> None:
+    """Every step recorded so far, one line each (what a device call that ends before the report shows)."""
+    for path in sorted((p.work / "steps").glob("*.json"), key=lambda path: path.stat().st_mtime):
+        record = json.loads(path.read_text())
+        print(f"{path.stem}: {record.pop('seconds')} s {json.dumps(record)[:300]}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -895,9 +917,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("stopped before step %s (--deadline-s %.0f): rerun the same command to go on", stopped,
                        args.deadline_s)
         return EXIT_MORE_TO_DO
-    except RuntimeError as error:
+    except ValueError as error:  # a setting or an input the benchmark cannot use
+        logger.error("%s", error)
+        return 2
+    except RuntimeError as error:  # a step's command failed; its log is named
         logger.error("%s", error)
         return 1
+    finally:
+        print_steps(pipeline)
     return 0
 
 

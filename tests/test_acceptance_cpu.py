@@ -252,6 +252,7 @@ def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
 
     first = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200")
     assert first.returncode == 0, first.stderr[-2000:]
+    assert "prompts: " in first.stdout and "checkpoint: " in first.stdout  # what a device call shows
     records = {path.name: path.read_text() for path in (work / "steps").iterdir()}
     assert sorted(records) == ["checkpoint.json", "prompts.json"]
     assert json.loads(records["prompts.json"])["held_out"] == 200
@@ -262,6 +263,8 @@ def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
     assert late.returncode == acceptance.EXIT_MORE_TO_DO and "stopped before step extract-A" in late.stderr
     refused = run("--stages", "train", "--device", "cpu")
     assert refused.returncode == 2 and "run on CUDA only" in refused.stderr
+    too_few = run("--stages", "prompts", "--device", "cpu", "--work", str(tmp_path / "other"), "--eval-prompts", "50")
+    assert too_few.returncode == 2 and "at least 200" in too_few.stderr
 
 
 def test_held_out_prompts_are_rendered_with_the_generation_prompt(tmp_path):
