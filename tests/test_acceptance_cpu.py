@@ -64,12 +64,12 @@ def test_prompts_are_varied_distinct_disjoint_and_reproducible():
     assert (len(train), len(held_out)) == (3000, 256)
     assert len(set(train)) == 3000 and len(set(held_out)) == 256 and not set(train) & set(held_out)
     assert acceptance.split_prompts(3000, 256, seed=0) == (train, held_out)
-    other_train, other_held_out = acceptance.split_prompts(3000, 256, seed=1)
+    _, other_held_out = acceptance.split_prompts(3000, 256, seed=1)
     assert other_held_out != held_out and len(set(other_held_out) & set(held_out)) < 50
-    # every template is used, on both sides of the split (the held-out set asks the same kinds of tasks)
-    openings = {prompt.split()[0] for prompt in held_out}
-    assert {"Explain", "Write", "What", "Translate", "Convert", "Compare"} <= openings
-    assert len({prompt.split()[0] for prompt in train}) == len({p.split()[0] for p in acceptance.compose_prompts(400, 5)})
+    # the kinds of task (a template's opening word: 13 of them) on both sides of the split
+    kinds = {prompt.split()[0] for prompt in acceptance.compose_prompts(400, 5)}
+    assert len(kinds) == 13 and {prompt.split()[0] for prompt in train} == kinds
+    assert len({prompt.split()[0] for prompt in held_out}) >= 11
     with pytest.raises(ValueError, match="at least 200"):
         acceptance.split_prompts(1000, 100, seed=0)
 
