@@ -255,13 +255,13 @@ class LayerDifference:
 def write_hf_features(model_path: Path, run_dir: Path, dest: Path, device: str, dtype: str) -> dict[str, dict]:
     """Arm C: HF transformers' states for every sample of ``run_dir`` (its ids and loss masks), at the run's
     layers (``hidden_states[k+1]``) with the post-norm final state (the output of ``model.norm``, hooked),
-    written as SpecForge's files exactly as ``jobs.export to=specforge`` writes them (``storage.peer_formats``);
+    written as SpecForge's files exactly as ``jobs.export to=specforge`` writes them (``training.peer_formats``);
     returns each layer's relative difference from the run's own states."""
     import torch
     import transformers
 
     from storage import ShardReader
-    from storage.peer_formats import specforge_file, specforge_path
+    from training.peer_formats import specforge_file, specforge_path
     from storage.reader import Sample
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))

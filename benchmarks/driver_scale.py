@@ -45,9 +45,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.config import load_config
-from jobs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.extract import run
-from jobs.plan import Shard, plan_shards
+from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.planning.shards import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, Manifest
 
 VOCAB_SIZE = 128_256

@@ -42,17 +42,18 @@ import numpy as np
 import ray
 
 from benchmarks.shapes import SHAPES
-from jobs.config import load_config
-from jobs.dataset import open_tokenized_dataset
-from jobs.demo import build_synthetic_dataset, build_tiny_model
-from jobs.extract import run
 from extractor.checkpoint import read_checkpoint_info
-from extractor.types import TokenBatch
 from extractor.layers import check_layer_ids, default_layer_ids
-from jobs.extractor_actor import start_extractor
-from jobs.cluster import ray_session
-from jobs.pipeline import build_engine_spec, resolve_device
-from jobs.plan import pack_batches
+from extractor.types import TokenBatch
+from jobs.actors.extractor import start_extractor
+from jobs.cluster.session import ray_session
+from jobs.config import load_config
+from jobs.driver.startup import resolve_device
+from jobs.extract import run
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
+from jobs.planning.engine import build_engine_spec
+from jobs.planning.shards import pack_batches
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput import build_model
+from jobs.cluster.session import ray_session
 from jobs.config import load_config
-from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
-from jobs.cluster import ray_session
+from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from common.checks import check_choice, check_int, check_number
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
 ENGINES = ("sglang", "synthetic")
@@ -52,14 +54,10 @@ class ModelConfig:
     """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"model.device={self.device!r}: use one of {', '.join(DEVICES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
-        if not _is_int(self.tp_size) or self.tp_size < 1:
-            raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
-        if not _is_int(self.dp_size) or self.dp_size < 0:
-            raise ValueError(f"model.dp_size={self.dp_size!r}: must be an integer >= 0 (0: as many groups as the cluster holds)")
+        check_choice("model.device", self.device, DEVICES)
+        check_choice("model.dtype", self.dtype, DTYPES)
+        check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
+        check_int("model.dp_size", self.dp_size, 0, "0: as many groups as the cluster holds")
         if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 1):
             raise ValueError(
                 f"model.context_length={self.context_length!r}: must be a positive token count, or unset "
@@ -72,12 +70,8 @@ class ModelConfig:
             )
         if not self.load_format:
             raise ValueError("model.load_format is empty: use auto (or an SGLang load format such as dummy)")
-        if self.engine not in ENGINES:
-            raise ValueError(f"model.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
-        if not isinstance(self.synthetic_tokens_per_s, (int, float)) or self.synthetic_tokens_per_s < 0:
-            raise ValueError(
-                f"model.synthetic_tokens_per_s={self.synthetic_tokens_per_s!r}: must be >= 0 (0: unpaced)"
-            )
+        check_choice("model.engine", self.engine, ENGINES)
+        check_number("model.synthetic_tokens_per_s", self.synthetic_tokens_per_s, 0, "0: unpaced")
 
 
 @dataclasses.dataclass
@@ -98,7 +92,7 @@ class ExtractConfig:
     max_restarts: int = 3
     """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
     max_attempts: int = 3
-    """Tries per shard in one run when faults (a dead extractor or writer) cut it short, and per upload to the sink."""
+    """Tries per shard in one run when faults (a dead extractor or writer) cut it short (uploads: output.upload_attempts)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -108,19 +102,12 @@ class ExtractConfig:
                 f"extract.layers={self.layers!r}: give canonical layer ids as a non-empty list of "
                 "integers >= 0 like [2,30,58], or leave it unset for [2, N//2, N-3]"
             )
-        if not _is_int(self.max_tokens_per_batch) or self.max_tokens_per_batch < 1:
-            raise ValueError(f"extract.max_tokens_per_batch={self.max_tokens_per_batch!r}: must be an integer >= 1")
-        if not _is_int(self.max_samples_per_batch) or self.max_samples_per_batch < 1:
-            raise ValueError(f"extract.max_samples_per_batch={self.max_samples_per_batch!r}: must be an integer >= 1")
-        if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"extract.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(NONFINITE_ACTIONS)} (fail stops the "
-                "shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged)"
-            )
-        if not _is_int(self.max_restarts) or self.max_restarts < 0:
-            raise ValueError(f"extract.max_restarts={self.max_restarts!r}: must be an integer >= 0 (0: never restart)")
-        if not _is_int(self.max_attempts) or self.max_attempts < 1:
-            raise ValueError(f"extract.max_attempts={self.max_attempts!r}: must be an integer >= 1")
+        check_int("extract.max_tokens_per_batch", self.max_tokens_per_batch, 1)
+        check_int("extract.max_samples_per_batch", self.max_samples_per_batch, 1)
+        check_choice("extract.on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS, (
+            "fail stops the shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged"))
+        check_int("extract.max_restarts", self.max_restarts, 0, "0: never restart")
+        check_int("extract.max_attempts", self.max_attempts, 1)
         kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

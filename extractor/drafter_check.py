@@ -10,7 +10,7 @@ call the target's ``set_eagle3_layers_to_capture`` with those ids
 (``configure_aux_hidden_state_capture``), then read ``layers_to_capture`` back.
 ``plan_capture`` does what the job's engine does at start-up (the drafter ids
 that make SGLang capture the wanted layers) and checks the drafter config the
-job would write with them, for the dry run (``jobs.dry_run``).
+job would write with them, for the dry run (``jobs.planning.dry_run``).
 
 Starts SGLang's runtime: one call per process.
 """

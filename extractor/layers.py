@@ -15,8 +15,10 @@ from typing import Callable, Sequence
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """Low/mid/high layers, [2, N//2, N-3]: [2, 30, 58] for a 61-layer model."""
-    return [2, num_layers // 2, num_layers - 3]
+    """Low/mid/high layers, [2, N//2, N-3]: [2, 30, 58] for a 61-layer model. A model too shallow for
+    three distinct ids gets those of them that can be captured (0..N-2), once each, in order."""
+    last_capturable = max(0, num_layers - 2)
+    return sorted({min(max(k, 0), last_capturable) for k in (2, num_layers // 2, num_layers - 3)})
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:

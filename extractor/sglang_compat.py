@@ -244,7 +244,9 @@ class MetaModels:
         import torch
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_loader.loader import (
-            _get_quantization_config, _initialize_model, set_default_torch_dtype,
+            _get_quantization_config,
+            _initialize_model,
+            set_default_torch_dtype,
         )
 
         load_config = LoadConfig(load_format="dummy")

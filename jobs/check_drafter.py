@@ -19,20 +19,38 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
-from jobs.config import program_name
-from jobs.summary import SUMMARY_FILE
+from jobs.cli import console_entry, run_command
+from jobs.config import CommandParser, config_keys, describe, program_name
+from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
+from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")
 
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
+
+@dataclasses.dataclass
+class CheckedRun:
+    dir: str = ""
+    """The run whose stored layers the drafter configs must capture (its output.dir). Required."""
+
+
+@dataclasses.dataclass
+class TargetCheckpoint:
+    path: str = ""
+    """The target's checkpoint directory, when it has moved since the run (only config.json is read). Empty: the
+    model_path the run recorded."""
+
+
+@dataclasses.dataclass
+class CheckDrafterConfig:
+    """The keys ``jobs.check_drafter`` reads, after the drafter configs (``key=value``; no ``--config`` file)."""
+
+    output: CheckedRun = dataclasses.field(default_factory=CheckedRun)
+    model: TargetCheckpoint = dataclasses.field(default_factory=TargetCheckpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +151,17 @@ def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
-    parser = argparse.ArgumentParser(prog=program_name("jobs.check_drafter"), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog=program_name("jobs.check_drafter"), description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="keys (key=value, defaults shown):\n" + describe(CheckDrafterConfig))
     parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
                         help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
     items = parser.parse_args(list(argv)).items
     settings = dict(item.split("=", 1) for item in items if "=" in item)
-    unknown = sorted(set(settings) - {"output.dir", "model.path"})
+    known = config_keys(CheckDrafterConfig)
+    unknown = sorted(set(settings) - set(known))
     if unknown or "output.dir" not in settings:
-        parser.error(f"name the run with output.dir=RUN (known keys: output.dir, model.path); got {unknown or items}")
+        parser.error(f"name the run with output.dir=RUN (known keys: {', '.join(known)}); got {unknown or items}")
     paths = [Path(item) for item in items if "=" not in item]
     if not paths:
         parser.error("name at least one drafter config")
@@ -149,22 +169,19 @@ def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
 
 
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_command(_check_drafter, argv)
+
+
+def _check_drafter(argv: Sequence[str]) -> int:
     paths, output_dir, model_path = parse_args(argv)
-    try:
-        verdicts = check(paths, output_dir, model_path)
-    except ValueError as error:
-        logger.error("%s", error)
-        return EXIT_BAD_INPUT
+    verdicts = check(paths, output_dir, model_path)
     for verdict in verdicts:
         for line in verdict.lines:
             print(line)
-    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_MISMATCH
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_DRAFTER_MISMATCH
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-check-drafter``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

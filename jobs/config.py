@@ -1,7 +1,8 @@
 """The job config: dataclass defaults < YAML file (``--config``) < ``key=value`` overrides.
 
-Each package owns its section (``extractor.config``, ``storage.config``, the
-sections below) and each section checks its own keys in ``__post_init__``:
+Each section sits beside the code it configures (``extractor.config``,
+``jobs.inputs.config``, ``jobs.driver.config``, ``jobs.cluster.config``) and checks
+its own keys in ``__post_init__`` (with ``common.checks``):
 OmegaConf's structured merge checks every value's type and refuses unknown
 keys, then building the dataclasses runs every section's checks. Whatever is
 wrong comes out as one ``ConfigError`` line (exit code 2) before anything
@@ -21,94 +22,40 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.dataset import ON_INVALID
-from jobs.demo import DEMO_ARCHS
-from jobs.resume import check_selection
-from storage.config import OutputConfig
+from jobs.cluster.config import RayConfig
+from jobs.driver.config import OutputConfig, ProgressConfig
+from jobs.inputs.config import DataConfig, DemoConfig
 
 T = TypeVar("T")
 
 _OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*", re.DOTALL)
+SELECT_PENDING = "pending"
+SELECT_FAILED = "failed"
+
+
+def check_selection(selection: Any) -> None:
+    """``shards``: pending, failed, or a non-empty list of shard indices."""
+    if selection in (SELECT_PENDING, SELECT_FAILED):
+        return
+    if isinstance(selection, list) and selection and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in selection
+    ):
+        return
+    raise ValueError(
+        f"shards={selection!r}: use `pending` (every shard not done yet: resume), "
+        "`failed` (rerun failed shards only) or a list of shard indices like [3,17]"
+    )
 
 
 class ConfigError(ValueError):
     """A user mistake in the config: one line that names the key and the fix (exit code 2)."""
-
-
-@dataclasses.dataclass
-class DataConfig:
-    path: str = ""
-    """Tokenized dataset with input_ids (and optional loss_mask): a .parquet, .jsonl or .arrow file, a directory
-    or glob of them, an HF datasets save_to_disk directory, or an fsspec URL (s3://...). Empty: demo data."""
-    shard_size: int = 200
-    """Samples per shard; one Parquet file per shard."""
-    on_invalid: str = "fail"
-    """A row that fails the input checks: fail (stop before anything runs, naming file, row and reason) or skip
-    (leave it out, listed in .summary.json and .invalid_rows.jsonl; the other rows keep their sample ids)."""
-    storage_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Keyword arguments for data.path's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool) or self.shard_size < 1:
-            raise ValueError(f"data.shard_size={self.shard_size!r}: must be an integer >= 1 (samples per shard file)")
-        if self.on_invalid not in ON_INVALID:
-            raise ValueError(f"data.on_invalid={self.on_invalid!r}: use {' or '.join(ON_INVALID)}")
-
-
-@dataclasses.dataclass
-class RayConfig:
-    address: str = ""
-    """Ray cluster (GCS host:port) to join. Empty: the job's own cluster under `ray job submit`, else RAY_ADDRESS, else a private one on 127.0.0.1."""
-
-    def __post_init__(self) -> None:
-        if self.address.startswith(("http://", "https://")):
-            raise ValueError(
-                f"ray.address={self.address!r} is a dashboard URL, which `ray job` commands use; the driver "
-                "joins a cluster at its GCS address (host:6379). Submit with `ray job submit --address "
-                f"{self.address} ...`, or set ray.address=HOST:6379"
-            )
-
-
-@dataclasses.dataclass
-class ProgressConfig:
-    interval_s: float = 10.0
-    """How often the driver rewrites the progress in .summary.json (what jobs.status shows) and, when its log is
-    not a terminal (e.g. under `ray job submit`), logs one progress line. Ray metrics are re-set every few seconds
-    regardless."""
-
-    def __post_init__(self) -> None:
-        value = self.interval_s
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"progress.interval_s={value!r}: must be a number of seconds > 0")
-
-
-@dataclasses.dataclass
-class DemoConfig:
-    dir: str = "eagle3-demo"
-    """Where the demo writes its tiny model, dataset and (unless output.dir is set) output."""
-    arch: str = "llama"
-    """Architecture of the tiny random-weight model: llama | qwen3 | deepseek_v3 | kimi_k25 (a DeepSeek-V3 in Kimi-K2.5's wrapper)."""
-    num_samples: int = 48
-    """Synthetic samples the demo makes (lengths vary from 16 to 256 tokens)."""
-    seed: int = 0
-    """Seed of the demo's random weights and data."""
-
-    def __post_init__(self) -> None:
-        if not self.dir:
-            raise ValueError("demo.dir is empty: name the directory the demo builds its model and data in")
-        if self.arch not in DEMO_ARCHS:
-            raise ValueError(f"demo.arch={self.arch!r}: use one of {', '.join(DEMO_ARCHS)}")
-        if not isinstance(self.num_samples, int) or self.num_samples < 1:
-            raise ValueError(f"demo.num_samples={self.num_samples!r}: must be an integer >= 1")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"demo.seed={self.seed!r}: must be an integer >= 0")
 
 
 @dataclasses.dataclass
@@ -136,7 +83,9 @@ class JobConfig:
         return not self.model.path and not self.data.path
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are ``ConfigError``s (exit 2, one line), not argparse's exit."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} ({self.prog} --help lists the options and keys)")
 
@@ -149,7 +98,7 @@ def program_name(module: str) -> str:
 
 def build_parser(prog: str, description: str, schema: type) -> argparse.ArgumentParser:
     """``[--config FILE] [key=value ...]`` with every key of ``schema`` and its help in the epilog."""
-    parser = _ArgumentParser(
+    parser = CommandParser(
         prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -160,17 +109,27 @@ def build_parser(prog: str, description: str, schema: type) -> argparse.Argument
     return parser
 
 
+def parse_command(
+    module: str, description: str, schema: type[T], argv: Sequence[str], flags: dict[str, str] | None = None,
+) -> tuple[T, argparse.Namespace]:
+    """A command's ``[--config FILE] [--flag ...] [key=value ...]``: its checked config and its flags
+    (``flags``: name -> help of each on/off flag). Raises ConfigError."""
+    parser = build_parser(program_name(module), description, schema)
+    for flag, help in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=help)
+    args = parser.parse_args(list(argv))
+    return build_config(schema, args.config, args.overrides, prog=parser.prog), args
+
+
 def load_config(argv: Sequence[str]) -> JobConfig:
     """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig; raises ConfigError."""
-    parser = build_parser(
-        program_name("jobs.extract"),
+    return parse_command(
+        "jobs.extract",
         "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
-        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 130/143 stopped by a "
-        "signal (README: Exit codes).",
-        JobConfig,
-    )
-    args = parser.parse_args(list(argv))
-    return build_config(JobConfig, args.config, args.overrides, prog=parser.prog)
+        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards written but not "
+        "all uploaded to output.sink, 130/143 stopped by a signal (docs/reference.md: exit codes).",
+        JobConfig, argv,
+    )[0]
 
 
 def build_config(schema: type[T], config_file: str | None, overrides: Sequence[str], prog: str) -> T:
@@ -311,15 +270,24 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe(cls: type, prefix: str = "") -> str:
-    """One line per key: ``section.key = default  # doc``."""
-    lines: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One key of a config tree: its dotted name, its default and the docstring under its field."""
+
+    key: str
+    default: Any
+    doc: str
+
+
+def key_docs(cls: type, prefix: str = "") -> list[KeyDoc]:
+    """Every key of a config dataclass tree, in field order, with its default and docstring."""
+    found: list[KeyDoc] = []
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         key = f"{prefix}{field.name}"
         section = _section_type(field)
         if section is not None:
-            lines.append(describe(section, prefix=key + "."))
+            found += key_docs(section, prefix=key + ".")
             continue
         if field.default is not dataclasses.MISSING:
             default: Any = field.default
@@ -327,6 +295,12 @@ def describe(cls: type, prefix: str = "") -> str:
             default = field.default_factory()
         else:
             default = None
-        doc = docs.get(field.name, "")
-        lines.append(f"  {key} = {default!r}" + (f"  # {doc}" if doc else ""))
-    return "\n".join(lines)
+        found.append(KeyDoc(key, default, docs.get(field.name, "")))
+    return found
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """One line per key: ``section.key = default  # doc``."""
+    return "\n".join(
+        f"  {item.key} = {item.default!r}" + (f"  # {item.doc}" if item.doc else "") for item in key_docs(cls, prefix)
+    )

@@ -2,13 +2,14 @@
 
 | code | outcome | what the user does |
 |---|---|---|
-| 0 | every selected shard is done (or already was: nothing to do) | nothing |
-| 1 | some shards failed (their errors are in the manifest) | rerun with ``shards=failed`` |
+| 0 | every shard this run was to write is done, and with ``output.sink`` uploaded (or already was: nothing to do) | nothing |
+| 1 | some shards failed (their errors are in the manifest); for ``jobs.check_drafter``: a drafter config would not capture the run's layers | rerun with ``shards=failed``; fix the drafter config |
 | 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
-| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC) | free space or raise the budget, rerun |
-| 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
+| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free_bytes`` | free space or raise the budget, rerun |
+| 4 | a fault the job could not absorb (actors or a node lost), or shards left neither done nor failed (named) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
+| 7 | every shard is written, but some could not be uploaded to ``output.sink`` (kept locally, listed) | fix the sink, rerun: it uploads them |
 | 130, 143 | stopped by SIGINT (Ctrl-C) or SIGTERM (``ray job stop``, ``kill``) | rerun the same command: it resumes |
 """
 
@@ -18,11 +19,15 @@ import signal
 
 EXIT_OK = 0
 EXIT_SHARDS_FAILED = 1
+EXIT_DRAFTER_MISMATCH = 1
 EXIT_BAD_INPUT = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_FAULT = 4
 EXIT_LOCKED = 5
 EXIT_VERIFY_FAILED = 6
+EXIT_UPLOADS_FAILED = 7
+RERUN = "Done shards are kept; rerun the same command to resume"
+"""How a message about a stop the run cannot absorb ends."""
 # 128 + the signal number, as shells report a process a signal ended.
 EXIT_SIGNAL_BASE = 128
 
@@ -75,3 +80,20 @@ class JobInterrupted(JobStopped):
             f"stopped by {signal.Signals(signum).name}; done shards are kept and temp files removed. "
             "Rerun the same command to resume"
         )
+
+
+def stop_in(error: BaseException) -> BaseException:
+    """The ``JobInterrupted`` behind ``error``, if a signal caused it, else ``error``.
+
+    A signal handler raises wherever the main thread is; inside a Ray call (waiting on a
+    model load, say) CPython reports that as ``SystemError: ... returned a result with an
+    exception set``, with the handler's exception as its cause.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, JobInterrupted):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return error

@@ -1,70 +1,89 @@
-"""Shard plan and batch packing: plain functions of the dataset's lengths, computed once per run.
+"""``python -m jobs.plan [--config FILE] [--json] [key=value ...]`` (or ``eagle3-plan``): the dry run.
 
-``python -m jobs.plan --config FILE [key=value ...]`` prints a run's plan before anything runs (``jobs.dry_run``).
+What a run of ``python -m jobs.extract`` with the same config would do, before it does it: no weight
+loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes:
+0 the run fits, 2 the job would refuse it, 3 it would stop for disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+from typing import Sequence
 
-import numpy as np
+from jobs.cli import console_entry, run_command
+from jobs.config import JobConfig, parse_command
+from jobs.driver.budget import format_bytes
+from jobs.planning.dry_run import DryRun, dry_run
 
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    index: int
-    start: int
-    """First kept row of the dataset (inclusive)."""
-    stop: int
-    """Last kept row (exclusive)."""
-    tokens: int
-    batches: tuple[tuple[int, int], ...]
-    """[start, stop) of each packed batch, relative to the shard's first row."""
-
-
-def plan_shards(
-    lengths: np.ndarray, shard_size: int, max_tokens_per_batch: int, max_samples_per_batch: int
-) -> list[Shard]:
-    """Consecutive row ranges of ``shard_size`` rows (shard i is always the same rows), each packed
-    into batches; O(rows) in NumPy plus O(batches) in Python."""
-    if shard_size < 1:
-        raise ValueError(f"data.shard_size={shard_size}: must be >= 1")
-    ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    shards = []
-    for index, start in enumerate(range(0, len(lengths), shard_size)):
-        stop = min(start + shard_size, len(lengths))
-        batches = _pack(ends[start : stop + 1] - ends[start], max_tokens_per_batch, max_samples_per_batch)
-        shards.append(Shard(index, start, stop, int(ends[stop] - ends[start]), tuple(batches)))
-    return shards
+DESCRIPTION = (
+    "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
+    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space."
+)
 
 
-def pack_batches(lengths: np.ndarray, max_tokens: int, max_samples: int) -> list[tuple[int, int]]:
-    """Greedy, order-keeping packing of consecutive samples into ``[start, stop)`` batches.
+def format_report(report: DryRun) -> str:
+    layers = report.layers
+    final = "" if report.final_state == "none" else f" + final state ({report.final_state})"
+    captured = (
+        f"SGLang layers_to_capture {layers.layers_to_capture}, drafter eagle_aux_hidden_state_layer_ids "
+        f"{layers.drafter_layer_ids}" if layers.layers_to_capture is not None else "layers_to_capture unknown"
+    )
+    invalid = (
+        f"{report.invalid_rows:,} rows ({report.invalid_over_context:,} longer than the context length); "
+        f"data.on_invalid={report.on_invalid}: " + ("they will be left out" if report.on_invalid == "skip" else
+                                                     "they stop the job") if report.invalid_rows else "none"
+    )
+    resumed = (
+        f"; {report.done_shards} shards already done in output.dir ({format_bytes(report.done_local_bytes)} "
+        "there): the job writes the rest" if report.done_shards else ""
+    )
+    lines = [
+        "dry run: config.json and the dataset only; no weights, no Ray, nothing written",
+        f"model    {report.model_path}: {report.architecture} (language model {report.language_model_architecture}), "
+        f"{report.num_layers} layers, hidden {report.hidden_size}, context length {report.context_length:,}",
+        f"data     {report.data_path}: {report.samples:,} samples, {report.tokens:,} tokens "
+        f"(mean {report.tokens / max(1, report.samples):,.0f}, longest {report.longest_sample:,})",
+        f"invalid  {invalid}",
+        *(f"         {example}" for example in report.invalid_examples),
+        f"plan     {report.shards:,} shards of {report.shard_size:,} samples, {report.batches:,} batches (at most "
+        f"{report.max_tokens_per_batch:,} tokens and {report.max_samples_per_batch:,} samples each){resumed}",
+        f"layers   {layers.layer_ids} -> {captured} ({layers.source})",
+        f"states   {report.state_dtype}, {len(layers.layer_ids)} layers{final} x hidden {report.hidden_size}: "
+        f"{report.state_bytes_per_token:,} B/token",
+        f"disk     {format_bytes(report.predicted_bytes)} predicted for the {report.shards - report.done_shards:,} "
+        f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}), "
+        f"{(report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of output.disk_budget "
+        f"{format_bytes(report.disk_budget)}; "
+        + (f"sink {report.sink}" if report.sink else "no sink"),
+        f"         {report.output_dir}: {format_bytes(report.free_bytes)} free on its filesystem, "
+        f"output.min_free_bytes {format_bytes(report.min_free_bytes)}",
+    ]
+    if not report.problems:
+        lines.append("fits     yes: nothing above stops the run")
+    lines += [f"WILL NOT FIT (exit {problem.exit_code}): {problem.text}" for problem in report.problems]
+    return "\n".join(lines)
 
-    A batch holds at most ``max_tokens`` tokens and ``max_samples`` samples; a
-    sample longer than ``max_tokens`` forms a batch of its own (the runner is
-    sized for the longest sample). No sample is split and nothing is padded.
-    """
-    return _pack(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]), max_tokens, max_samples)
+
+def main(argv: Sequence[str]) -> int:
+    # SGLang's model registry warns about every model file it cannot import on this machine: not this model.
+    logging.getLogger("sglang.srt.models.registry").setLevel(logging.ERROR)
+    return run_command(_plan, argv)
 
 
-def _pack(ends: np.ndarray, max_tokens: int, max_samples: int) -> list[tuple[int, int]]:
-    """``ends[i]`` = tokens of samples [0, i): a batch from ``start`` takes every next sample whose
-    running total stays within ``max_tokens`` (a binary search: lengths are positive), at least one."""
-    if max_tokens < 1 or max_samples < 1:
-        raise ValueError(f"max_tokens={max_tokens}, max_samples={max_samples}: both must be >= 1")
-    rows = len(ends) - 1
-    batches: list[tuple[int, int]] = []
-    start = 0
-    while start < rows:
-        fits = int(np.searchsorted(ends, ends[start] + max_tokens, side="right")) - 1
-        stop = min(max(fits, start + 1), start + max_samples, rows)
-        batches.append((start, stop))
-        start = stop
-    return batches
+def _plan(argv: Sequence[str]) -> int:
+    config, args = parse_command("jobs.plan", DESCRIPTION, JobConfig, argv, {"--json": "print the plan as one JSON object"})
+    report = dry_run(config)
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(report), "exit_code": report.exit_code}))
+    else:
+        print(format_report(report))
+    return report.exit_code
 
 
-if __name__ == "__main__":  # python -m jobs.plan: the dry run (jobs.dry_run), named for what it prints
-    from jobs.dry_run import cli
+cli = console_entry(main)
 
+
+if __name__ == "__main__":
     cli()

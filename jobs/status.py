@@ -11,20 +11,31 @@ not know about, and the last error of every failed shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from jobs.budget import format_bytes
-from jobs.config import ConfigError, build_config, build_parser, program_name
-from jobs.lock import LOCK_FILE, read_owner
-from jobs.node_disk import CLAIM_FILE
-from jobs.progress import ProgressSnapshot
-from jobs.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
-from storage.config import OutputConfig
+from common.checks import parse_bytes
+from jobs.cli import console_entry, run_command
+from jobs.cluster.node_disk import CLAIM_FILE
+from jobs.config import ConfigError, parse_command
+from jobs.driver.budget import format_bytes
+from jobs.driver.config import OutputConfig
+from jobs.driver.progress import ProgressSnapshot
+from jobs.errors import EXIT_OK
+from jobs.rundir.lock import LOCK_FILE, read_owner
+from jobs.rundir.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
 from storage.manifest import (
-    CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, MANIFEST_JOURNAL_FILE, PENDING, SINK, read_manifest,
+    CONSUMED,
+    DONE,
+    FAILED,
+    LOCAL,
+    MANIFEST_FILE,
+    MANIFEST_JOURNAL_FILE,
+    PENDING,
+    SINK,
+    read_manifest,
 )
 from storage.nonfinite import KEPT, SKIPPED
 from storage.writer import SHARD_GLOB, TEMP_GLOB
@@ -38,8 +49,27 @@ JOB_FILES = frozenset(
 
 
 @dataclasses.dataclass
+class StatusOutput:
+    """The keys of the ``output`` section ``jobs.status`` reads (the job's own has many more)."""
+
+    dir: str = ""
+    """The run's output.dir."""
+    disk_budget: str = ""
+    """Budget to show the local bytes against (500GB, 1.3TB or bytes). Empty: the run's own, from its .summary.json."""
+
+    def __post_init__(self) -> None:
+        if self.disk_budget and self.disk_budget_bytes <= 0:
+            raise ValueError(f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes")
+
+    @functools.cached_property
+    def disk_budget_bytes(self) -> Optional[int]:
+        """``disk_budget`` in bytes; None when empty (the run's own)."""
+        return parse_bytes(self.disk_budget, "output.disk_budget") if self.disk_budget else None
+
+
+@dataclasses.dataclass
 class StatusConfig:
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    output: StatusOutput = dataclasses.field(default_factory=StatusOutput)
 
 
 def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
@@ -178,25 +208,18 @@ def _file_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.status"), "Where an extraction run stands, from its output directory.", StatusConfig
-    )
-    try:
-        args = parser.parse_args(list(argv))
-        config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
-        if not config.output.dir:
-            raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
-        given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)
-        print(status_report(Path(config.output.dir), config.output.disk_budget_bytes if given_budget else None))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(_status, argv)
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-status``."""
-    sys.exit(main(sys.argv[1:]))
+def _status(argv: Sequence[str]) -> int:
+    config, _ = parse_command("jobs.status", "Where an extraction run stands, from its output directory.", StatusConfig, argv)
+    if not config.output.dir:
+        raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
+    print(status_report(Path(config.output.dir), config.output.disk_budget_bytes))
+    return EXIT_OK
+
+
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

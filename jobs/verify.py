@@ -11,32 +11,45 @@ any, 2 when the directory holds no run. Starts no Ray and imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
-from jobs.budget import format_bytes
-from jobs.config import ConfigError, build_config, build_parser, program_name
-from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
-from jobs.lock import read_owner
-from jobs.summary import read_invalid_rows, read_summary
-from storage.config import OutputConfig
+from jobs.cli import console_entry, run_command
+from jobs.config import ConfigError, parse_command
+from jobs.driver.budget import format_bytes
+from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.rundir.lock import read_owner
+from jobs.rundir.summary import read_invalid_rows, read_summary
 from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
+class VerifiedRun:
+    """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
+
+    dir: str = ""
+    """The run's output.dir, where it is now (a copied or moved run is checked there)."""
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """fsspec options for the shards in the sink, as the run had them (the manifest records each uploaded file's
+    URL)."""
+
+
+@dataclasses.dataclass
 class VerifyConfig:
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
+
+
+DESCRIPTION = (
+    "Check a run's shard files against its manifest (exit 0: all whole; 6: problems, one line each; 2: no run there)."
+)
 
 
 def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = None) -> VerifyReport:
     """Check the run in ``output_dir``; a job still running there is a problem too (its files are in flux)."""
     invalid = [row["sample_id"] for row in read_invalid_rows(output_dir)]
-    # With several nodes, each node's directory as the run's summary recorded it (seen from this host).
-    nodes = (read_summary(output_dir) or {}).get("nodes") or {}
     report = verify_run(
         output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid,
-        node_directories={name: Path(node["directory"]) for name, node in nodes.items()},
+        node_directories=_node_directories(output_dir),
     )
     owner = read_owner(output_dir)
     if owner is not None and owner.is_alive() is not False:
@@ -45,6 +58,17 @@ def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = Non
             "verify again once it has ended",
         ))
     return report
+
+
+def _node_directories(output_dir: Path) -> dict[str, Path]:
+    """Each node's directory as the run's summary recorded it (seen from this host); the run's own
+    output.dir is the one given, so that a copied or moved run is checked where it is now."""
+    summary = read_summary(output_dir) or {}
+    recorded = Path(summary.get("output_dir") or output_dir)
+    return {
+        name: output_dir if Path(node["directory"]) == recorded else Path(node["directory"])
+        for name, node in (summary.get("nodes") or {}).items()
+    }
 
 
 def format_report(report: VerifyReport) -> str:
@@ -64,29 +88,20 @@ def format_report(report: VerifyReport) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.verify"),
-        "Check a run's shard files against its manifest (exit 0: all whole; 6: problems, one line each; "
-        "2: no run there).",
-        VerifyConfig,
-    )
-    parser.add_argument("--deep", action="store_true", help="also read every state and scan it for NaN/Inf")
-    try:
-        args = parser.parse_args(list(argv))
-        config = build_config(VerifyConfig, args.config, args.overrides, prog=parser.prog)
-        if not config.output.dir:
-            raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep]")
-        report = verify(Path(config.output.dir), args.deep, config.output.sink_options)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return run_command(_verify, argv)
+
+
+def _verify(argv: Sequence[str]) -> int:
+    flags = {"--deep": "also read every state and scan it for NaN/Inf"}
+    config, args = parse_command("jobs.verify", DESCRIPTION, VerifyConfig, argv, flags)
+    if not config.output.dir:
+        raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep]")
+    report = verify(Path(config.output.dir), args.deep, config.output.sink_options)
     print(format_report(report))
     return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
 
 
-def cli() -> None:
-    """Console entry point ``eagle3-verify``."""
-    sys.exit(main(sys.argv[1:]))
+cli = console_entry(main)
 
 
 if __name__ == "__main__":

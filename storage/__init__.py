@@ -3,9 +3,9 @@
 ``storage.schema`` names every column and metadata key, ``storage.writer``
 writes one shard file atomically, ``storage.reader`` reads samples back as
 torch tensors. For training: ``storage.run_index`` indexes a run's files from
-their footers, ``storage.training`` is the PyTorch dataset over it,
-``storage.peer_formats`` what SpecForge and speculators read, and
-``storage.destination`` writes files that appear whole. Nothing here imports
+their footers, ``training.dataset`` is the PyTorch dataset over it,
+``training.peer_formats`` what SpecForge and speculators read, and
+``training.destination`` writes files that appear whole. Nothing here imports
 SGLang or Ray; the writer side imports no torch (the reader and the training
 modules do, loaded on first use: writer processes never need it).
 """

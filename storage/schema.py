@@ -53,6 +53,9 @@ METADATA_KEY = b"eagle3_hidden_states"
 # Storable element types and their bytes (the names are torch's: the reader maps them back).
 MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 FP8 = "float8_e4m3fn"
+# Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
+# float32 scale per token and layer (half the bytes through the host copy, object store and disk).
+STATE_DTYPES = ("model", FP8)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
 FINAL_STATES = ("post_norm", "pre_norm", "none")

@@ -8,7 +8,9 @@ price of reading each shard once more over the network.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,19 @@ def upload_verified(
     if digest != expected_sha256:
         raise SinkVerificationError(f"{url}: sha256 {digest} in the sink, {expected_sha256} written locally")
     return url
+
+
+def probe(sink: str, storage_options: dict[str, Any]) -> None:
+    """Write a small object under ``sink``, read it back and delete it; raises what failed. (A filesystem
+    that cannot delete at all, such as plain HTTP, keeps the small object: uploads never delete either.)"""
+    url = sink_url_for(sink, f".eagle3-probe-{uuid.uuid4().hex}")
+    payload = b"eagle3-extract sink probe\n"
+    fs, remote = fsspec.core.url_to_fs(url, **storage_options)
+    fs.makedirs(fs._parent(remote), exist_ok=True)
+    fs.pipe_file(remote, payload)
+    try:
+        if fs.cat_file(remote) != payload:
+            raise SinkVerificationError(f"{url}: what was read back is not what was written")
+    finally:
+        with contextlib.suppress(NotImplementedError):
+            fs.rm_file(remote)

@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from jobs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
+from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -1,8 +1,18 @@
-"""Test helpers: start an extractor actor, compute HF reference states."""
+"""What the tests share: the environment of the commands they start, a small job config, extractor actors,
+HF reference states, checks of a run's output, and tools to damage files or sample a directory.
+
+Test modules import from here and from ``tests.conftest`` only, never from one another."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -10,9 +20,12 @@ import numpy as np
 import ray
 import torch
 
+from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
-from jobs.extractor_actor import fetch_batch, start_extractor
+from jobs.actors.extractor import fetch_batch, start_extractor
+from jobs.config import load_config
 from storage import ShardReader, ShardWriter
+from tests.conftest import REPO_ROOT
 
 
 def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
@@ -152,7 +165,7 @@ def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Pa
     """The shard files under ``output_dir`` (one directory or several: one per node) hold every sample
     of the dataset exactly once, and no temp file of a shard remains; a run's directory (one with a
     manifest) also passes ``jobs.verify --deep``."""
-    from jobs.dataset import open_tokenized_dataset
+    from jobs.inputs.dataset import open_tokenized_dataset
     from storage.manifest import MANIFEST_FILE
     from storage.writer import TEMP_GLOB
 
@@ -168,3 +181,114 @@ def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Pa
     duplicates = sorted(sample for sample, count in collections.Counter(seen).items() if count > 1)
     assert not duplicates, f"samples written more than once: {duplicates[:10]}"
     assert sorted(seen) == sorted(expected.tolist()), f"{len(seen)} samples written, {len(expected)} in the dataset"
+
+
+HIDDEN = 64
+"""Hidden size of the tiny test models (conftest)."""
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment of a command the tests start: this checkout on the path, no Ray address (a command
+    starts its own private cluster), Ray's auth off; ``extra`` on top."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """A user's shell: like ``python_env`` but without the test session's loopback switch either."""
+    env = python_env(RAY_USAGE_STATS_ENABLED="0", **extra)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    return env
+
+
+def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
+    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=python_env(),
+                            capture_output=True, text=True, check=True)
+    return eval(result.stdout)
+
+
+def job_config(model, data, out, *extra):
+    """The job's config for a small CPU run of ``model`` over ``data`` into ``out``; ``extra`` overrides."""
+    return load_config(
+        [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
+         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free_bytes=1GB",
+         "output.budget_wait_s=30", *extra]
+    )
+
+
+def read_all(out_dir):
+    """Every sample of the shard files in ``out_dir`` by sample id (none may be there twice)."""
+    samples = {}
+    for path in sorted(out_dir.glob("shard-*.parquet")):
+        for sample in ShardReader(path):
+            assert sample.sample_id not in samples, f"sample {sample.sample_id} written twice"
+            samples[sample.sample_id] = sample
+    return samples
+
+
+def check_drafter(run_dir, variants: dict[str, dict], tmp_path) -> tuple[int, dict[str, str], str]:
+    """Run the CLI on every variant at once; returns the exit code and each variant's PASS/FAIL line."""
+    paths = []
+    for name, config in variants.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        paths.append(str(path))
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.check_drafter", *paths, f"output.dir={run_dir}"],
+        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
+    )
+    verdicts = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"(PASS|FAIL) .*/([\w+-]+)\.json: (.*)", line)
+        if found:
+            verdicts[found.group(2)] = f"{found.group(1)} {found.group(3)}"
+    return result.returncode, verdicts, result.stdout + result.stderr[-3000:]
+
+
+def with_ids(config: dict, ids: list[int]) -> dict:
+    return {**config, "eagle_config": {**config["eagle_config"], IDS: ids}}
+
+
+def vllm_style(config: dict, ids: list[int]) -> dict:
+    return {**{k: v for k, v in config.items() if k != "eagle_config"}, IDS: ids}
+
+
+class DiskSampler:
+    """Samples the bytes of shard files (final and temp) under a directory while the job runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for path in list(self.directory.glob("*shard-*")):  # committed and temp (.shard-*.tmp)
+                try:
+                    total += path.stat().st_size
+                except FileNotFoundError:
+                    pass  # uploaded and deleted between listing and stat
+            self.peak = max(self.peak, total)
+            self.samples += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> "DiskSampler":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def flip_middle(path, nbytes=4096) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - nbytes // 2
+    data[middle : middle + nbytes] = bytes(b ^ 0xFF for b in data[middle : middle + nbytes])
+    path.write_bytes(bytes(data))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,17 +11,12 @@ import time
 import pytest
 
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.cluster import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
-from jobs.preflight import refuse_pickled_weights
-from storage.config import OutputConfig
+from jobs.driver.config import OutputConfig
+from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
-
-
-def python_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
-    env.pop("RAY_ADDRESS", None)
-    return env
+from tests.helpers import python_env
 
 
 @pytest.mark.parametrize("override, message", [

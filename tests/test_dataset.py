@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import input_files
-from jobs.dataset import InvalidRow, open_tokenized_dataset
+from jobs.inputs.dataset import InvalidRow, open_tokenized_dataset
 
 VOCAB = 1000
 
@@ -267,7 +267,7 @@ def test_rows_read_only_their_segments_and_the_object_pickles_small(tmp_path, mo
     dataset = open_tokenized_dataset(str(path), VOCAB, 100)
     reads = []
     original = input_files.read_segment
-    monkeypatch.setattr("jobs.dataset.read_segment", lambda fs, file, key, size: reads.append(key) or original(fs, file, key, size))
+    monkeypatch.setattr("jobs.inputs.dataset.read_segment", lambda fs, file, key, size: reads.append(key) or original(fs, file, key, size))
     ids, _ = dataset.rows(1490, 1510)
     assert reads == [2, 3]  # row groups [1000, 1500) and [1500, 2000) only
     assert [i.tolist() for i in ids] == [r["input_ids"] for r in rows[1490:1510]]
@@ -290,8 +290,8 @@ def test_a_file_changed_during_the_run_is_noticed(tmp_path):
 
 def test_job_skips_invalid_rows_lists_them_and_keeps_sample_ids(ray_cluster, llama_fp32, tmp_path):
     from jobs.extract import run
-    from jobs.summary import INVALID_ROWS_FILE
-    from tests.test_job import job_config, read_all
+    from jobs.rundir.summary import INVALID_ROWS_FILE
+    from tests.helpers import job_config, read_all
 
     rows = make_rows(12, 12)
     for row in rows:

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.dataset import open_tokenized_dataset
-from jobs.plan import pack_batches, plan_shards
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.planning.shards import pack_batches, plan_shards
 
 
 def write_jsonl(path, rows):

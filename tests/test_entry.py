@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
-import os
 import re
 import subprocess
 import sys
@@ -22,24 +21,17 @@ import psutil
 import pytest
 import ray
 
-from jobs.demo import build_synthetic_dataset
+from jobs.driver.progress import METRICS, RUN_LABEL
 from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
-from jobs.progress import METRICS, RUN_LABEL
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from jobs.summary import read_summary
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
-from tests.helpers import assert_run_verifies
-from tests.test_job import read_all
+from tests.helpers import assert_run_verifies, read_all, user_env
 
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def user_env(**extra: str) -> dict[str, str]:
-    """A user's shell: none of the test session's Ray settings (loopback switch, address)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    return dict(env, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **extra)
 
 
 def start_job(args: list[str], cwd: Path = REPO_ROOT, **env: str) -> subprocess.Popen:
@@ -279,7 +271,7 @@ def done_shards(out: Path) -> int:
 
 _SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-# The log line of jobs.progress: "shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB".
+# The log line of jobs.driver.progress: "shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB".
 PROGRESS_LINE = re.compile(r"shards (\d+)/(\d+), tokens \S+/\S+ \((\d+)%\), \S+ tok/s, ETA \S+, disk [^,\n]+")
 
 

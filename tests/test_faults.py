@@ -23,12 +23,17 @@ from typing import Any, Callable, Optional
 import psutil
 import pytest
 
-from jobs.demo import build_synthetic_dataset
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK
+from jobs.config import load_config
+from jobs.driver.budget import DiskBudget
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
 from jobs.extract import main
-from jobs.summary import read_summary
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.planning.inputs import read_inputs
+from jobs.planning.preflight import planned_metadata
+from jobs.planning.shards import plan_shards
+from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
-from storage.writer import TEMP_GLOB
+from storage.writer import TEMP_GLOB, state_bytes_per_token
 from tests.helpers import assert_every_sample_once, assert_run_verifies
 
 SHARD_SIZE = 4
@@ -146,7 +151,7 @@ def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama
     logged = [(record.name, record.getMessage()) for record in caplog.records]
     died = next(i for i, (_, text) in enumerate(logged) if "died" in text and "starting it again" in text)
     ready = next(i for i, (_, text) in enumerate(logged) if i > died and "ready after" in text)
-    assert any(name == "jobs.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
+    assert any(name == "jobs.driver.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
 
 
 def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):
@@ -204,6 +209,69 @@ def test_faults_beyond_the_bounds_stop_with_the_fault_code_and_a_rerun_resumes(r
     assert main(job_args(llama_fp32, dataset, out)) == EXIT_OK
     assert {i: attempts(out)[i] for i in done_before} == done_before, "done shards must not run again"
     assert_every_sample_once(out, dataset)
+
+
+def predicted_shard_bytes(model: Path, data: Path, out: Path, *extra: str) -> int:
+    """What the job's budget predicts for its largest shard (the same functions, no run)."""
+    config = load_config(job_args(model, data, out, *extra))
+    inputs = read_inputs(config)
+    plan = plan_shards(inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+                       config.extract.max_samples_per_batch)
+    per_token = state_bytes_per_token(planned_metadata(inputs.config, inputs.checkpoint, inputs.layer_ids))
+    budget = DiskBudget(out, 1, 0)
+    return max(budget.predict(shard.tokens, per_token, len(shard.batches)) for shard in plan)
+
+
+class Consumer(threading.Thread):
+    """A trainer taking committed shard files out of output.dir (moving them to ``into``) while the job runs."""
+
+    def __init__(self, out: Path, into: Path) -> None:
+        super().__init__(daemon=True)
+        self.out, self.into = out, into
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        self.into.mkdir(parents=True, exist_ok=True)
+        while not self._quit.is_set():
+            try:
+                records = read_manifest(self.out)["shards"]
+            except (ValueError, KeyError, OSError):
+                records = []
+            for record in records:
+                if record["state"] == DONE and record["location"] == LOCAL and (self.out / record["file"]).exists():
+                    (self.out / record["file"]).rename(self.into / record["file"])
+            time.sleep(0.05)
+
+    def __enter__(self) -> "Consumer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._quit.set()
+        self.join()
+
+
+@pytest.mark.parametrize("kill", ["extractor", "writer"])
+def test_a_fault_while_waiting_for_disk_loses_no_shard(ray_cluster, llama_fp32, dataset, tmp_path, kill):
+    """With the budget at 1.5 shards and a trainer consuming, the run waits for disk before most shards;
+    a fault then used to send a shard back as the next one was opened: one shard was never written and
+    the run said complete (exit 0). Now every shard is written exactly once, in the same run."""
+    out, consumed = tmp_path / "out", tmp_path / "consumed"
+    tight = ("output.num_writers=1", "progress.interval_s=0.2")
+    budget = int(1.5 * predicted_shard_bytes(llama_fp32, dataset, out, *tight))
+    find = extractor_after_first_shard(out) if kill == "extractor" else writer_writing(out)
+    with Consumer(out, consumed), When(find, sigkill) as killer:
+        code = main(job_args(llama_fp32, dataset, out, *tight, f"output.disk_budget={budget}"))
+    assert killer.done is not None, f"the job ended before the {kill} could be killed"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    records = read_manifest(out)["shards"]
+    assert [r["state"] for r in records] == [DONE] * SHARDS
+    assert summary["shards_done"] == summary["plan"]["shards"] == SHARDS
+    assert summary["disk_budget"]["blocked_seconds"] > 0, "the run never waited for disk: the case is not covered"
+    for path in out.glob("shard-*.parquet"):  # what the consumer had not taken yet
+        path.rename(consumed / path.name)
+    assert_every_sample_once(consumed, dataset)
 
 
 def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
@@ -358,10 +426,13 @@ def local_files_are_whole(out: Path) -> list[dict]:
 def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
     with SinkServer() as sink:
-        args = job_args(llama_fp32, dataset, out, f"output.sink={sink.url}", "extract.max_attempts=2")
-        # down mid-run: after the first upload every upload fails
-        sink.uploads_accepted = 1
-        assert main(args) == EXIT_OK
+        args = job_args(llama_fp32, dataset, out, f"output.sink={sink.url}", "output.upload_attempts=2")
+        # down mid-run: after the job's test write and the first upload, every upload fails; the run
+        # says so (exit 7), naming the shards it kept
+        sink.uploads_accepted = 2
+        assert main(args) == EXIT_UPLOADS_FAILED
+        summary = read_summary(out)
+        assert summary["outcome"] == "uploads_failed" and f"{SHARDS - 1} shards are written but not in" in summary["message"]
         local = local_files_are_whole(out)
         assert len(local) == SHARDS - 1
         assert all("upload to" in r["error"] and "failed, the file stays local" in r["error"] for r in local)
@@ -369,7 +440,7 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
 
         # up again, but every object reads back corrupted: nothing local goes before it verifies
         sink.mode, sink.uploads_accepted = "corrupt", None
-        assert main(args) == EXIT_OK
+        assert main(args) == EXIT_UPLOADS_FAILED
         local = local_files_are_whole(out)
         assert len(local) == SHARDS - 1 and all("sha256" in r["error"] for r in local)
 

@@ -22,15 +22,22 @@ from benchmarks.shapes import KIMI_K25, kimi_k25_reduced
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from jobs.check_drafter import EXIT_MISMATCH
-from jobs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
+from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
-from tests.helpers import engine_spec, random_sequences
-from tests.test_check_drafter import check_drafter, vllm_style, with_ids
-from tests.test_job import job_config, python_env, read_all
+from tests.helpers import (
+    check_drafter,
+    engine_spec,
+    job_config,
+    python_env,
+    random_sequences,
+    read_all,
+    vllm_style,
+    with_ids,
+)
 
 KIMI = "KimiK25ForConditionalGeneration"
 DEEPSEEK = "DeepseekV3ForCausalLM"

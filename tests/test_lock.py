@@ -14,16 +14,16 @@ import textwrap
 import psutil
 import pytest
 
+from jobs.cluster.node_disk import CLAIM_FILE, LocalDisk
 from jobs.errors import EXIT_LOCKED, OutputLocked
-from jobs.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
-from jobs.node_disk import CLAIM_FILE, LocalDisk
+from jobs.rundir.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
 from jobs.status import job_state
 from tests.conftest import REPO_ROOT
 
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from jobs.lock import OutputLock
+    from jobs.rundir.lock import OutputLock
     with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
         print("held", flush=True)
         time.sleep(600)
@@ -59,7 +59,7 @@ def test_a_second_job_is_told_who_holds_the_lock(tmp_path, holder):
 def test_stale_record_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, holder, caplog):
     holder.kill()
     holder.wait()
-    with caplog.at_level(logging.WARNING, logger="jobs.lock"):
+    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"):
         with OutputLock(tmp_path) as lock:
             assert read_owner(tmp_path) == lock.owner
     assert f"taking over the lock on {tmp_path} from pid {holder.pid}" in caplog.text
@@ -81,7 +81,7 @@ def record(tmp_path, owner: LockOwner) -> None:
 def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, caplog):
     me = LockOwner.this_process(ray_job="")
     record(tmp_path, dataclasses.replace(me, pid_started=me.pid_started - 3600))  # same pid, other process
-    with caplog.at_level(logging.WARNING, logger="jobs.lock"), OutputLock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"), OutputLock(tmp_path):
         pass
     assert "taking over the lock" in caplog.text
 

@@ -13,14 +13,14 @@ import sys
 import pytest
 
 from jobs.config import ConfigError
-from jobs.dry_run import main
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
 from jobs.extract import run
+from jobs.plan import main
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, python_env
+from tests.helpers import job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
             "output.min_free_bytes=1GB")

@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from jobs.budget import DiskBudget
-from jobs.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
+from jobs.driver.budget import DiskBudget
+from jobs.driver.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
+from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from jobs.summary import read_summary
 from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
 
@@ -60,7 +60,7 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     summary = _Summary()
     progress = RunProgress(manifest, budget, {0: 100, 1: 200, 2: 300, 3: 400}, [1, 2, 3], run=str(tmp_path),
                            interval_s=3600, sink=summary, interactive=False)
-    with caplog.at_level(logging.INFO, logger="jobs.progress"):
+    with caplog.at_level(logging.INFO, logger="jobs.driver.progress"):
         progress.begin()
         progress.tokens_written(1, 200)
         progress.tokens_written(2, 120)
@@ -81,7 +81,7 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     assert (end.shards_done, end.shards_failed, end.tokens_done, end.tokens_to_go) == (2, 1, 100 + 200 + 120, 180)
     # Two reports, begin and close (the interval is an hour): one log line each, the close one the last.
     assert len(summary.reports) == 2
-    lines = [record.getMessage() for record in caplog.records if record.name == "jobs.progress"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "jobs.driver.progress"]
     assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, tokens 420/1.0k (42%), ")
     assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
 
@@ -138,7 +138,7 @@ def test_formats():
 def test_status_shows_the_runs_last_progress(tmp_path):
     """`jobs.status` reads the progress block of .summary.json (written here by a real RunSummary)."""
     from jobs.config import JobConfig
-    from jobs.summary import RunSummary
+    from jobs.rundir.summary import RunSummary
 
     manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8)])
     summary = RunSummary(JobConfig(), tmp_path, {0: 60, 1: 40}, [0, 1])

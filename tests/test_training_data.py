@@ -1,4 +1,4 @@
-"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, the README's
+"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, docs/training.md's
 training example. Three real runs of the job on a tiny Llama (bf16 post-norm, bf16 pre-norm, fp8
 pre-norm), built once; the sample with id 5 is an invalid row the runs skip, so sample ids have a gap."""
 
@@ -17,14 +17,15 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from jobs import export as export_job
-from jobs.demo import build_synthetic_dataset
 from jobs.extract import run
-from storage import ShardReader, peer_formats
-from storage.destination import Destination
+from jobs.inputs.demo import build_synthetic_dataset
+from storage import ShardReader
 from storage.manifest import DONE, SINK, Manifest, read_manifest
-from storage.training import HiddenStatesDataset, collate
 from tests.conftest import REPO_ROOT
-from tests.test_job import HIDDEN, imported_by, job_config
+from tests.helpers import HIDDEN, imported_by, job_config
+from training import peer_formats
+from training.dataset import HiddenStatesDataset, collate
+from training.destination import Destination
 
 SKIPPED_ROW = 5
 SAMPLES = 21
@@ -76,7 +77,7 @@ def export(run_dir, to: str, dest, *extra: str) -> int:
     return export_job.main([f"output.dir={run_dir}", f"to={to}", f"dest={dest}", *extra])
 
 
-# -- how the trainers read their files (their code, restated: storage/peer_formats.py cites it) ------
+# -- how the trainers read their files (their code, restated: training/peer_formats.py cites it) ------
 
 def specforge_files(directory: Path) -> list[str]:
     """specforge/data/preprocessing.py list_local_files: *.ckpt / *.ckpt.gz below the directory, sorted."""
@@ -286,8 +287,8 @@ def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
     dest = tmp_path / "fp8"
     assert export(runs["fp8"], "speculators", dest) == 0  # fp8 run: fp8 by default
     raw = shard_samples(runs["fp8"], raw_fp8=True)
-    from safetensors.torch import load_file
     import datasets
+    from safetensors.torch import load_file
 
     rows = datasets.load_from_disk(str(dest))
     view = HiddenStatesDataset(runs["fp8"], view="speculators")
@@ -423,14 +424,14 @@ def test_a_failed_write_leaves_no_file(tmp_path):
     assert_failed_write_leaves_nothing(Destination(str(tmp_path / "dest")), os.path.exists)
 
 
-# -- the README's training example ------------------------------------------------------------------
+# -- the training example of docs/training.md ---------------------------------------------------------
 
-def test_readme_training_example_takes_a_step(runs):
-    text = (REPO_ROOT / "README.md").read_text()
+def test_docs_training_example_takes_a_step(runs):
+    text = (REPO_ROOT / "docs" / "training.md").read_text()
     block = re.search(r"<!-- training example.*?-->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert block, "the README's training example block is missing"
+    assert block, "the training example block of docs/training.md is missing"
     namespace = {"RUN": str(runs["post"])}
-    exec(compile(block.group(1), "README.md (training example)", "exec"), namespace)
+    exec(compile(block.group(1), "docs/training.md (training example)", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
     changed = [not torch.equal(a, b) for a, b in zip(namespace["before"], namespace["drafter"].parameters())]
     assert all(changed), "every drafter weight should move in one step"
@@ -438,4 +439,4 @@ def test_readme_training_example_takes_a_step(runs):
 
 def test_dataset_and_export_load_no_engine():
     """A trainer imports the dataset, and an export runs, without SGLang or Ray (or HF datasets until needed)."""
-    assert imported_by("storage.training, jobs.export", ("sglang", "ray", "datasets")) == []
+    assert imported_by("training.dataset, jobs.export", ("sglang", "ray", "datasets")) == []

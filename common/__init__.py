@@ -1,0 +1,1 @@
+"""What every layer shares: the checks config sections run on their own keys. Imports nothing of the project."""

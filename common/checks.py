@@ -1,0 +1,69 @@
+"""The checks every config section runs on its own keys, one way each, with one message style.
+
+Each raises ``ValueError("section.key=value: what is wrong (what it means)")``, which
+the config loader turns into a one-line ``ConfigError`` (exit code 2). Numbers must
+be finite: ``nan`` compares false with everything, so a wait bounded by it would
+never end, and ``inf`` would make an interval that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _because(meaning: str) -> str:
+    return f" ({meaning})" if meaning else ""
+
+
+def check_int(key: str, value: object, minimum: int, meaning: str = "") -> None:
+    """An integer (not a bool) >= ``minimum``."""
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{key}={value!r}: must be an integer >= {minimum}{_because(meaning)}")
+
+
+def check_seconds(key: str, value: object, positive: bool = False, meaning: str = "") -> None:
+    """A finite number of seconds, >= 0 (or > 0 when ``positive``)."""
+    bound = "> 0" if positive else ">= 0"
+    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{key}={value!r}: must be a finite number of seconds {bound}{_because(meaning)}")
+    if value < 0 or (positive and value == 0):  # type: ignore[operator]
+        raise ValueError(f"{key}={value!r}: must be a number of seconds {bound}{_because(meaning)}")
+
+
+def check_number(key: str, value: object, minimum: float, meaning: str = "") -> None:
+    """A finite number >= ``minimum``."""
+    if not _is_number(value) or not math.isfinite(value) or value < minimum:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{key}={value!r}: must be a finite number >= {minimum:g}{_because(meaning)}")
+
+
+def check_choice(key: str, value: object, choices: Sequence[str], meaning: str = "") -> None:
+    """One of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{key}={value!r}: use one of {', '.join(choices)}{_because(meaning)}")
+
+
+def parse_bytes(value: str | int, key: str) -> int:
+    """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
+    if _is_int(value):
+        return value  # type: ignore[return-value]
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{key}={value!r}: write a size like 500GB, 1.3TB, 64GiB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])

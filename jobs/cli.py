@@ -1,0 +1,73 @@
+"""One way every command runs: logging, signals, and how each kind of error becomes an exit code.
+
+Each command (``jobs.extract``, ``jobs.plan``, ``jobs.status``, ``jobs.verify``,
+``jobs.export``, ``jobs.check_drafter``) writes a ``body(argv) -> exit code`` and
+hands it to ``run_command``:
+
+- SIGTERM and SIGINT raise ``JobInterrupted`` while the body runs (exit 143 / 130);
+  the handlers found before are put back after, however the body ends.
+- A ``ValueError`` (``ConfigError`` included) is a refusal: ``error: <message>`` on
+  stderr, one line, exit 2. The message names the key, file or row and the fix.
+- A ``JobStopped`` (budget, fault, lock, interrupt) ends with its own code and message.
+- Anything else is a fault: the traceback is logged, then one line with what to do next, exit 4.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobInterrupted, JobStopped, stop_in
+
+logger = logging.getLogger("jobs.cli")
+
+DETAILED = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""Log lines of the commands that run for long (extract, export): with the time."""
+BRIEF = "%(levelname)s %(name)s: %(message)s"
+
+
+def _raise_on_signal(signum: int, frame: Any) -> None:
+    raise JobInterrupted(signum)
+
+
+def run_command(
+    body: Callable[[Sequence[str]], int], argv: Sequence[str], level: int = logging.WARNING, fmt: str = BRIEF,
+    fault_hint: str = "",
+) -> int:
+    """``body(argv)``'s exit code, or the code of what it raised (see the module docstring).
+
+    ``fault_hint`` ends the line printed after an unexpected error (e.g. "rerun the same command: it resumes").
+    """
+    logging.basicConfig(level=level, format=fmt)
+    previous = {signum: signal.signal(signum, _raise_on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return body(argv)
+    except BaseException as raised:  # noqa: BLE001 - every way out gets its exit code here
+        error = stop_in(raised)
+        if isinstance(error, JobStopped):
+            print(f"error: {error}", file=sys.stderr)
+            return error.exit_code
+        if isinstance(error, ValueError):
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt with the handlers gone
+            raise
+        logger.error("the command failed", exc_info=error)
+        hint = f"; {fault_hint}" if fault_hint else ""
+        print(f"error: the command failed ({type(error).__name__}: {error}){hint}", file=sys.stderr)
+        return EXIT_FAULT
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def console_entry(main: Callable[[Sequence[str]], int]) -> Callable[[], None]:
+    """The console script (``eagle3-*``) for a command's ``main(argv) -> exit code``."""
+
+    def entry() -> None:
+        sys.exit(main(sys.argv[1:]))
+
+    entry.__doc__ = f"Console entry point: ``{main.__module__}.main`` with the process's arguments."
+    return entry

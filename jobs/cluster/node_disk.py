@@ -1,0 +1,194 @@
+"""A directory on one node's local disk, as the driver sees it: every look runs on that node.
+
+With data parallelism across hosts a node's shard files are on its own disk,
+which the driver's host cannot see. ``LocalDisk`` looks directly (the driver's
+own output.dir before Ray runs, and tests); ``NodeDisk`` runs the same looks
+as small Ray tasks pinned to the node (no CPU slot: they must never wait
+behind the writers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from storage.atomic import write_synced
+from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
+
+CLAIM_FILE = ".eagle3-claim.json"
+"""In every directory a run writes shards to: which run it is (``Manifest.run_id``) and where that run's
+output.dir is. A run removes files only in a directory it claims, and no run claims another's."""
+
+
+def _free_and_unwritten(directory: str, reserved: dict[int, int]) -> tuple[int, int]:
+    """Free bytes on the filesystem, and the reserved bytes the open shards' temp files do not hold yet.
+
+    One stat per open shard, not a listing of the directory: it holds every committed file of the
+    run (10,000 at the end of a large one), and this runs at every shard's start.
+    """
+    path = Path(directory)
+    unwritten = 0
+    for shard, nbytes in reserved.items():
+        try:
+            written = (path / temp_file_name(shard_file_name(shard))).stat().st_size
+        except FileNotFoundError:  # not created yet, or renamed into place a moment ago by its writer
+            written = 0
+        unwritten += max(0, nbytes - written)
+    return shutil.disk_usage(path).free, unwritten
+
+
+def _existing(directory: str, names: list[str]) -> list[str]:
+    return [name for name in names if (Path(directory) / name).exists()]
+
+
+def _file_facts(directory: str, names: list[str], checksum: bool) -> dict[str, tuple[int, str]]:
+    """Size (and, with ``checksum``, sha256) of each of ``names`` that is a file there."""
+    facts = {}
+    for name in names:
+        path = Path(directory) / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        facts[name] = (size, _sha256(path) if checksum else "")
+    return facts
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _remove(directory: str, names: list[str]) -> None:
+    for name in names:
+        (Path(directory) / name).unlink(missing_ok=True)
+
+
+def _clean(directory: str, keep: set[str]) -> list[str]:
+    """Temp files, and shard files not in ``keep``, removed; returns what went."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    removed = []
+    for file in [*path.glob(TEMP_GLOB), *path.glob(SHARD_GLOB)]:
+        if file.is_file() and file.name not in keep:
+            file.unlink()
+            removed.append(file.name)
+    return removed
+
+
+def read_claim(directory: Path) -> Optional[dict[str, Any]]:
+    """The claim of a directory on this host, if it has a readable one."""
+    try:
+        return json.loads((Path(directory) / CLAIM_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+    """Claim ``directory`` for the run ``owner`` names; None if it is now the run's, else why not:
+    ``{"owner": record}`` (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that
+    holds shard or temp files, which ``adopt_files`` accepts: the run's own output.dir, under its lock).
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    claim = path / CLAIM_FILE
+    if not claim.exists():
+        files = sorted(file.name for file in [*path.glob(SHARD_GLOB), *path.glob(TEMP_GLOB)])
+        if files and not adopt_files:
+            return {"files": files}
+        # Written whole under a private name, then linked to the claim's: of two runs claiming at once,
+        # exactly one link succeeds, and nobody ever reads a half-written claim.
+        temp = path / f"{CLAIM_FILE}.{os.getpid()}.tmp"
+        write_synced(temp, json.dumps(owner).encode())
+        try:
+            os.link(temp, claim)
+        except FileExistsError:
+            pass  # another run claimed it a moment ago: read whose it is below
+        finally:
+            temp.unlink()
+    try:
+        holder = json.loads(claim.read_text())
+    except ValueError:
+        holder = {"run_id": "?", "output_dir": f"(unreadable {claim})"}
+    return None if holder.get("run_id") == owner["run_id"] else {"owner": holder}
+
+
+class LocalDisk:
+    """A directory the driver's own host holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def free_and_unwritten(self, reserved: dict[int, int]) -> tuple[int, int]:
+        """Free bytes on the filesystem, and of ``reserved`` (shard -> bytes) what is not written yet."""
+        return _free_and_unwritten(str(self.directory), reserved)
+
+    def existing(self, names: Iterable[str]) -> set[str]:
+        return set(_existing(str(self.directory), list(names)))
+
+    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
+        """Size and (with ``checksum``) sha256 of each named file present."""
+        return _file_facts(str(self.directory), list(names), checksum)
+
+    def remove(self, names: Iterable[str]) -> None:
+        _remove(str(self.directory), list(names))
+
+    def clean(self, keep: set[str]) -> list[str]:
+        return _clean(str(self.directory), keep)
+
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+        return _claim(str(self.directory), owner, adopt_files)
+
+
+def disk_on(directory: Path, node_id: str, placement: dict[str, Any]) -> LocalDisk:
+    """The directory on node ``node_id``: looked at directly when that is the driver's own node (no task
+    per look: the free-space check runs at every shard's start), else through tasks pinned there."""
+    import ray
+
+    if node_id == ray.get_runtime_context().get_node_id():
+        return LocalDisk(directory)
+    return NodeDisk(directory, placement)
+
+
+_TASKS: dict[Any, Any] = {}
+"""Each look as a Ray task, made once."""
+
+
+class NodeDisk(LocalDisk):
+    """A directory on the node ``placement`` pins tasks to."""
+
+    def __init__(self, directory: Path, placement: dict[str, Any]) -> None:
+        super().__init__(directory)
+        self._placement = placement
+
+    def _run(self, function: Any, *args: Any) -> Any:
+        import ray  # here: `jobs.status` reads budgets without starting Ray's client
+
+        if function not in _TASKS:
+            _TASKS[function] = ray.remote(num_cpus=0)(function)
+        return ray.get(_TASKS[function].options(**self._placement).remote(*args))
+
+    def free_and_unwritten(self, reserved: dict[int, int]) -> tuple[int, int]:
+        return self._run(_free_and_unwritten, str(self.directory), reserved)
+
+    def existing(self, names: Iterable[str]) -> set[str]:
+        return set(self._run(_existing, str(self.directory), list(names)))
+
+    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
+        return self._run(_file_facts, str(self.directory), list(names), checksum)
+
+    def remove(self, names: Iterable[str]) -> None:
+        self._run(_remove, str(self.directory), list(names))
+
+    def clean(self, keep: set[str]) -> list[str]:
+        return self._run(_clean, str(self.directory), keep)
+
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+        return self._run(_claim, str(self.directory), owner, adopt_files)

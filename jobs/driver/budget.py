@@ -1,0 +1,156 @@
+"""Disk budget for shard files under output.dir: reservations, commits, and the policies that gate a shard.
+
+Before a shard's first batch goes to the extractor the driver reserves the
+bytes the whole shard file will take on disk. Committed files + reservations never exceed the
+budget; a commit turns the shard's reservation into the file's real size, a
+failure releases it, an upload to the sink or a deletion by someone else
+frees the file's bytes. Each policy answers one question, and any "no"
+holds the shard back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterable, Protocol
+
+from jobs.cluster.node_disk import LocalDisk
+
+# Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
+# file shows the real figure.
+INITIAL_OVERHEAD_PER_TOKEN = 16
+# Footer with the schema and metadata, once per shard file.
+FILE_OVERHEAD_BYTES = 64 * 1024
+# Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
+BATCH_OVERHEAD_BYTES = 16 * 1024
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+class AdmissionPolicy(Protocol):
+    def admits(self, budget: "DiskBudget", nbytes: int) -> bool: ...
+
+    def describe(self, budget: "DiskBudget") -> str: ...
+
+
+@dataclasses.dataclass
+class BudgetPolicy:
+    """Committed local files + reservations stay within ``output.disk_budget``."""
+
+    limit: int
+
+    def admits(self, budget: "DiskBudget", nbytes: int) -> bool:
+        return budget.used + nbytes <= self.limit
+
+    def describe(self, budget: "DiskBudget") -> str:
+        return f"used {format_bytes(budget.used)} of output.disk_budget {format_bytes(self.limit)}"
+
+
+@dataclasses.dataclass
+class FreeSpacePolicy:
+    """The filesystem keeps at least ``output.min_free_bytes`` free once reserved bytes land."""
+
+    floor: int
+
+    def admits(self, budget: "DiskBudget", nbytes: int) -> bool:
+        return budget.free_after_reservations() - nbytes >= self.floor
+
+    def describe(self, budget: "DiskBudget") -> str:
+        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free_bytes "
+                f"{format_bytes(self.floor)}")
+
+
+class DiskBudget:
+    """Bytes of shard files under one directory: committed files and reservations (the wait for room is
+    ``jobs.driver.disk_wait``)."""
+
+    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None) -> None:
+        self.output_dir = output_dir
+        self.disk = disk or LocalDisk(output_dir)
+        """Where the files are: looks at free space and files run on their node."""
+        self.limit = limit
+        self.min_free_bytes = min_free_bytes
+        self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
+        self._committed: dict[int, int] = {}
+        self._reserved: dict[int, int] = {}
+        self._committed_total = 0
+        self._reserved_total = 0
+        self.overhead_per_token = INITIAL_OVERHEAD_PER_TOKEN
+        self.peak = 0
+        self.overshoot = 0
+        self.changes = 0
+        """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
+
+    def for_disk(self, disk: LocalDisk) -> "DiskBudget":
+        """The same limits for a node's directory (each node has its own budget)."""
+        return DiskBudget(disk.directory, self.limit, self.min_free_bytes, disk)
+
+    @property
+    def used(self) -> int:
+        return self._committed_total + self._reserved_total
+
+    def predict(self, tokens: int, state_bytes_per_token: int, batches: int) -> int:
+        """Bytes of a shard file holding ``tokens`` tokens written in ``batches`` batches."""
+        fixed = FILE_OVERHEAD_BYTES + batches * BATCH_OVERHEAD_BYTES
+        return tokens * (state_bytes_per_token + self.overhead_per_token) + fixed
+
+    def blocking_policy(self, nbytes: int) -> AdmissionPolicy | None:
+        return next((policy for policy in self.policies if not policy.admits(self, nbytes)), None)
+
+    def reserve(self, shard: int, nbytes: int) -> None:
+        self._set(self._reserved, shard, self._reserved.get(shard, 0) + nbytes)
+        self.peak = max(self.peak, self.used)
+
+    def commit(self, shard: int, file_bytes: int, tokens: int, state_bytes_per_token: int) -> None:
+        """The shard's file is published: its real size replaces its reservation."""
+        self._set(self._reserved, shard, None)
+        self._set(self._committed, shard, file_bytes)
+        self.overshoot = max(self.overshoot, self.used - self.limit)
+        # Whatever the file holds beyond its states, spread per token: future predictions cover it.
+        measured = -(-(file_bytes - tokens * state_bytes_per_token) // max(1, tokens))
+        self.overhead_per_token = max(self.overhead_per_token, measured)
+        self.peak = max(self.peak, self.used)
+
+    def release(self, shard: int) -> None:
+        self._set(self._reserved, shard, None)
+
+    def forget(self, shard: int) -> None:
+        """The shard's local file is gone (uploaded to the sink or consumed)."""
+        self._set(self._committed, shard, None)
+
+    def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:
+        """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;
+        returns the shards whose file is gone (a consumer deleted it): their bytes are free."""
+        gone = []
+        local_files = list(local_files)
+        existing = self.disk.existing(name for _, name, _ in local_files)
+        for shard, name, nbytes in local_files:
+            if name in existing:
+                self._set(self._committed, shard, nbytes)
+            else:
+                gone.append(shard)
+                self.forget(shard)
+        self.changes += 1  # free space on disk may have moved too
+        return gone
+
+    def free_after_reservations(self) -> int:
+        """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""
+        free, unwritten = self.disk.free_and_unwritten(self._reserved)
+        return free - unwritten
+
+    def _set(self, table: dict[int, int], shard: int, nbytes: int | None) -> None:
+        """The one place the tables change: their totals follow in O(1)."""
+        delta = (nbytes or 0) - table.pop(shard, 0)
+        if nbytes is not None:
+            table[shard] = nbytes
+        if table is self._committed:
+            self._committed_total += delta
+        else:
+            self._reserved_total += delta
+        self.changes += 1

@@ -1,0 +1,91 @@
+"""The ``output`` and ``progress`` sections: where shards go and how the driver paces them (budget, sink, writers).
+
+Each checks its own keys when built; byte sizes are parsed once, into ``*_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Dict
+
+from common.checks import check_choice, check_int, check_seconds, parse_bytes
+from storage.schema import STATE_DTYPES
+
+RESUME_CHECKS = ("size", "sha256")
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    dir: str = ""
+    """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    node_dir: str = ""
+    """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
+    for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
+    disk_budget: str = "1.3TB"
+    """Most bytes of shard files kept under output.dir at once (committed + being written), per node; 500GB, 1.3TB or bytes."""
+    min_free_bytes: str = "10GB"
+    """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it."""
+    budget_wait_s: float = 600.0
+    """How long the job waits for disk budget when nothing it does can free any, before it stops (non-zero exit)."""
+    rescan_s: float = 10.0
+    """How often output.dir is re-scanned for shard files deleted by someone else (a trainer consuming them)."""
+    sink: str = ""
+    """fsspec URL (s3://bucket/prefix, file:///mnt/big): committed shards are uploaded, verified, then deleted locally."""
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
+    num_writers: int = 0
+    """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor."""
+    num_uploaders: int = 2
+    """CPU actors uploading committed shards to the sink."""
+    upload_attempts: int = 3
+    """Tries per shard's upload in one run; after the last the shard stays local, listed, and the run exits 7."""
+    max_inflight_batches: int = 0
+    """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
+    resume_check: str = "size"
+    """What a rerun checks of every done shard's file before it trusts it: size (present, of its recorded size) or
+    sha256 (also its checksum; reads every file once). A file that fails is extracted again."""
+    state_dtype: str = "model"
+    """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
+    per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
+
+
+    def __post_init__(self) -> None:
+        if self.disk_budget_bytes <= 0:
+            raise ValueError(
+                f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes, or no shard could ever be written"
+            )
+        self.free_floor_bytes  # raises naming the key
+        for key in ("budget_wait_s", "rescan_s"):
+            check_seconds(f"output.{key}", getattr(self, key))
+        if self.rescan_s == 0:
+            raise ValueError("output.rescan_s=0: must be more than 0 seconds (the job re-scans output.dir that often)")
+        check_int("output.num_writers", self.num_writers, 0, "0 picks the count from the CPUs Ray has left")
+        check_int("output.num_uploaders", self.num_uploaders, 1, "at least one uploader carries shards to the sink")
+        check_int("output.upload_attempts", self.upload_attempts, 1)
+        check_int("output.max_inflight_batches", self.max_inflight_batches, 0, "0 picks writers + 2")
+        check_choice("output.state_dtype", self.state_dtype, STATE_DTYPES)
+        check_choice("output.resume_check", self.resume_check, RESUME_CHECKS)
+        if self.sink_options and not self.sink:
+            raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
+
+    @functools.cached_property
+    def disk_budget_bytes(self) -> int:
+        """``disk_budget`` in bytes."""
+        return parse_bytes(self.disk_budget, "output.disk_budget")
+
+    @functools.cached_property
+    def free_floor_bytes(self) -> int:
+        """``min_free_bytes`` in bytes."""
+        return parse_bytes(self.min_free_bytes, "output.min_free_bytes")
+
+
+@dataclasses.dataclass
+class ProgressConfig:
+    interval_s: float = 10.0
+    """How often the driver rewrites the progress in .summary.json (what jobs.status shows) and, when its log is
+    not a terminal (e.g. under `ray job submit`), logs one progress line. Ray metrics are re-set every few seconds
+    regardless."""
+
+    def __post_init__(self) -> None:
+        check_seconds("progress.interval_s", self.interval_s, positive=True)

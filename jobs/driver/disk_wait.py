@@ -1,0 +1,94 @@
+"""Waiting for disk: a state of the driver's loop, not a loop of its own.
+
+When nothing is open and the next shard fits no lane's budget, the run waits:
+the loop goes on settling the work in flight (writes, uploads: they free space)
+and re-scanning for files a consumer deleted, and ``DiskWait`` only keeps the
+wait's clocks. With nothing in flight for ``output.budget_wait_s`` seconds,
+nothing the run does can free space: ``idle`` raises ``BudgetExhausted`` (exit 3).
+Because the wait never runs completions from inside the scheduler, a shard a
+fault sends back while the run waits is simply the next one to open.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from jobs.driver.budget import format_bytes
+from jobs.driver.lanes import Lane
+from jobs.driver.progress import RunProgress
+from jobs.errors import BudgetExhausted
+
+logger = logging.getLogger(__name__)
+
+LOG_PERIOD_S = 30.0
+
+
+class DiskWait:
+    def __init__(
+        self, wait_s: float, rescan_s: float, progress: RunProgress, exhausted: Callable[[Lane, str], str],
+    ) -> None:
+        """``exhausted(lane, budget state)``: the message of the stop, naming what to change."""
+        self._wait_s = wait_s
+        self._rescan_s = rescan_s
+        self._progress = progress
+        self._exhausted = exhausted
+        self._blocked: Optional[tuple[Lane, int]] = None
+        self._started = 0.0
+        self._last_log = 0.0
+        self._idle_since: Optional[float] = None
+        self.blocked_seconds = 0.0
+        """Time the run held its next shard back for disk, over every wait."""
+
+    @property
+    def waiting(self) -> bool:
+        return self._blocked is not None
+
+    def update(self, blocked: Optional[tuple[Lane, int]]) -> None:
+        """What ``Scheduler.open_what_fits`` said: the lane and bytes of a shard that fits nowhere, or None."""
+        now = time.monotonic()
+        if blocked is not None and self._blocked is None:
+            self._started = self._last_log = now
+            self._idle_since = None
+            lane, nbytes = blocked
+            logger.warning("waiting for disk budget: %s (next shard needs %s)", self._state(lane, nbytes),
+                           format_bytes(nbytes))
+            self._progress.disk_wait_started()
+        elif blocked is None and self._blocked is not None:
+            waited = now - self._started
+            self.blocked_seconds += waited
+            lane = self._blocked[0]
+            logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.policies[0].describe(lane.budget))
+            self._progress.disk_wait_ended(waited)
+        elif blocked is not None and now - self._last_log >= LOG_PERIOD_S:
+            self._last_log = now
+            logger.warning("waiting for disk budget: %s", self._state(*blocked))
+        self._blocked = blocked
+
+    def busy(self) -> None:
+        """Work is in flight: it may free space, so the wait is not idle."""
+        self._idle_since = None
+
+    def idle(self) -> None:
+        """Nothing is in flight: sleep until the next rescan, or stop once idle for ``budget_wait_s``."""
+        assert self._blocked is not None, "idle() outside a wait for disk"
+        now = time.monotonic()
+        self._idle_since = self._idle_since if self._idle_since is not None else now
+        idle_for = now - self._idle_since
+        if idle_for >= self._wait_s:
+            lane, nbytes = self._blocked
+            self.update(None)
+            raise BudgetExhausted(self._exhausted(lane, self._state(lane, nbytes)))
+        time.sleep(min(self._rescan_s, self._wait_s - idle_for))
+
+    def close(self) -> None:
+        """The run ends: a wait still open counts to its end."""
+        if self._blocked is not None:
+            self.blocked_seconds += time.monotonic() - self._started
+            self._blocked = None
+
+    @staticmethod
+    def _state(lane: Lane, nbytes: int) -> str:
+        policy = lane.budget.blocking_policy(nbytes)
+        return (policy or lane.budget.policies[0]).describe(lane.budget)

@@ -1,0 +1,265 @@
+"""One extraction job from its config to its summary: inputs, checks, lock, Ray, the run, the outcome.
+
+``run`` is what ``python -m jobs.extract`` runs. Before Ray starts it reads and
+checks the inputs (``jobs.planning``), output.dir (writable, outside the input),
+the layers (would SGLang capture them), the sink (a test write), takes
+output.dir's lock, checks every done shard's file a rerun would trust, and
+refuses what cannot fit. Then it starts Ray, claims and checks the run's
+directories on every node, cleans them, drives the ``ExtractionRun`` and records
+how it ended in ``.summary.json``: exit 0 only when every shard this run was to
+write is done (and uploaded, with a sink).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+from extractor.checkpoint import read_config, text_config
+from extractor.drafter_config import build_drafter_config
+from jobs.cluster.node_disk import LocalDisk, read_claim
+from jobs.cluster.nodes import NodeGroup, plan_groups
+from jobs.cluster.session import ray_job_submission_id, ray_session
+from jobs.config import JobConfig
+from jobs.driver.budget import DiskBudget
+from jobs.driver.progress import RunProgress
+from jobs.driver.run import ExtractionRun
+from jobs.driver.startup import resolve_device
+from jobs.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAULT,
+    EXIT_OK,
+    EXIT_SHARDS_FAILED,
+    EXIT_UPLOADS_FAILED,
+    RERUN,
+    JobFault,
+    JobStopped,
+    stop_in,
+)
+from jobs.planning.capture import check_capture
+from jobs.planning.engine import build_engine_spec
+from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
+from jobs.planning.shards import Shard, plan_shards
+from jobs.rundir.lock import OutputLock
+from jobs.rundir.resume import (
+    check_done_files,
+    claim_directory,
+    clean_output_dir,
+    refuse_foreign_output,
+    select_shards,
+)
+from jobs.rundir.summary import (
+    BAD_INPUT,
+    COMPLETE,
+    NOTHING_TO_DO,
+    SHARDS_FAILED,
+    UPLOADS_FAILED,
+    RunSummary,
+    manifest_totals,
+    write_drafter_config,
+    write_invalid_rows,
+)
+from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
+
+logger = logging.getLogger("jobs.extract")
+
+
+def run(config: JobConfig) -> dict:
+    """Plan, extract and write; returns the run summary (also saved as .summary.json)."""
+    inputs = read_inputs(config)
+    config = inputs.config
+    check_output_dir(inputs.output_dir, config.data.path)
+    if config.model.engine == "sglang":
+        check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
+    check_sink(config.output.sink, config.output.sink_options)
+    with OutputLock(inputs.output_dir, ray_job_submission_id()):
+        refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
+        return _run_locked(inputs)
+
+
+def _run_locked(inputs: RunInputs) -> dict:
+    config, output_dir = inputs.config, inputs.output_dir
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    plan = plan_shards(
+        inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+        config.extract.max_samples_per_batch,
+    )
+    ranges = [(s.index, s.start, s.stop) for s in plan]
+    metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
+    manifest = _resumable_manifest(inputs, ranges)
+    checked_node: Optional[str] = None
+    if manifest is not None:
+        checked_node = _check_files_here(manifest, output_dir, config.output.resume_check == "sha256")
+        selected = {record.index for record in select_shards(manifest, config.shards)}
+        unchecked = any(r.location == LOCAL and r.node != checked_node for r in manifest.in_state(DONE))
+        if not selected and not unchecked and not _uploads_left(manifest, config.output.sink):
+            manifest.close()
+            return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
+        reclaimable = sum(r.bytes for r in manifest.in_state(DONE) if r.location == LOCAL and r.node == checked_node)
+        check_shards_fit([s for s in plan if s.index in selected], budget, metadata, reclaimable)
+        manifest.close()
+    else:
+        check_shards_fit(plan, budget, metadata)
+    write_invalid_rows(output_dir, inputs.dataset.invalid)
+    with ray_session(config.ray.address):
+        return _extract(inputs, plan, ranges, budget, checked_node)
+
+
+def _extract(
+    inputs: RunInputs, plan: list[Shard], ranges: list[tuple[int, int, int]], budget: DiskBudget,
+    checked_node: Optional[str],
+) -> dict:
+    config, output_dir = inputs.config, inputs.output_dir
+    device = resolve_device(config.model.device, config.model.tp_size)
+    spec = build_engine_spec(
+        config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
+        config.output.state_dtype,
+    )
+    groups = plan_groups(
+        config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+        config.output.node_dir,
+    )
+    manifest = Manifest.open(output_dir, inputs.content(device), ranges)
+    try:
+        to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
+        logger.info(
+            "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
+            len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+        )
+        shard_tokens = {s.index: s.tokens for s in plan}
+        indices = [record.index for record in to_run]
+        summary = RunSummary(config, output_dir, shard_tokens, indices, inputs.dataset.invalid)
+        summary.start(manifest)
+        progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
+                               interval_s=config.progress.interval_s, sink=summary)
+        extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
+                                   manifest, budget, groups, progress)
+        try:
+            with extraction:
+                try:
+                    extraction.run()
+                except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
+                    _record_end(summary, manifest, *_ending(error))
+                    raise
+            result = extraction.result()
+            outcome, code, message = _outcome(manifest, indices, config.output.sink)
+        except BaseException as error:  # again, with what the wind-down recorded
+            _record_end(summary, manifest, *_ending(error))
+            stop = stop_in(error)
+            if stop is not error:  # a signal seen through a Ray call: the command ends as interrupted
+                raise stop from None
+            raise
+        write_drafter_config(output_dir, _drafter_config(config, result.engine))
+        return summary.finish(manifest, outcome, code, message, result)
+    finally:
+        manifest.close()
+
+
+def _check_files_here(manifest: Manifest, output_dir: Path, checksum: bool) -> Optional[str]:
+    """Check the done shards' files output.dir holds on this host (its claim names the node they are
+    recorded on); returns that node, or None when it cannot be told here (the check then runs once Ray
+    has started, on every node)."""
+    claim = read_claim(output_dir)
+    if not claim or claim.get("run_id") != manifest.run_id or claim.get("host") != socket.gethostname():
+        return None
+    node = claim.get("node")
+    if node is None:  # a claim of an earlier version
+        return None
+    check_done_files(LocalDisk(output_dir), manifest, node, True, checksum)
+    return node
+
+
+def _prepare_directories(
+    manifest: Manifest, groups: list[NodeGroup], output_dir: Path, config: JobConfig, checked_node: Optional[str],
+) -> list[ShardRecord]:
+    """Claim every directory of the run, check the done files there, then clean them; the shards to write.
+
+    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched.
+    """
+    for group in groups:
+        claim_directory(group.disk(), manifest, group.name, group.directory == output_dir)
+    for group in groups:
+        if not (group.directory == output_dir and group.name == checked_node):
+            check_done_files(group.disk(), manifest, group.name, group.directory == output_dir,
+                             config.output.resume_check == "sha256")
+    to_run = select_shards(manifest, config.shards)
+    for group in groups:
+        clean_output_dir(group.disk(), manifest, to_run, group.name, group.directory == output_dir)
+    return to_run
+
+
+def _ending(error: BaseException) -> tuple[str, int, str]:
+    """How a run that raised ``error`` ended: outcome, exit code, message."""
+    error = stop_in(error)
+    if isinstance(error, JobStopped):
+        return error.outcome, error.exit_code, str(error)
+    if isinstance(error, ValueError):  # an input file that changed under the running job: fix it, not a fault
+        return BAD_INPUT, EXIT_BAD_INPUT, str(error)
+    return JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}"
+
+
+def _outcome(manifest: Manifest, to_run: list[int], sink: str) -> tuple[str, int, str]:
+    """Exit 0 only when every shard this run was to write is done (and, with a sink, uploaded)."""
+    records = [manifest.shards[index] for index in to_run]
+    unsettled = [r.index for r in records if r.state not in (DONE, FAILED)]
+    if unsettled:  # the driver's loop ended with shards neither written nor failed: never call that complete
+        raise JobFault(f"shards {_listed(unsettled)} were to be written by this run but are neither done nor "
+                       f"failed. {RERUN}")
+    failed = [r.index for r in records if r.state == FAILED]
+    if failed:
+        return SHARDS_FAILED, EXIT_SHARDS_FAILED, (
+            f"{len(failed)} of {len(records)} shards failed and wrote no file ({_listed(failed)}); rerun them with "
+            "the same command plus shards=failed")
+    local = [r.index for r in manifest.in_state(DONE) if sink and r.location == LOCAL]
+    if local:
+        return UPLOADS_FAILED, EXIT_UPLOADS_FAILED, (
+            f"{len(local)} shards are written but not in {sink}: {_listed(local)} (kept locally; the last error of "
+            "each is in the manifest). Fix the sink, then rerun the same command: it uploads them")
+    return COMPLETE, EXIT_OK, ""
+
+
+def _listed(shards: list[int], limit: int = 20) -> str:
+    more = f" and {len(shards) - limit} more" if len(shards) > limit else ""
+    return ", ".join(str(index) for index in shards[:limit]) + more
+
+
+def _uploads_left(manifest: Manifest, sink: str) -> bool:
+    """Done shards still local while a sink is set: a run is needed to upload them."""
+    return bool(sink) and any(record.location == LOCAL for record in manifest.in_state(DONE))
+
+
+def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
+    """A full EAGLE-3 drafter config for SGLang whose aux ids capture what this run stored."""
+    source = {key: getattr(engine, key) for key in (
+        "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
+    return build_drafter_config(text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source)
+
+
+def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
+    """The summary of a run that ended early; failing to write it must not hide why the run ended."""
+    try:
+        summary.finish(manifest, outcome, exit_code, message)
+    except OSError as error:
+        logger.warning("could not write %s: %s", summary.path, error)
+
+
+def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
+    """The existing manifest, when its content is known to match before Ray starts.
+
+    With ``model.device=auto`` the device (and so the content) is known only once Ray
+    reports the cluster's GPUs; the stored device is assumed here and checked after.
+    """
+    if not (inputs.output_dir / MANIFEST_FILE).exists():
+        return None
+    requested = inputs.config.model.device
+    if requested == "auto":
+        requested = str(read_manifest(inputs.output_dir)["content"].get("model.device", "cpu"))
+    try:
+        return Manifest.open(inputs.output_dir, inputs.content(requested), plan)
+    except ValueError:
+        if inputs.config.model.device != "auto":
+            raise  # the content is fully known: refuse now, before Ray starts
+        return None

@@ -1,0 +1,58 @@
+"""The driver's loop over its small owners; it holds no state of its own.
+
+Each turn: report progress, re-scan the directories when due, open the shards
+that fit (or learn that the run must wait for disk), then send one batch, or
+settle one completion, or, with nothing in flight, wait for disk or for the
+next rescan. The loop ends when every shard is settled, nothing is in flight
+and no upload waits for another try.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jobs.driver.completions import Completions
+from jobs.driver.disk_wait import DiskWait
+from jobs.driver.lanes import Lanes
+from jobs.driver.progress import RunProgress
+from jobs.driver.rescan import Rescanner
+from jobs.driver.scheduler import Scheduler
+from jobs.driver.uploads import UploadQueue
+from jobs.driver.work import PendingWork
+
+
+class DriverLoop:
+    def __init__(
+        self, lanes: Lanes, scheduler: Scheduler, completions: Completions, uploads: UploadQueue, rescanner: Rescanner,
+        disk_wait: DiskWait, progress: RunProgress, work: PendingWork,
+    ) -> None:
+        self._lanes = lanes
+        self._scheduler = scheduler
+        self._completions = completions
+        self._uploads = uploads
+        self._rescanner = rescanner
+        self._disk_wait = disk_wait
+        self._progress = progress
+        self._work = work
+
+    def run(self) -> None:
+        scheduler, work = self._scheduler, self._work
+        try:
+            while scheduler.has_work or work or self._uploads.retries:
+                self._progress.tick()
+                self._rescanner.rescan_if_due()
+                self._disk_wait.update(scheduler.open_what_fits())
+                lane = self._lanes.ready()
+                if lane is not None:
+                    scheduler.send_batch(lane)
+                elif work:
+                    # Bounded, so that progress is reported while nothing completes (an extractor loading
+                    # its model after a fault holds every batch of its lane).
+                    self._disk_wait.busy()
+                    self._completions.settle_one(timeout=self._progress.refresh_s)
+                elif self._disk_wait.waiting:
+                    self._disk_wait.idle()  # BudgetExhausted once nothing could free space for budget_wait_s
+                else:  # only failed uploads left: the next rescan offers them again
+                    time.sleep(self._rescanner.rescan_s)
+        finally:
+            self._disk_wait.close()

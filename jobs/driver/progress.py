@@ -1,0 +1,301 @@
+"""The run's progress, told three ways: Ray metrics, ``.summary.json``, and one log line per interval.
+
+The driver tells ``RunProgress`` what happens (tokens written, a shard settled, a
+wait for disk budget) and calls ``tick()`` from its loops. A tick reads the
+manifest and the disk budget (the truth, owned by the driver) into a
+``ProgressSnapshot`` and reports it:
+
+- every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray
+  metrics on the metrics endpoint (``ray start --metrics-export-port``, the
+  dashboard's Grafana panels), labelled ``run`` = output.dir (Ray adds
+  ``NodeAddress``, ``SessionName``...). Ray's Prometheus exporter names them
+  ``ray_`` + the name given here (counters end in ``_total``). Ray 2.60 drops a
+  gauge that is not set again for 20-30 s, so each refresh sets every one.
+- every ``progress.interval_s``: the ``progress`` block of ``.summary.json``,
+  which ``jobs.status`` reads, and, when stderr is not a terminal (``ray job
+  submit``, a file), a log line: ``shards 12/50, tokens 1.2M/5.0M (24%), 31k
+  tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``. On a terminal, two ``tqdm_ray`` bars
+  instead.
+
+Ray's Jobs API cannot carry it: a job's ``metadata`` is fixed at submission
+(``JobSubmissionClient`` has no call that updates it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import sys
+import time
+from typing import Any, Optional, Protocol, Sequence
+
+from jobs.driver.budget import DiskBudget, format_bytes
+from storage.manifest import DONE, FAILED, Manifest
+
+logger = logging.getLogger(__name__)
+
+EXPORTED_PREFIX = "ray_"
+"""What Ray's Prometheus exporter puts before every metric name (its namespace, checked on Ray 2.60)."""
+RUN_LABEL = "run"
+"""The label naming the run: its output.dir."""
+METRICS_REFRESH_S = 5.0
+"""How often gauges are set again: Ray 2.60 exports a gauge every 10 s and forgets one not set for 20-30 s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    description: str
+    field: str = ""
+    """A gauge set from this ProgressSnapshot field at every report; empty for a counter."""
+
+    @property
+    def exported(self) -> str:
+        """The name on the metrics endpoint: Ray's namespace in front, ``_total`` after a counter."""
+        suffix = "_total" if not self.field and not self.name.endswith("_total") else ""
+        return EXPORTED_PREFIX + self.name + suffix
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("eagle3_shards_done", "Shards done in output.dir (every run's)", "shards_done"),
+    MetricSpec("eagle3_shards_failed", "Shards whose last attempt failed", "shards_failed"),
+    MetricSpec("eagle3_shards_total", "Shards in the plan", "shards_total"),
+    MetricSpec("eagle3_tokens_done", "Tokens in done shards and written into shards being written", "tokens_done"),
+    MetricSpec("eagle3_tokens_planned", "Tokens in the plan", "tokens_planned"),
+    MetricSpec("eagle3_bytes_written", "Bytes of the done shard files (local or in the sink)", "bytes_written"),
+    MetricSpec("eagle3_tokens_per_second", "This run's tokens written per second since its first batch",
+               "tokens_per_second"),
+    MetricSpec("eagle3_eta_seconds", "Seconds until this run's shards are written at this run's rate (-1: unknown)",
+               "eta_seconds"),
+    MetricSpec("eagle3_disk_used_bytes", "Committed local shard bytes + reservations", "disk_used"),
+    MetricSpec("eagle3_disk_budget_bytes", "output.disk_budget", "disk_budget"),
+    MetricSpec("eagle3_waiting_for_disk", "1 while the driver waits for disk budget", "waiting_for_disk"),
+    MetricSpec("eagle3_disk_wait_seconds_total", "Time spent waiting for disk budget"),
+    MetricSpec("eagle3_tokens_written_total", "Tokens whose states were written"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressSnapshot:
+    """Where the run stands; the ``progress`` block of ``.summary.json``."""
+
+    updated_at: str
+    shards_done: int
+    shards_failed: int
+    shards_total: int
+    tokens_done: int
+    tokens_planned: int
+    bytes_written: int
+    tokens_to_go: int
+    """This run's shards' tokens not written yet (a failed shard's are no longer to go)."""
+    tokens_per_second: float
+    """This run's tokens over this run's time since its first batch (earlier runs' shards excluded)."""
+    eta_seconds: float
+    """This run's tokens still to write at that rate; -1 until the rate is known."""
+    disk_used: int
+    disk_budget: int
+    waiting_for_disk: int
+
+    def describe(self) -> str:
+        """``shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``."""
+        share = 100 * self.tokens_done / self.tokens_planned if self.tokens_planned else 100.0
+        parts = [
+            f"shards {self.shards_done}/{self.shards_total}",
+            f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)} ({share:.0f}%)",
+            f"{format_count(self.tokens_per_second)} tok/s",
+            f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
+            f"disk {format_bytes(self.disk_used)}/{format_bytes(self.disk_budget)}",
+        ]
+        if self.waiting_for_disk:
+            parts.append("waiting for disk budget")
+        if self.shards_failed:
+            parts.append(f"{self.shards_failed} failed")
+        return ", ".join(parts)
+
+
+def format_count(count: float) -> str:
+    """1234567 -> 1.2M, 31000 -> 31k, 950 -> 950."""
+    for threshold, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= threshold:
+            value = count / threshold
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return f"{count:.0f}"
+
+
+def format_duration(seconds: float) -> str:
+    """130 -> 2m10s, 3900 -> 1h05m, 42 -> 42s."""
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class ProgressSink(Protocol):
+    """Where the snapshot goes besides metrics and logs (``RunSummary``: ``.summary.json``)."""
+
+    def update(self, manifest: Manifest, progress: dict[str, Any]) -> None: ...
+
+
+class _RunMetrics:
+    """The METRICS on Ray's metrics endpoint, labelled with the run."""
+
+    def __init__(self, run: str) -> None:
+        # Imported here: jobs.status reads snapshots without loading Ray.
+        from ray.util import metrics
+
+        self.tags = {RUN_LABEL: run}
+        self.gauges = {
+            spec.field: metrics.Gauge(spec.name, description=spec.description, tag_keys=(RUN_LABEL,))
+            for spec in METRICS if spec.field
+        }
+        counters = {
+            spec.name: metrics.Counter(spec.name, description=spec.description, tag_keys=(RUN_LABEL,))
+            for spec in METRICS if not spec.field
+        }
+        self.wait_seconds = counters["eagle3_disk_wait_seconds_total"]
+        self.tokens = counters["eagle3_tokens_written_total"]
+
+    def report(self, snapshot: ProgressSnapshot) -> None:
+        for field, gauge in self.gauges.items():
+            gauge.set(getattr(snapshot, field), tags=self.tags)
+
+    def add(self, counter: Any, value: float) -> None:
+        if value > 0:  # Ray counters refuse increments of 0
+            counter.inc(value, tags=self.tags)
+
+
+class RunProgress:
+    """Counts what this run wrote and reports where the run stands every ``interval_s``.
+
+    Reads ``manifest`` and ``budget`` (owned by the driver) at each report; changes neither.
+    """
+
+    def __init__(
+        self, manifest: Manifest, budget: DiskBudget, shard_tokens: dict[int, int], to_run: list[int],
+        run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
+    ) -> None:
+        self.manifest = manifest
+        self.budgets = [budget]
+        """Budgets whose bytes the run reports: output.dir's, then every node directory's (``begin``)."""
+        self.shard_tokens = shard_tokens
+        self.to_run = list(to_run)
+        self.interval_s = interval_s
+        self.refresh_s = min(interval_s, METRICS_REFRESH_S)
+        self.sink = sink
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self.metrics = _RunMetrics(run)
+        self.written = 0
+        """Tokens this run wrote, failed shards' included: the rate."""
+        self.open_tokens: dict[int, int] = {}
+        """Tokens written into shards not yet settled (done or failed)."""
+        self.settled: set[int] = set()
+        """Shards of this run that are done or failed (a rerun shard may be either in the manifest until opened)."""
+        self.waiting = False
+        self.started: Optional[float] = None
+        self.last_metrics: Optional[float] = None
+        self.last_report: Optional[float] = None
+        self.bars: list[Any] = []
+
+    def begin(self, budgets: Sequence[DiskBudget] = ()) -> None:
+        """The first batch is about to go out: the rate's clock starts; bars on a terminal.
+
+        ``budgets``: one per node directory of the run, once the data-parallel groups stand.
+        """
+        if budgets:
+            self.budgets = list(budgets)
+        self.started = time.monotonic()
+        if self.interactive:
+            from ray.experimental.tqdm_ray import tqdm
+
+            self.bars = [
+                tqdm(total=len(self.to_run), desc="shards"),
+                tqdm(total=sum(self.shard_tokens[index] for index in self.to_run), desc="tokens"),
+            ]
+        self.tick(force=True)
+
+    def tokens_written(self, shard: int, tokens: int) -> None:
+        self.written += tokens
+        # A batch's completion may reach the driver after its shard's publication did (Ray reports the
+        # writer's two results independently): the manifest's record already counts those tokens.
+        if shard not in self.settled:
+            self.open_tokens[shard] = self.open_tokens.get(shard, 0) + tokens
+        self.metrics.add(self.metrics.tokens, tokens)
+        if self.bars:
+            self.bars[1].update(tokens)
+
+    def shard_settled(self, shard: int) -> None:
+        """The shard is done or failed, and the manifest says which."""
+        self.open_tokens.pop(shard, None)
+        self.settled.add(shard)
+        if self.bars:
+            self.bars[0].update(1)
+
+    def shard_discarded(self, shard: int) -> None:
+        """A fault cut the shard's attempt short: what it wrote is gone, the shard runs again."""
+        self.open_tokens.pop(shard, None)
+
+    def disk_wait_started(self) -> None:
+        self.waiting = True
+        self.tick(force=True)
+
+    def disk_wait_ended(self, seconds: float) -> None:
+        self.waiting = False
+        self.metrics.add(self.metrics.wait_seconds, seconds)
+        self.tick(force=True)
+
+    def tick(self, force: bool = False) -> None:
+        """Set the metrics every ``refresh_s``, write the summary and log every ``interval_s`` (``force``: now)."""
+        now = time.monotonic()
+        report = force or _due(self.last_report, self.interval_s, now)
+        if not (report or _due(self.last_metrics, self.refresh_s, now)):
+            return
+        snapshot = self.snapshot()
+        self.metrics.report(snapshot)
+        self.last_metrics = now
+        if not report:
+            return
+        self.last_report = now
+        if self.sink is not None:
+            try:
+                self.sink.update(self.manifest, dataclasses.asdict(snapshot))
+            except OSError as error:  # a full disk must not stop the run over its progress report
+                logger.warning("could not write the progress to .summary.json: %s", error)
+        if not self.interactive and self.started is not None:
+            logger.info("%s", snapshot.describe())
+
+    def close(self) -> None:
+        """The last report of this run; bars closed."""
+        self.tick(force=True)
+        for bar in self.bars:
+            bar.close()
+        self.bars = []
+
+    def snapshot(self) -> ProgressSnapshot:
+        records = self.manifest.shards
+        done = [record for record in records.values() if record.state == DONE]
+        in_flight = sum(self.open_tokens.values())
+        seconds = time.monotonic() - self.started if self.started is not None else 0.0
+        rate = self.written / seconds if seconds > 0 else 0.0
+        remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in self.settled) - in_flight)
+        return ProgressSnapshot(
+            updated_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            shards_done=len(done),
+            shards_failed=sum(record.state == FAILED for record in records.values()),
+            shards_total=len(records),
+            tokens_done=sum(record.tokens for record in done) + in_flight,
+            tokens_planned=sum(self.shard_tokens.values()),
+            bytes_written=sum(record.bytes for record in done),
+            tokens_to_go=remaining,
+            tokens_per_second=round(rate, 1),
+            eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
+            disk_used=sum(budget.used for budget in self.budgets),
+            disk_budget=sum(budget.limit for budget in self.budgets),
+            waiting_for_disk=int(self.waiting),
+        )
+
+
+def _due(last: Optional[float], period: float, now: float) -> bool:
+    return last is None or now - last >= period

@@ -1,0 +1,158 @@
+"""The driver's loop: open what fits, send batches, settle what completes, until every shard is settled.
+
+``ExtractionRun`` starts one lane per data-parallel group (``jobs.driver.startup``)
+and then loops over small owners, each of which alone changes what it holds:
+the scheduler opens shards and sends their batches (lanes, attempts, the shards'
+life in the manifest), ``Completions`` hands each finished piece of work to the one
+it concerns, the upload queue carries committed files to the sink, the rescanner
+notices files a consumer deleted, and ``DiskWait`` keeps the clock of a wait for
+disk. At most ``output.max_inflight_batches`` batches per lane sit between its
+extractor and a finished write, which bounds the states held in its node's
+memory: a disk slower than the extractor holds the extractor back.
+
+Faults are survived in the same run: a dead extractor is started again (at most
+``extract.max_restarts`` times; the run, and other nodes' lanes, go on while its
+model loads), a dead writer is replaced, and every shard a fault cut short is
+discarded (no temp file stays) and extracted again (at most ``extract.max_attempts``
+tries per shard); past those bounds the job stops with ``JobFault`` (exit 4) and a
+rerun resumes. A run that ends early (a signal, a fault, no disk) winds down on
+leaving the ``with`` block: open shards are discarded and any shard its writer had
+already published is recorded, so that no whole file is left unrecorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional
+
+from extractor.config import ExtractConfig
+from extractor.types import CaptureActivity, EngineSpec
+from jobs.cluster.nodes import NodeGroup
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.completions import Completions
+from jobs.driver.config import OutputConfig
+from jobs.driver.disk_wait import DiskWait
+from jobs.driver.lanes import Lane
+from jobs.driver.loop import DriverLoop
+from jobs.driver.progress import RunProgress
+from jobs.driver.rescan import Rescanner
+from jobs.driver.result import RunResult, node_figures
+from jobs.driver.scheduler import Scheduler
+from jobs.driver.startup import (
+    StartedLanes,
+    discard_all,
+    start_lanes,
+    start_uploaders,
+    stop_lanes,
+    stop_uploaders,
+)
+from jobs.driver.uploads import UploadQueue
+from jobs.driver.work import PendingWork
+from jobs.inputs.dataset import TokenizedDataset
+from jobs.planning.shards import Shard
+from storage.manifest import DONE, Manifest, ShardRecord
+
+logger = logging.getLogger(__name__)
+
+DISCARD_TIMEOUT_S = 30.0
+
+
+class ExtractionRun:
+    """Extracts ``shards`` over the data-parallel ``groups`` and keeps the manifest and budgets true at every step."""
+
+    def __init__(
+        self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
+        extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
+        groups: list[NodeGroup], progress: RunProgress,
+    ) -> None:
+        self._spec, self._dataset, self._plan, self._shards = spec, dataset, plan, shards
+        self._extract, self._output, self._output_dir = extract, output, output_dir
+        self._manifest, self._budget, self._groups, self._progress = manifest, budget, groups, progress
+        self._work = PendingWork()
+        self._started: Optional[StartedLanes] = None
+        self._scheduler: Optional[Scheduler] = None
+        self._completions: Optional[Completions] = None
+        self._uploads: Optional[UploadQueue] = None
+        self._uploaders: dict[str, list[Any]] = {}
+        self._disk_wait = DiskWait(output.budget_wait_s, output.rescan_s, progress, self._exhausted)
+        self._stopped: Optional[tuple[CaptureActivity, dict[str, dict[str, float]]]] = None
+        self._clock = {"start": 0.0, "first_batch": 0.0, "end": 0.0}
+        """perf_counter at the actors' start, the first batch, and the last shard settled."""
+
+    def __enter__(self) -> "ExtractionRun":
+        return self
+
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException], trace: Optional[TracebackType]) -> None:
+        """Stop the actors; after an early end, first discard open shards and record those already published."""
+        ended_early = error is not None
+        try:
+            if ended_early and self._scheduler is not None and self._completions is not None:
+                discard_all(self._scheduler.active(), DISCARD_TIMEOUT_S)
+                for shard in self._completions.record_published():
+                    logger.info("shard %d was published as the run stopped; it is recorded done", shard)
+            self._progress.close()
+        finally:
+            stop_uploaders(self._uploaders)
+            lanes = list(self._started.lanes) if self._started is not None else []
+            self._stopped = stop_lanes(lanes, collect_stats=not ended_early)
+
+    def run(self) -> None:
+        """Start the actors and drive every shard to done (or failed); ``result`` tells what the run
+        measured once the ``with`` block has stopped the actors."""
+        self._clock["start"] = time.perf_counter()
+        self._started = start_lanes(
+            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir
+        )
+        lanes = self._started.lanes
+        self._uploaders = start_uploaders(self._output, lanes)
+        self._uploads = UploadQueue(
+            self._output.sink, self._uploaders, self._output.upload_attempts, lanes, self._manifest, self._work
+        )
+        self._scheduler = Scheduler(
+            self._dataset, self._plan, self._shards, self._manifest, lanes, self._work, self._progress,
+            self._started.bytes_per_token, self._extract.max_attempts,
+        )
+        self._completions = Completions(self._scheduler, self._uploads, self._work, lanes)
+        rescanner = Rescanner(self._manifest, lanes, self._uploads, self._output.rescan_s)
+        self._clock["first_batch"] = time.perf_counter()
+        self._progress.begin(lanes.budgets())
+        DriverLoop(
+            lanes, self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
+        ).run()
+        self._clock["end"] = time.perf_counter()
+
+    def result(self) -> RunResult:
+        """What the run measured; only after it ran to its end and the ``with`` block stopped its actors."""
+        lanes, budgets = self._started.lanes, self._started.lanes.budgets()
+        activity, writer_seconds = self._stopped
+        clock = self._clock
+        return RunResult(
+            engine=self._started.engine,
+            startup_seconds=clock["first_batch"] - clock["start"],
+            seconds=clock["end"] - clock["first_batch"],
+            drain_seconds=clock["end"] - max(clock["first_batch"], self._completions.last_write_done),
+            budget_peak=max(budget.peak for budget in budgets),
+            budget_overshoot=max(budget.overshoot for budget in budgets),
+            blocked_seconds=self._disk_wait.blocked_seconds,
+            writers=sum(len(lane.writers) for lane in lanes),
+            peak_open_shards=self._scheduler.peak_open_shards,
+            max_inflight_batches=sum(lane.max_inflight for lane in lanes),
+            extractor=activity,
+            writer_seconds=writer_seconds,
+            extractor_restarts=sum(lane.extractor.generation for lane in lanes),
+            nodes=node_figures(lanes),
+        )
+
+    def _exhausted(self, lane: Lane, state: str) -> str:
+        remaining = [r for r in self._manifest.shards.values() if r.state != DONE]
+        tokens = sum(self._plan[r.index].tokens for r in remaining)
+        return (
+            f"stopped after waiting {self._output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
+            f"in flight that could free space. {len(remaining)} shards remain, about "
+            f"{format_bytes(tokens * self._started.bytes_per_token)} to write. Raise output.disk_budget, set "
+            f"output.sink, or free space under {self._started.lanes.where(lane)} (e.g. let the trainer consume "
+            "shards), then rerun the same command: it resumes where this run stopped"
+        )

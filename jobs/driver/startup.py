@@ -1,0 +1,159 @@
+"""Starting the run's actors, one lane per data-parallel group, and stopping them.
+
+Every node loads its model at the same time; the writers start meanwhile, and
+the batches in flight (plus a little more) touch the object store's pages
+before the first real batch, so that start-up costs stay out of the run's clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from extractor.config import ExtractConfig
+from extractor.types import CaptureActivity, EngineInfo, EngineSpec
+from jobs.actors import uploader
+from jobs.actors.extractor import ExtractorHost
+from jobs.actors.writer import WriterPool
+from jobs.cluster.nodes import NodeGroup
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.config import OutputConfig
+from jobs.driver.lanes import Lane, Lanes, ShardAttempt
+from jobs.errors import JobFault
+from jobs.planning.engine import shard_metadata
+from storage.writer import state_bytes_per_token
+
+logger = logging.getLogger(__name__)
+
+# Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
+# on its way to the object store.
+INFLIGHT_BEYOND_WRITERS = 2
+# Objects beyond max_inflight_batches the extractor writes into the object store before the run: the
+# store does not always hand a freed block to the next object of the same size.
+OBJECT_STORE_WARM_EXTRA = 2
+
+
+def resolve_device(requested: str, tp_size: int) -> str:
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if requested == "auto":
+        return "cuda" if gpus >= tp_size else "cpu"
+    if requested == "cuda" and gpus < tp_size:
+        raise ValueError(f"model.device=cuda with model.tp_size={tp_size}, but the Ray cluster has {gpus} GPUs")
+    return requested
+
+
+@dataclasses.dataclass(frozen=True)
+class StartedLanes:
+    lanes: Lanes
+    engine: EngineInfo
+    bytes_per_token: int
+    """Bytes of states per token in the shard files (what the budget predicts shard sizes from)."""
+
+
+def start_lanes(
+    spec: EngineSpec, groups: list[NodeGroup], extract: ExtractConfig, output: OutputConfig, budget: DiskBudget,
+    output_dir: Path,
+) -> StartedLanes:
+    """Extractors and writers of every group, ready; if the start fails half-way (or a signal stops it),
+    the actors already started are stopped before the error goes on."""
+    extractors = [
+        ExtractorHost(spec, extract.max_restarts, group.placement(), f"node {group.name}") for group in groups
+    ]
+    lanes: list[Lane] = []
+    try:
+        for extractor in extractors:  # every node loads its model at the same time
+            extractor.launch()
+        engine = [extractor.ready() for extractor in extractors][0]
+        metadata = shard_metadata(engine, spec)
+        budgets: dict[Path, DiskBudget] = {}
+        for group, extractor in zip(groups, extractors):
+            writers = WriterPool(group.directory, metadata, extract.on_nonfinite, group.writers, group.placement())
+            if group.directory not in budgets:
+                budgets[group.directory] = budget.for_disk(group.disk())
+            max_inflight = output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
+            lanes.append(Lane(group, extractor, writers, budgets[group.directory], max_inflight))
+        bytes_per_token = state_bytes_per_token(metadata)
+        _wait_for_writers(lanes, spec, bytes_per_token)
+    except BaseException:
+        stop_lanes(lanes, collect_stats=False)
+        for extractor in extractors[len(lanes):]:
+            extractor.stop(collect_stats=False)
+        raise
+    return StartedLanes(Lanes(lanes, output_dir), engine, bytes_per_token)
+
+
+def _wait_for_writers(lanes: list[Lane], spec: EngineSpec, bytes_per_token: int) -> None:
+    """While the writers start: the batches in flight, and a little more, touch the object store's pages."""
+    warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in lanes]
+    for lane in lanes:
+        _check_node(lane, lane.writers.wait_ready())
+        logger.info(
+            "node %s: %d writers, at most %d batches in flight (about %s of states in memory) -> %s",
+            lane.group.name, len(lane.writers), lane.max_inflight,
+            format_bytes(lane.max_inflight * spec.max_tokens_per_batch * bytes_per_token), lane.group.directory,
+        )
+    ray.get(warmed)
+
+
+def stop_lanes(lanes: list[Lane], collect_stats: bool) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:
+    """Stop every actor; with ``collect_stats``, first ask each what it did (the run's figures)."""
+    activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
+    writer_seconds: dict[str, dict[str, float]] = {}
+    for lane in lanes:
+        activity = _add_activity(activity, lane.extractor.stop(collect_stats))
+        for clock, stages in lane.writers.stop(collect_stats).items():
+            totals = writer_seconds.setdefault(clock, {})
+            for stage, seconds in stages.items():
+                totals[stage] = totals.get(stage, 0.0) + seconds
+    return activity, writer_seconds
+
+
+def start_uploaders(output: OutputConfig, lanes: Lanes) -> dict[str, list[Any]]:
+    """Each node's uploaders, on the node whose files they upload; none without a sink."""
+    if not output.sink:
+        return {}
+    return {
+        lane.group.name: uploader.start_uploaders(
+            output.sink, output.sink_options, output.num_uploaders, lane.group.placement()
+        )
+        for lane in lanes
+    }
+
+
+def stop_uploaders(uploaders: dict[str, list[Any]]) -> None:
+    for actors in uploaders.values():
+        for actor in actors:
+            ray.kill(actor)
+
+
+def discard_all(attempts: list[ShardAttempt], timeout_s: float) -> None:
+    """Ask the writers to drop every shard still open (the run is ending early): no temp file stays."""
+    discards = [
+        attempt.writer.discard.remote(attempt.index) for attempt in attempts
+        if attempt.lane.writers.is_member(attempt.writer)
+    ]
+    with contextlib.suppress(Exception):
+        ray.get(discards, timeout=timeout_s)
+
+
+def _check_node(lane: Lane, writer_nodes: list[str]) -> None:
+    """States never cross the network: the extractor and every writer of a lane run on its node."""
+    extractor_node = lane.extractor.node_id()
+    if {extractor_node, *writer_nodes} != {lane.group.node_id}:
+        raise JobFault(
+            f"node {lane.group.name}: its extractor and writers were placed on other nodes ({extractor_node}, "
+            f"{writer_nodes}); the Ray cluster changed while the job started. Rerun the same command to resume"
+        )
+
+
+def _add_activity(total: CaptureActivity, more: CaptureActivity) -> CaptureActivity:
+    return dataclasses.replace(
+        total, batches=total.batches + more.batches, tokens=total.tokens + more.tokens,
+        busy_seconds=total.busy_seconds + more.busy_seconds,
+        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds,
+    )

@@ -1,0 +1,219 @@
+"""What a run would do, before it does it: the dry run behind ``python -m jobs.plan``.
+
+Takes the job's own config and reads what the job reads before Ray starts: the
+checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
+nothing is written. Prints samples, tokens, invalid rows, shards and batches, bytes
+per token, the predicted bytes against ``output.disk_budget`` and the free space,
+the layers SGLang will capture and the drafter ids, and what will not fit. Each
+number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
+``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
+from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
+does (``extractor.drafter_check.plan_capture``: about a second for Kimi-K2.5, plus
+SGLang's import). ``--json`` prints the same as one JSON object.
+
+Exit codes (``jobs.errors``): 0 the run fits; 2 the job would refuse it (bad config or
+input, invalid rows with ``data.on_invalid=fail``, a shard larger than the budget);
+3 it would stop for disk (the run needs more than ``output.disk_budget`` without a
+sink, or more than the filesystem has free above ``output.min_free_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from jobs.config import ConfigError, JobConfig
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
+from jobs.inputs.dataset import EXCEEDS_CONTEXT
+from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.preflight import check_shards_fit, free_bytes, planned_metadata
+from jobs.planning.shards import Shard, plan_shards
+from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
+from storage.writer import state_bytes_per_token
+
+logger = logging.getLogger("jobs.plan")
+
+INVALID_EXAMPLES = 3
+"""Invalid rows the report names (all of them are counted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    exit_code: int
+    text: str
+
+
+@dataclasses.dataclass
+class Layers:
+    """What the extractor will report, as far as it can be known without loading the model."""
+
+    layer_ids: list[int]
+    layers_to_capture: Optional[list[int]]
+    drafter_layer_ids: Optional[list[int]]
+    source: str
+    """Who answered: SGLang's version and how, or why nobody could."""
+
+
+@dataclasses.dataclass
+class DryRun:
+    model_path: str
+    architecture: str
+    language_model_architecture: str
+    num_layers: int
+    hidden_size: int
+    context_length: int
+    data_path: str
+    samples: int
+    tokens: int
+    longest_sample: int
+    invalid_rows: int
+    invalid_over_context: int
+    invalid_examples: list[str]
+    on_invalid: str
+    shard_size: int
+    shards: int
+    batches: int
+    max_tokens_per_batch: int
+    max_samples_per_batch: int
+    state_dtype: str
+    final_state: str
+    state_bytes_per_token: int
+    """Bytes of states one token adds (fp8 scales included); ids, mask and Parquet come on top."""
+    predicted_bytes: int
+    """Every shard file this run would write, as the job predicts them for its budget."""
+    largest_shard: int
+    largest_shard_bytes: int
+    done_shards: int
+    """Shards an earlier run in output.dir finished (the job resumes: it writes the others)."""
+    done_local_bytes: int
+    disk_budget: int
+    sink: str
+    output_dir: str
+    free_bytes: int
+    min_free_bytes: int
+    layers: Layers
+    problems: list[Problem]
+
+    @property
+    def exit_code(self) -> int:
+        """What the job would end with: problems are in the order the job meets them (refusals first)."""
+        return self.problems[0].exit_code if self.problems else EXIT_OK
+
+
+def dry_run(config: JobConfig) -> DryRun:
+    """Everything the report says; raises ValueError (a ConfigError for config) where the job would refuse to start."""
+    if config.is_demo:
+        raise ConfigError("the dry run plans a real run: set model.path and data.path (the demo needs no plan)")
+    # Every invalid row is counted; data.on_invalid=fail is judged below, as the job would judge it.
+    on_invalid = config.data.on_invalid
+    inputs = read_inputs(dataclasses.replace(config, data=dataclasses.replace(config.data, on_invalid="skip")))
+    config, checkpoint, dataset = inputs.config, inputs.checkpoint, inputs.dataset
+    plan = plan_shards(
+        dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+        config.extract.max_samples_per_batch,
+    )
+    metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
+    bytes_per_token = state_bytes_per_token(metadata)
+    budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    done = _done_shards(inputs.output_dir)
+    to_write = [shard for shard in plan if shard.index not in done]
+    sizes = {shard.index: budget.predict(shard.tokens, bytes_per_token, len(shard.batches)) for shard in to_write}
+    largest = max(sizes, key=sizes.__getitem__, default=0)
+    invalid = dataset.invalid
+    report = DryRun(
+        model_path=config.model.path, architecture=checkpoint.architecture,
+        language_model_architecture=checkpoint.language_model_architecture, num_layers=checkpoint.num_layers,
+        hidden_size=checkpoint.hidden_size,
+        context_length=config.model.context_length or checkpoint.max_position_embeddings,
+        data_path=config.data.path, samples=len(dataset), tokens=int(dataset.lengths.sum()),
+        longest_sample=int(dataset.lengths.max()), invalid_rows=len(invalid),
+        invalid_over_context=sum(EXCEEDS_CONTEXT in row.reason for row in invalid),
+        invalid_examples=[f"{row.file} row {row.file_row} (sample id {row.sample_id}): {row.reason}"
+                          for row in invalid[:INVALID_EXAMPLES]],
+        on_invalid=on_invalid, shard_size=config.data.shard_size, shards=len(plan),
+        batches=sum(len(shard.batches) for shard in plan), max_tokens_per_batch=config.extract.max_tokens_per_batch,
+        max_samples_per_batch=config.extract.max_samples_per_batch, state_dtype=metadata.state_dtype,
+        final_state=metadata.last_hidden_state, state_bytes_per_token=bytes_per_token,
+        predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
+        done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
+        sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
+        min_free_bytes=config.output.free_floor_bytes, layers=_layers(inputs), problems=[],
+    )
+    report.problems = _problems(report, to_write, budget, metadata)
+    return report
+
+
+def _done_shards(output_dir: Path) -> dict[int, int]:
+    """Shard -> bytes it holds on local disk (0 once uploaded or consumed), for each shard an earlier run finished."""
+    if not (output_dir / MANIFEST_FILE).exists():
+        return {}
+    return {
+        record["index"]: record["bytes"] if record["location"] == LOCAL else 0
+        for record in read_manifest(output_dir)["shards"] if record["state"] == DONE
+    }
+
+
+def _layers(inputs: RunInputs) -> Layers:
+    """The ids the extractor will find: from SGLang's model class on the meta device, or the synthetic source's rule."""
+    from extractor.layers import llama_convention, resolve_drafter_layer_ids
+
+    config = inputs.config
+    if config.model.engine == "synthetic":
+        drafter_ids, captured = resolve_drafter_layer_ids(llama_convention, inputs.layer_ids)
+        return Layers(inputs.layer_ids, captured, drafter_ids, "the synthetic states source (no model)")
+    try:
+        from extractor.drafter_check import plan_capture  # imports SGLang (and torch) only now
+    except ImportError as error:
+        return Layers(inputs.layer_ids, None, None, f"not checked: SGLang cannot be imported here ({error})")
+    plan = plan_capture(config.model.path, inputs.layer_ids, config.model.dtype)
+    served = plan.served_drafter
+    if served.error or served.layers_to_capture != plan.layers_to_capture:
+        raise ValueError(
+            f"SGLang {plan.target.sglang_version} would not read back the drafter config the job writes "
+            f"(ids {plan.drafter_layer_ids}): {served.error or f'it captures {served.layers_to_capture}'}; "
+            "check the installed SGLang against docs/install.md, 'Supported versions'"
+        )
+    return Layers(
+        plan.layer_ids, plan.layers_to_capture, plan.drafter_layer_ids,
+        f"SGLang {plan.target.sglang_version}, {plan.target.architecture} built on the meta device; "
+        "a drafter config with these ids captures the same layers",
+    )
+
+
+def _problems(report: DryRun, to_write: list[Shard], budget: DiskBudget, metadata: Any) -> list[Problem]:
+    """What will not fit or will not run, one line each, with the exit code the job would end with."""
+    problems = []
+    if report.invalid_rows and report.on_invalid == "fail":
+        over = f", {report.invalid_over_context} of them longer than the context length" if report.invalid_over_context else ""
+        problems.append(Problem(EXIT_BAD_INPUT, (
+            f"{report.invalid_rows} invalid rows{over} and data.on_invalid=fail: the job stops before it extracts "
+            f"anything, at {report.invalid_examples[0]}. Fix the rows, or set data.on_invalid=skip to leave them out"
+        )))
+    try:
+        check_shards_fit(to_write, budget, metadata)
+    except ConfigError as error:
+        problems.append(Problem(EXIT_BAD_INPUT, str(error)))
+    except BudgetExhausted:
+        pass  # a shard that cannot fit above the floor: the free-space problem below says so, for the whole run
+    needed = report.done_local_bytes + report.predicted_bytes
+    if not report.sink and needed > report.disk_budget:
+        problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (
+            f"the run needs about {format_bytes(needed)} on local disk but output.disk_budget is "
+            f"{format_bytes(report.disk_budget)} and output.sink is empty: once the budget is full the job waits "
+            "output.budget_wait_s for something to delete shard files, then stops (exit 3). Raise "
+            "output.disk_budget, set output.sink, or consume shards while it runs"
+        )))
+    # The most the job adds to the disk at once: the whole rest of the run, up to the budget.
+    adds = min(report.predicted_bytes, max(0, report.disk_budget - report.done_local_bytes))
+    usable = report.free_bytes - report.min_free_bytes
+    if adds > usable:
+        problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (
+            f"output.dir's filesystem has {format_bytes(report.free_bytes)} free; above output.min_free_bytes="
+            f"{format_bytes(report.min_free_bytes)} the job can write {format_bytes(max(0, usable))}, not the "
+            f"{format_bytes(adds)} it would hold at once. Free space there, lower output.disk_budget (with a sink "
+            "or a consumer), or choose another output.dir"
+        )))
+    return problems

@@ -1,0 +1,73 @@
+"""What a run reads and checks before it touches output.dir: paths, demo, checkpoint, layers, dataset.
+
+The job and its dry run (``jobs.plan``) both start here, so that the plan shows
+exactly what the job would do. Nothing here starts Ray or loads a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from extractor.checkpoint import CheckpointInfo, read_checkpoint_info
+from extractor.layers import check_layer_ids, default_layer_ids
+from jobs.cluster.session import inside_ray_job
+from jobs.config import ConfigError, JobConfig, resolve_paths
+from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.planning.engine import build_engine_spec
+from jobs.planning.preflight import demo_config, refuse_pickled_weights
+
+
+def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
+    """Everything that changes what the shard files contain: a resume must match it exactly."""
+    return {
+        "model.path": spec_fields["model_path"],
+        "model.dtype": spec_fields["dtype"],
+        "model.tp_size": spec_fields["tp_size"],
+        "model.device": spec_fields["device"],
+        "model.attention_backend": spec_fields["attention_backend"],
+        "model.load_format": spec_fields["load_format"],
+        "extract.layers": list(spec_fields["layer_ids"]),
+        "extract.last_hidden_state": spec_fields["last_hidden_state"],
+        "output.state_dtype": spec_fields["state_dtype"],
+        "model.engine": spec_fields["engine"],
+        "data.fingerprint": data_fingerprint,
+        "data.shard_size": config.data.shard_size,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """What the run reads and checks before it touches output.dir."""
+
+    config: JobConfig
+    checkpoint: CheckpointInfo
+    layer_ids: list[int]
+    dataset: TokenizedDataset
+    fingerprint: str
+    output_dir: Path
+
+    def content(self, device: str) -> dict[str, Any]:
+        spec = build_engine_spec(
+            self.config.model, self.config.extract, self.layer_ids, device, 0, self.config.output.state_dtype
+        )
+        return run_content(self.config, dataclasses.asdict(spec), self.fingerprint)
+
+
+def read_inputs(config: JobConfig) -> RunInputs:
+    """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
+    config = resolve_paths(config, inside_ray_job())
+    if config.is_demo:
+        config = demo_config(config)
+    if not config.output.dir:
+        raise ConfigError("output.dir is empty: name a directory on local disk for the shard files")
+    checkpoint = read_checkpoint_info(config.model.path)
+    refuse_pickled_weights(config.model)
+    layers = config.extract.layers or default_layer_ids(checkpoint.num_layers)
+    layer_ids = check_layer_ids(layers, checkpoint.num_layers)
+    max_length = config.model.context_length or checkpoint.max_position_embeddings
+    dataset = open_tokenized_dataset(
+        config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
+    )
+    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))

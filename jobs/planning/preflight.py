@@ -1,0 +1,187 @@
+"""What the driver decides before Ray starts and before the model loads.
+
+The demo's paths (and never into a directory that holds something else), the
+checkpoint's weight files (no pickled weights unless trusted), output.dir
+(writable, outside the input), the sink (a test write), and whether every shard
+this run would write fits the disk budget and the disk (from config.json and the
+dataset's lengths alone).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import fnmatch
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+from extractor.checkpoint import CheckpointInfo
+from extractor.config import ModelConfig
+from jobs.config import ConfigError, JobConfig
+from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.errors import BudgetExhausted
+from jobs.inputs.demo import prepare_demo
+from jobs.planning.shards import Shard
+from jobs.rundir.lock import LOCK_FILE
+from storage import ShardMetadata
+from storage.manifest import MANIFEST_FILE, read_manifest
+from storage.sink import probe as probe_sink
+from storage.writer import state_bytes_per_token
+
+DEMO_OUTPUT = "hidden_states"
+DEMO_SHARD_SIZE = 16
+# Weight files torch.load unpickles: loading them can run code stored in them.
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")
+SINK_PROBE_TIMEOUT_S = 30.0
+"""A test write to the sink that takes longer means uploads would crawl or hang: refused up front."""
+
+
+def demo_config(config: JobConfig) -> JobConfig:
+    """The demo's model, data and output paths filled in (model and data built once, then reused).
+
+    The demo resumes like any run: nothing is deleted. A user-named ``output.dir`` that
+    holds anything but a demo's output is refused: with model.path and data.path both
+    empty, the likelier story is a forgotten ``--config``.
+    """
+    demo_dir = Path(config.demo.dir)
+    output_dir = Path(config.output.dir) if config.output.dir else demo_dir / DEMO_OUTPUT
+    if config.output.dir:
+        _refuse_foreign_demo_output(output_dir, demo_dir)
+    model_dir, data_path = prepare_demo(demo_dir, config.demo.arch, config.demo.num_samples, config.demo.seed)
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=str(model_dir)),
+        data=dataclasses.replace(
+            config.data, path=str(data_path), shard_size=min(config.data.shard_size, DEMO_SHARD_SIZE)
+        ),
+        output=dataclasses.replace(config.output, dir=str(output_dir)),
+    )
+
+
+def _refuse_foreign_demo_output(output_dir: Path, demo_dir: Path) -> None:
+    if not output_dir.is_dir():
+        return
+    entries = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_FILE)
+    if not entries:
+        return
+    if MANIFEST_FILE in entries:
+        model_path = Path(str(read_manifest(output_dir)["content"].get("model.path", "")))
+        if model_path.resolve().is_relative_to(demo_dir.resolve()):
+            return  # an earlier demo run: resume it
+    raise ConfigError(
+        f"model.path and data.path are empty, so this would run the demo, but output.dir={output_dir} holds "
+        f"{len(entries)} entries that are not a demo's output (e.g. {', '.join(entries[:3])}). Did you forget "
+        "--config? Set model.path and data.path for a real run, or give the demo an empty or new output.dir"
+    )
+
+
+def refuse_pickled_weights(model: ModelConfig) -> None:
+    """Without ``model.trust_remote_code`` a checkpoint must ship safetensors: .bin/.pt files are
+    pickles, and some SGLang releases fall back to a full (code-running) unpickle for them."""
+    if model.trust_remote_code or model.load_format not in ("auto", "pt"):
+        return
+    directory = Path(model.path)
+    if model.load_format == "auto" and any(directory.glob("*.safetensors")):
+        return  # SGLang prefers safetensors and never opens the pickles
+    pickled = sorted(path.name for pattern in PICKLED_WEIGHTS for path in directory.glob(pattern))
+    if pickled:
+        raise ConfigError(
+            f"model.path={directory} has only pickled weights ({', '.join(pickled[:3])}), and loading a pickle "
+            "can run code stored in it. Convert the checkpoint to safetensors, or set "
+            "model.trust_remote_code=true if you trust where it came from"
+        )
+
+
+def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: list[int]) -> ShardMetadata:
+    """The shard metadata as far as config.json tells it (what SGLang captures is known after loading)."""
+    return ShardMetadata(
+        dtype=config.model.dtype,
+        state_dtype=config.model.dtype if config.output.state_dtype == "model" else config.output.state_dtype,
+        hidden_size=checkpoint.hidden_size,
+        layer_ids=list(layer_ids),
+        layers_to_capture=[],
+        drafter_layer_ids=[],
+        last_hidden_state=config.extract.last_hidden_state,
+        model_path=config.model.path,
+        model_architecture=checkpoint.architecture,
+        sglang_version="",
+        tp_size=config.model.tp_size,
+    )
+
+
+def check_shards_fit(
+    shards: Iterable[Shard], budget: DiskBudget, metadata: ShardMetadata, reclaimable: int = 0,
+) -> None:
+    """Every planned shard must fit the disk budget whole, and the disk above output.min_free_bytes,
+    or it could never be written. ``reclaimable``: bytes of this run's own files in output.dir that a
+    consumer or the sink may free."""
+    bytes_per_token = state_bytes_per_token(metadata)
+    largest = 0
+    for shard in shards:
+        need = budget.predict(shard.tokens, bytes_per_token, len(shard.batches))
+        largest = max(largest, need)
+        if need > budget.limit:
+            raise ConfigError(
+                f"shard {shard.index} needs about {format_bytes(need)} but output.disk_budget is "
+                f"{format_bytes(budget.limit)}: a shard must fit the budget whole. Lower data.shard_size or "
+                "raise output.disk_budget"
+            )
+    free = free_bytes(budget.output_dir)
+    if largest and free + reclaimable - budget.min_free_bytes < largest:
+        raise BudgetExhausted(
+            f"output.dir={budget.output_dir} has {format_bytes(free)} free; above output.min_free_bytes="
+            f"{format_bytes(budget.min_free_bytes)} the largest shard (about {format_bytes(largest)}) can never be "
+            "written there. Free space, lower output.min_free_bytes or data.shard_size, or choose another output.dir"
+        )
+
+
+def free_bytes(output_dir: Path) -> int:
+    """Free bytes on the filesystem output.dir is (or will be) on."""
+    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists())
+    return shutil.disk_usage(existing).free
+
+
+def check_output_dir(output_dir: Path, data_path: str) -> None:
+    """output.dir must be writable, and outside data.path (its shards would be read as input next time)."""
+    if "://" not in data_path:
+        data, output = Path(data_path).resolve(), output_dir.resolve()
+        shard = output / "shard-00000.parquet"
+        inside = data.is_dir() and (output == data or data in output.parents)
+        if inside or (any(c in data_path for c in "*?[") and fnmatch.fnmatch(str(shard), data_path)):
+            raise ConfigError(
+                f"output.dir={output_dir} is inside data.path={data_path}: its shard files would be read as "
+                "input by the next run. Choose an output.dir outside the input"
+            )
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".eagle3-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"output.dir={output_dir}: cannot write there ({type(error).__name__}: {error.strerror or error}); "
+            "choose a directory this user can write to, or fix its permissions"
+        ) from None
+
+
+def check_sink(sink: str, options: dict[str, Any]) -> None:
+    """output.sink takes a file, gives it back and deletes it, within SINK_PROBE_TIMEOUT_S."""
+    if not sink:
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pool.submit(probe_sink, sink, options).result(timeout=SINK_PROBE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise ConfigError(
+            f"output.sink={sink}: no answer within {SINK_PROBE_TIMEOUT_S:.0f} s to a test write; check the URL, "
+            "the endpoint and the network (output.sink_options), or drop output.sink"
+        ) from None
+    except Exception as error:
+        raise ConfigError(
+            f"output.sink={sink}: a test write, read and delete failed ({type(error).__name__}: "
+            f"{' '.join(str(error).split())}); check the URL, credentials and output.sink_options, or drop output.sink"
+        ) from None
+    finally:
+        pool.shutdown(wait=False)

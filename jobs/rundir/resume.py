@@ -1,0 +1,134 @@
+"""Resume and rerun: which shards to run, and what to clean up in output.dir first."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jobs.config import SELECT_FAILED, SELECT_PENDING
+from storage import shard_file_name
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
+from storage.writer import SHARD_GLOB
+
+if TYPE_CHECKING:
+    from jobs.cluster.node_disk import LocalDisk
+
+logger = logging.getLogger(__name__)
+
+# What earlier versions of the job called the manifest (before the output directory had to read
+# as a Parquet dataset).
+LEGACY_MANIFEST_FILE = "manifest.json"
+
+
+def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
+    """The shards this run extracts, in plan order."""
+    if selection == SELECT_PENDING:
+        return manifest.in_state(PENDING, FAILED)
+    if selection == SELECT_FAILED:
+        return manifest.in_state(FAILED)
+    unknown = sorted(set(selection) - set(manifest.shards))
+    if unknown:
+        raise ValueError(f"shards={selection}: the plan has shards 0..{len(manifest.shards) - 1}, not {unknown}")
+    return [manifest.shards[i] for i in sorted(set(selection))]
+
+
+def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> None:
+    """Make one node's directory this run's before anything in it is removed; ValueError if it is
+    another run's (its claim), or unclaimed but holding shard files (they are not this run's).
+
+    output.dir's lock guards output.dir only: without the claim, a run whose output.node_dir is
+    another run's directory would remove that run's shards as "not recorded here".
+    """
+    owner = {
+        "run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname(), "node": node,
+    }
+    refusal = disk.claim(owner, adopt_files=is_output_dir)
+    if refusal is None:
+        return
+    where = f"{disk.directory} (on node {node})" if node else str(disk.directory)
+    if "owner" in refusal:
+        holder = refusal["owner"]
+        why = f"belongs to the run whose output.dir is {holder.get('output_dir')} on {holder.get('host', '?')}"
+    else:
+        files = refusal["files"]
+        why = f"holds {len(files)} shard files (e.g. {files[0]}) that are not this run's"
+    raise ValueError(
+        f"{where} {why}; nothing there was touched. Give this run a directory of its own "
+        "(e.g. output.node_dir=/mnt/nvme/eagle3/<run>/{node}), or rerun that run's own command"
+    )
+
+
+def check_done_files(
+    disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
+) -> list[int]:
+    """Before a rerun trusts them: every done shard's file in this node's directory is of the size the
+    manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending again
+    (the clean-up removes what is left of it) and is written again; returns those shards.
+
+    A file that is gone is recorded as consumed, as the running job's rescan records a file a trainer
+    deleted: writing it again would hand the trainer its samples twice (``shards=[i]`` rewrites one)."""
+    records = [
+        record for record in manifest.in_state(DONE)
+        if record.location == LOCAL and (record.node == node or (not record.node and holds_unnamed))
+    ]
+    facts = disk.file_facts([record.file for record in records], checksum)
+    damaged = []
+    for record in records:
+        size, sha256 = facts.get(record.file, (None, ""))
+        if size is None:
+            logger.warning("shard %d: %s is gone; recorded as consumed (rerun with shards=[%d] to write it again)",
+                           record.index, disk.directory / record.file, record.index)
+            manifest.update(record.index, location=CONSUMED)
+            continue
+        if size != record.bytes:
+            problem = f"{size} bytes, the manifest recorded {record.bytes}"
+        elif checksum and sha256 != record.sha256:
+            problem = "its sha256 is not the one the manifest recorded"
+        else:
+            continue
+        message = f"{disk.directory / record.file}: {problem}; the shard is written again"
+        logger.warning("shard %d: %s", record.index, message)
+        manifest.update(record.index, state=PENDING, error=message)
+        damaged.append(record.index)
+    return damaged
+
+
+def clean_output_dir(
+    disk: LocalDisk, manifest: Manifest, to_run: list[ShardRecord], node: str = "", holds_unnamed: bool = True,
+) -> None:
+    """Remove what an interrupted run left in one node's directory: temp files, and shard files the
+    manifest does not vouch for there (done, local, on ``node``; records of single-node runs name no
+    node and vouch for files in output.dir: ``holds_unnamed``). The looks run on the node.
+
+    A file renamed into place right before a crash is complete but unrecorded; it is
+    deleted and its shard extracted again, so that no row is ever in two files.
+    """
+    rerun = {record.index for record in to_run}
+    keep = {
+        shard_file_name(index) for index, record in manifest.shards.items()
+        if record.state == DONE and record.location == LOCAL and index not in rerun
+        and (record.node == node or (not record.node and holds_unnamed))
+    }
+    for name in disk.clean(keep):
+        logger.info("removing %s from %s (not recorded as done there)", name, disk.directory)
+    manifest.start_over(rerun)
+
+
+def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
+    """Shard files without a manifest belong to something else: never overwrite them."""
+    if manifest_exists:
+        return
+    existing = sorted(output_dir.glob(SHARD_GLOB))
+    if (output_dir / LEGACY_MANIFEST_FILE).exists():
+        raise ValueError(
+            f"output.dir={output_dir} was written by an earlier version of this job ({LEGACY_MANIFEST_FILE}); "
+            f"rename manifest.json, summary.json and drafter_config.json there to {MANIFEST_FILE}, "
+            ".summary.json and .drafter_config.json, then rerun"
+        )
+    if existing:
+        raise ValueError(
+            f"output.dir={output_dir} holds {len(existing)} shard files (e.g. {existing[0].name}) but no "
+            f"{MANIFEST_FILE}: they are not from a run of this job; choose a new output.dir"
+        )

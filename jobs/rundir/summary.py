@@ -1,0 +1,211 @@
+"""``.summary.json`` and ``.drafter_config.json``: what a run did, written beside the shards.
+
+The summary is written when the run starts (outcome ``running``, the plan and the
+budget, so that ``jobs.status`` can show planned tokens and the run's own budget),
+every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate,
+ETA, disk; ``jobs.driver.progress``), and again when it ends, whatever the end: complete,
+shards failed, budget exhausted, a fault or a signal. Totals cover every done shard of the output directory; the
+``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
+run's time. Both names start with a dot, so that Parquet dataset readers skip them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from jobs.config import JobConfig
+from jobs.inputs.dataset import InvalidRow
+from storage.atomic import replace_atomically
+from storage.manifest import DONE, FAILED, SINK, Manifest
+from storage.nonfinite import KEPT, SKIPPED
+
+SUMMARY_FILE = ".summary.json"
+INVALID_ROWS_FILE = ".invalid_rows.jsonl"
+"""Every row left out under data.on_invalid=skip, one JSON line each."""
+INVALID_ROWS_IN_SUMMARY = 5
+NONFINITE_IN_SUMMARY = 5
+"""Non-finite samples listed in the summary; the manifest lists them all, shard by shard."""
+DRAFTER_CONFIG_FILE = ".drafter_config.json"
+
+RUNNING = "running"
+COMPLETE = "complete"
+NOTHING_TO_DO = "nothing_to_do"
+SHARDS_FAILED = "shards_failed"
+UPLOADS_FAILED = "uploads_failed"
+BAD_INPUT = "bad_input"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write atomically: a reader sees the old file or the new one."""
+    replace_atomically(path, json.dumps(payload, indent=2) + "\n")
+
+
+def manifest_totals(manifest: Manifest) -> dict[str, Any]:
+    """Done shards of the whole output directory (every run's), and the failed ones."""
+    done = manifest.in_state(DONE)
+    return {
+        "shards_done": len(done),
+        "shards_failed": {str(r.index): r.error for r in manifest.in_state(FAILED)},
+        "samples": sum(record.rows for record in done),
+        "tokens": sum(record.tokens for record in done),
+        "bytes": sum(record.bytes for record in done),
+        "bytes_in_sink": sum(record.bytes for record in done if record.location == SINK),
+    }
+
+
+def nonfinite_samples(manifest: Manifest) -> dict[str, Any]:
+    """Samples whose states held NaN/Inf in the done shards: how many were skipped and kept, the first few."""
+    records = [{"shard": r.index, **sample} for r in manifest.in_state(DONE) for sample in r.nonfinite]
+    return {
+        "skipped": sum(1 for sample in records if sample["action"] == SKIPPED),
+        "kept": sum(1 for sample in records if sample["action"] == KEPT),
+        "first": records[:NONFINITE_IN_SUMMARY],
+    }
+
+
+def read_invalid_rows(output_dir: Path) -> list[dict[str, Any]]:
+    """The rows a run left out under data.on_invalid=skip (empty when there were none)."""
+    path = Path(output_dir) / INVALID_ROWS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_summary(output_dir: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((Path(output_dir) / SUMMARY_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def write_drafter_config(output_dir: Path, drafter_config: dict[str, Any]) -> None:
+    """The drafter config that makes SGLang capture the same layers when it serves the drafter."""
+    write_json(output_dir / DRAFTER_CONFIG_FILE, drafter_config)
+
+
+def write_invalid_rows(output_dir: Path, invalid: Sequence[InvalidRow]) -> None:
+    """Every row left out under data.on_invalid=skip (file, file_row, sample_id, reason), atomically."""
+    if not invalid:
+        return
+    replace_atomically(output_dir / INVALID_ROWS_FILE, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
+
+
+class RunSummary:
+    """The summary of one run, kept in ``output_dir/.summary.json``."""
+
+    def __init__(
+        self, config: JobConfig, output_dir: Path, shard_tokens: dict[int, int], to_run: list[int],
+        invalid: Sequence[InvalidRow] = (),
+    ) -> None:
+        self.config = config
+        self.invalid = list(invalid)
+        self.path = output_dir / SUMMARY_FILE
+        self.shard_tokens = shard_tokens
+        self.to_run = set(to_run)
+        self.started_at = _now()
+        self.started = time.monotonic()
+        self.progress: Optional[dict[str, Any]] = None
+        """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
+        self._ended = False
+
+    def start(self, manifest: Manifest) -> None:
+        write_json(self.path, self._build(manifest, RUNNING, None, "", None))
+
+    def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
+        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval);
+        once the run has ended (``finish``), a late report changes nothing."""
+        self.progress = progress
+        if self._ended:
+            return
+        write_json(self.path, self._build(manifest, RUNNING, None, "", None))
+
+    def finish(self, manifest: Manifest, outcome: str, exit_code: int, message: str, result: Any = None) -> dict:
+        """Write and return the final summary; ``result`` is the pipeline's RunResult when it got that far.
+        A run that stops early finishes twice: at once (a stop may be followed by SIGKILL within seconds),
+        then once its open shards are wound down, with the final counts."""
+        self._ended = True
+        summary = self._build(manifest, outcome, exit_code, message, result)
+        write_json(self.path, summary)
+        return summary
+
+    def _build(self, manifest: Manifest, outcome: str, exit_code: Optional[int], message: str, result: Any) -> dict:
+        done = manifest.in_state(DONE)
+        this_run = [record for record in done if record.index in self.to_run]
+        run_tokens = sum(record.tokens for record in this_run)
+        # The pipeline's clock runs from the first batch to the last commit; without it (a run
+        # that stopped early), from the start of this run.
+        seconds = round(result.seconds if result is not None else time.monotonic() - self.started, 3)
+        summary: dict[str, Any] = {
+            "outcome": outcome,
+            "exit_code": exit_code,
+            "message": message,
+            "started_at": self.started_at,
+            "ended_at": None if outcome == RUNNING else _now(),
+            "output_dir": self.config.output.dir,
+            "model_path": self.config.model.path,
+            "data_path": self.config.data.path,
+            "plan": {
+                "shards": len(manifest.shards),
+                "samples": sum(record.stop - record.start for record in manifest.shards.values()),
+                "tokens": sum(self.shard_tokens.values()),
+                "shard_tokens": {str(index): tokens for index, tokens in sorted(self.shard_tokens.items())},
+            },
+            **manifest_totals(manifest),
+            "this_run": {
+                "shards_selected": len(self.to_run),
+                "shards_done": len(this_run),
+                "samples": sum(record.rows for record in this_run),
+                "tokens": run_tokens,
+                "seconds": seconds,
+            },
+            "tokens_per_second": round(run_tokens / seconds, 1) if seconds > 0 else 0.0,
+            "progress": self.progress,
+            "invalid_rows": {
+                "count": len(self.invalid),
+                "first": [dataclasses.asdict(row) for row in self.invalid[:INVALID_ROWS_IN_SUMMARY]],
+                "file": INVALID_ROWS_FILE if self.invalid else "",
+            },
+            "nonfinite_samples": {"on_nonfinite": self.config.extract.on_nonfinite, **nonfinite_samples(manifest)},
+            "last_hidden_state": self.config.extract.last_hidden_state,
+            "state_dtype": self.config.output.state_dtype,
+            "disk_budget": {
+                "limit": self.config.output.disk_budget_bytes,
+                "min_free_bytes": self.config.output.free_floor_bytes,
+            },
+        }
+        if result is not None:
+            summary.update(_result_fields(result))
+            summary["disk_budget"].update(
+                peak=result.budget_peak, overshoot=result.budget_overshoot,
+                blocked_seconds=round(result.blocked_seconds, 3),
+            )
+        return summary
+
+
+def _result_fields(result: Any) -> dict[str, Any]:
+    """What the pipeline measured (RunResult)."""
+    return {
+        "startup_seconds": round(result.startup_seconds, 3),
+        "seconds": round(result.seconds, 3),
+        "drain_seconds": round(result.drain_seconds, 3),
+        "writers": result.writers,
+        "peak_open_shards": result.peak_open_shards,
+        "max_inflight_batches": result.max_inflight_batches,
+        "extractor_restarts": result.extractor_restarts,
+        "nodes": result.nodes,
+        "engine": dataclasses.asdict(result.engine),
+        "extractor": dataclasses.asdict(result.extractor),
+        "writer_seconds": {
+            clock: {stage: round(seconds, 3) for stage, seconds in stages.items()}
+            for clock, stages in result.writer_seconds.items()
+        },
+    }

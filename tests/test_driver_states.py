@@ -1,0 +1,402 @@
+"""The driver's state machine with fake actors and no Ray: faults x waits for disk x uploads x retries.
+
+The scheduler, completions, upload queue, rescanner, disk wait and loop are the
+real ones, over a real manifest, real disk budget (real files in a temp dir) and a
+real tokenized dataset; only the actors are fakes, and ``FakeRuntime`` completes
+their calls in the order they were made (as one actor's calls complete), with
+faults scripted per call. Each test ends by counting what the manifest and the
+directory hold: every shard done exactly once, or the run stopped, naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from jobs.actors.writer import ExtractorLost, ShardFailed
+from jobs.cluster.nodes import NodeGroup
+from jobs.driver.budget import DiskBudget
+from jobs.driver.completions import Completions
+from jobs.driver.disk_wait import DiskWait
+from jobs.driver.lanes import Lane, Lanes
+from jobs.driver.loop import DriverLoop
+from jobs.driver.progress import RunProgress
+from jobs.driver.rescan import Rescanner
+from jobs.driver.scheduler import Scheduler
+from jobs.driver.uploads import UploadQueue
+from jobs.driver.work import PendingWork
+from jobs.errors import BudgetExhausted, JobFault
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.planning.shards import plan_shards
+from storage import ShardFileInfo, shard_file_name
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest
+
+BYTES_PER_TOKEN = 1000
+SAMPLES, SHARD_SIZE, TOKENS = 40, 10, 20
+"""Four shards of ten 20-token samples, two batches each."""
+
+
+# -- fakes ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class FakeRef:
+    compute: Callable[[], Any]
+    """Runs when the reference completes: what it returns is the result, what it raises the error."""
+    done: bool = False
+    value: Any = None
+    error: Optional[BaseException] = None
+
+
+class FakeRuntime:
+    """Completes references in the order they were made; each call's effect happens then."""
+
+    def __init__(self) -> None:
+        self.made: list[FakeRef] = []
+        self.hooks: list[Callable[[], None]] = []
+        """Run before each completion (a consumer deleting files, say)."""
+
+    def ref(self, compute: Callable[[], Any]) -> FakeRef:
+        ref = FakeRef(compute)
+        self.made.append(ref)
+        return ref
+
+    def _complete(self, ref: FakeRef) -> None:
+        if not ref.done:
+            ref.done = True
+            try:
+                ref.value = ref.compute()
+            except BaseException as error:  # noqa: BLE001 - it is the reference's result
+                ref.error = error
+
+    def wait(self, refs: list[Any], timeout: float | None, num_returns: int = 1) -> list[Any]:
+        for hook in self.hooks:
+            hook()
+        wanted = set(map(id, refs))
+        pending = [ref for ref in self.made if id(ref) in wanted]
+        ready = [ref for ref in pending if ref.done][:num_returns]
+        if len(ready) < num_returns and timeout != 0:
+            for ref in pending:
+                if not ref.done:
+                    self._complete(ref)
+                    ready.append(ref)
+                    if len(ready) == num_returns:
+                        break
+        return ready
+
+    def get(self, ref: FakeRef) -> Any:
+        self._complete(ref)
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+
+class Method:
+    def __init__(self, runtime: FakeRuntime, function: Callable[..., Any]) -> None:
+        self._runtime, self._function = runtime, function
+
+    def remote(self, *args: Any) -> FakeRef:
+        return self._runtime.ref(lambda: self._function(*args))
+
+
+class FakeWriter:
+    """Writes each shard to a real file of ``tokens * BYTES_PER_TOKEN`` bytes, as a real writer's size."""
+
+    def __init__(self, world: "World") -> None:
+        self.world = world
+        self.alive = True
+        self.tokens: dict[int, int] = {}
+        self.failed: set[int] = set()
+        self.append = Method(world.runtime, self._append)
+        self.finish = Method(world.runtime, self._finish)
+        self.discard = Method(world.runtime, self._discard)
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise ray.exceptions.RayActorError()
+
+    def _append(self, rows: Any, captured: list[FakeRef]) -> int:
+        self._check_alive()
+        if rows.shard in self.world.lost_shards:
+            self.failed.add(rows.shard)
+            raise ExtractorLost(f"shard {rows.shard}: the extractor died with its batch")
+        try:
+            tokens = self.world.runtime.get(captured[0])
+        except ExtractorLost:
+            self.failed.add(rows.shard)
+            raise
+        if rows.shard in self.failed:
+            return 0
+        self.tokens[rows.shard] = self.tokens.get(rows.shard, 0) + tokens
+        return tokens
+
+    def _finish(self, shard: int) -> ShardFileInfo:
+        self._check_alive()
+        if shard in self.failed:
+            self.failed.discard(shard)
+            raise ExtractorLost(f"shard {shard}: lost")
+        if shard in self.world.fail_shards:
+            self.tokens.pop(shard, None)
+            raise ShardFailed(f"shard {shard}: the writer's error")
+        tokens = self.tokens.pop(shard)
+        path = self.world.directory / shard_file_name(shard)
+        data = bytes(tokens * BYTES_PER_TOKEN)
+        path.write_bytes(data)
+        self.world.published.append(shard)
+        return ShardFileInfo(str(path), tokens // TOKENS, tokens, len(data), hashlib.sha256(data).hexdigest())
+
+    def _discard(self, shard: int) -> None:
+        self._check_alive()
+        self.tokens.pop(shard, None)
+        self.failed.discard(shard)
+
+
+class FakeWriters:
+    def __init__(self, world: "World", count: int) -> None:
+        self.world = world
+        self.writers = [FakeWriter(world) for _ in range(count)]
+        self.replaced = 0
+
+    def __len__(self) -> int:
+        return len(self.writers)
+
+    def is_member(self, writer: Any) -> bool:
+        return any(writer is current for current in self.writers)
+
+    def replace(self, dead: Any) -> Any:
+        for slot, writer in enumerate(self.writers):
+            if writer is dead:
+                self.writers[slot] = FakeWriter(self.world)
+                self.replaced += 1
+                return self.writers[slot]
+        return None
+
+
+class FakeExtractor:
+    """The states of a batch are its token count; ``die_at`` (the n-th batch overall) kills this generation."""
+
+    def __init__(self, world: "World") -> None:
+        self.world = world
+        self.generation = 0
+        self.batches = 0
+        self.dead_generation: Optional[int] = None
+
+    def extract(self, tokens: Any) -> FakeRef:
+        self.batches += 1
+        generation = self.generation
+        if self.batches in self.world.extractor_dies_at:
+            self.dead_generation = generation
+
+        def compute() -> int:
+            if self.dead_generation == generation:
+                raise ExtractorLost("the extractor died")
+            return len(tokens.ids)
+
+        return self.world.runtime.ref(compute)
+
+    def restart(self, reason: str) -> FakeRef:
+        if self.generation >= self.world.max_restarts:
+            raise JobFault(f"restarts exhausted: {reason}")
+        self.generation += 1
+        return self.world.runtime.ref(lambda: "engine")
+
+    def loaded(self, engine: Any) -> Any:
+        return engine
+
+
+class FakeUploader:
+    def __init__(self, world: "World") -> None:
+        self.world = world
+        self.upload = Method(world.runtime, self._upload)
+
+    def _upload(self, path: str, nbytes: int, sha256: str) -> str:
+        if self.world.sink_broken:
+            raise OSError(30, "Read-only file system")
+        self.world.uploaded.append(Path(path).name)
+        return f"file:///sink/{Path(path).name}"
+
+
+@dataclasses.dataclass
+class World:
+    directory: Path
+    runtime: FakeRuntime = dataclasses.field(default_factory=FakeRuntime)
+    extractor_dies_at: set[int] = dataclasses.field(default_factory=set)
+    fail_shards: set[int] = dataclasses.field(default_factory=set)
+    lost_shards: set[int] = dataclasses.field(default_factory=set)
+    """Shards whose every batch meets a dead extractor."""
+    max_restarts: int = 3
+    sink_broken: bool = False
+    published: list[int] = dataclasses.field(default_factory=list)
+    uploaded: list[str] = dataclasses.field(default_factory=list)
+
+
+# -- the harness ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tokens.parquet"
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"input_ids": [rng.integers(0, 100, TOKENS).tolist() for _ in range(SAMPLES)]}), path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def hooks_while_sleeping(monkeypatch):
+    """The run's waits (for disk, for a rescan) sleep; the world's hooks (a consumer) act meanwhile."""
+    worlds: list[World] = []
+
+    def sleep(seconds: float) -> None:
+        for world in worlds:
+            for hook in world.runtime.hooks:
+                hook()
+
+    monkeypatch.setattr("time.sleep", sleep)
+    return worlds
+
+
+@dataclasses.dataclass
+class Run:
+    world: World
+    manifest: Manifest
+    loop: DriverLoop
+    budget: DiskBudget
+    writers: FakeWriters
+    extractor: FakeExtractor
+
+    def shard_files(self) -> list[str]:
+        return sorted(p.name for p in self.world.directory.glob("shard-*.parquet"))
+
+
+def make_run(
+    tmp_path: Path, dataset_path: Path, worlds: list[World], world_options: dict[str, Any] | None = None, budget_shards: float = 100.0,
+    writers: int = 1, sink: bool = False, max_attempts: int = 3, upload_attempts: int = 2, budget_wait_s: float = 0.2,
+) -> Run:
+    directory = tmp_path / "out"
+    directory.mkdir()
+    world = World(directory, **(world_options or {}))
+    worlds.append(world)
+    dataset = open_tokenized_dataset(str(dataset_path), 100, 4096)
+    plan = plan_shards(dataset.lengths, SHARD_SIZE, 10 * TOKENS // 2, 256)
+    manifest = Manifest.open(directory, {"test": True}, [(s.index, s.start, s.stop) for s in plan])
+    shard_bytes = DiskBudget(directory, 1, 0).predict(SHARD_SIZE * TOKENS, BYTES_PER_TOKEN, 2)
+    budget = DiskBudget(directory, int(budget_shards * shard_bytes), 0)
+    group = NodeGroup(node_id="node-1", name="n1", directory=directory, writers=writers)
+    pool, extractor = FakeWriters(world, writers), FakeExtractor(world)
+    lanes = Lanes([Lane(group, extractor, pool, budget, max_inflight=writers + 2)], directory)
+    work = PendingWork(world.runtime)
+    progress = RunProgress(manifest, budget, {s.index: s.tokens for s in plan}, [s.index for s in plan],
+                           run=str(directory), interval_s=3600, interactive=False)
+    uploaders = {"n1": [FakeUploader(world)]} if sink else {}
+    uploads = UploadQueue("file:///sink" if sink else "", uploaders, upload_attempts, lanes, manifest, work)
+    scheduler = Scheduler(dataset, plan, manifest.in_state("pending"), manifest, lanes, work, progress,
+                          BYTES_PER_TOKEN, max_attempts)
+    completions = Completions(scheduler, uploads, work, lanes)
+    rescanner = Rescanner(manifest, lanes, uploads, rescan_s=0.01)
+    disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
+    progress.begin([budget])
+    loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work)
+    return Run(world, manifest, loop, budget, pool, extractor)
+
+
+def consumer(run: Run, keep: int = 1) -> Callable[[], None]:
+    """A trainer deleting committed shard files, oldest first, keeping ``keep`` of them."""
+    def consume() -> None:
+        done = [r for r in run.manifest.in_state(DONE) if r.location == LOCAL and r.file]
+        for record in done[:max(0, len(done) - keep)]:
+            (run.world.directory / record.file).unlink(missing_ok=True)
+    return consume
+
+
+def assert_every_shard_done_once(run: Run, consumed: bool = False) -> None:
+    records = run.manifest.shards.values()
+    assert [r.state for r in records] == [DONE] * len(records)
+    assert sorted(run.world.published) == sorted(set(run.world.published)), "a shard was published twice"
+    assert set(run.world.published) == {r.index for r in records}
+    assert sum(r.rows for r in records) == SAMPLES
+    if not consumed:
+        assert run.shard_files() == sorted(shard_file_name(r.index) for r in records)
+
+
+# -- the cases --------------------------------------------------------------------------------------
+
+def test_plain_run_writes_every_shard_once(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, writers=2)
+    run.loop.run()
+    assert_every_shard_done_once(run)
+
+
+@pytest.mark.parametrize("dies_at", [1, 2, 3, 4, 6, 8])
+def test_extractor_death_while_waiting_for_disk_loses_no_shard(tmp_path, dataset_path, hooks_while_sleeping, dies_at):
+    """Issue: with the budget at ~1.5 shards and a consumer freeing space, a fault while the run waited
+    for disk sent a shard back to the queue as the scheduler was opening the next: one shard was never
+    written, and the run said complete."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"extractor_dies_at": {dies_at}}, budget_shards=1.5)
+    run.world.runtime.hooks.append(consumer(run, keep=0))
+    run.loop.run()
+    assert_every_shard_done_once(run, consumed=True)
+    assert run.extractor.generation == 1
+    assert {r.location for r in run.manifest.shards.values()} <= {LOCAL, CONSUMED}
+
+
+@pytest.mark.parametrize("dies_at", [1, 3, 7])
+def test_writer_death_while_waiting_for_disk_loses_no_shard(tmp_path, dataset_path, hooks_while_sleeping, dies_at):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, budget_shards=1.5)
+    calls = itertools.count(1)
+
+    def kill_writer() -> None:
+        if next(calls) == dies_at:
+            run.writers.writers[0].alive = False
+
+    run.world.runtime.hooks += [kill_writer, consumer(run, keep=0)]
+    run.loop.run()
+    assert_every_shard_done_once(run, consumed=True)
+    assert run.writers.replaced == 1
+
+
+def test_faults_and_an_upload_sink_with_a_tight_budget(tmp_path, dataset_path, hooks_while_sleeping):
+    """Uploads free the space; two extractor deaths on the way: every shard ends in the sink, once."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"extractor_dies_at": {2, 5}}, budget_shards=1.5, sink=True)
+    run.loop.run()
+    assert [r.location for r in run.manifest.shards.values()] == [SINK] * 4
+    assert sorted(run.world.uploaded) == [shard_file_name(i) for i in range(4)]
+    assert run.shard_files() == []
+    assert_every_shard_done_once(run, consumed=True)
+
+
+def test_no_consumer_and_no_sink_stops_for_disk_with_the_rest_pending(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, budget_shards=1.5)
+    with pytest.raises(BudgetExhausted, match="no disk"):
+        run.loop.run()
+    states = [r.state for r in run.manifest.shards.values()]
+    assert states == [DONE, "pending", "pending", "pending"]
+
+
+def test_a_broken_sink_leaves_the_shards_local_after_their_tries(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True, upload_attempts=2)
+    run.loop.run()
+    records = list(run.manifest.shards.values())
+    assert [r.state for r in records] == [DONE] * 4 and [r.location for r in records] == [LOCAL] * 4
+    assert all("Read-only file system" in r.error for r in records)
+    assert run.shard_files() == [shard_file_name(i) for i in range(4)]
+
+
+def test_a_shard_cut_short_too_often_fails_the_run(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"lost_shards": {0}, "max_restarts": 10}, max_attempts=3)
+    with pytest.raises(JobFault, match=r"shard 0 was cut short by faults 3 times"):
+        run.loop.run()
+    assert run.manifest.shards[0].state == FAILED
+
+
+def test_a_writer_error_fails_its_shard_and_the_others_are_written(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"fail_shards": {2}}, writers=2)
+    run.loop.run()
+    assert [r.state for r in run.manifest.shards.values()] == [DONE, DONE, FAILED, DONE]
+    assert run.budget.used == sum(r.bytes for r in run.manifest.in_state(DONE))

@@ -1,0 +1,133 @@
+"""The layout's rules, read from the source (ast, no import runs): who may import whom.
+
+- Only ``extractor/`` imports SGLang.
+- ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``,
+  ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs``.
+- ``common/`` (the shared config checks) imports nothing of the project.
+- Config modules import no implementation: only other config modules, ``jobs.errors``, the
+  shared checks and the format's names (``storage.schema``).
+- No import circles between the project's modules (module-level imports).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT
+
+PACKAGES = ("common", "extractor", "jobs", "storage", "training")
+CONFIG_MAY_IMPORT = ("common.checks", "jobs.errors", "storage.schema")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for package in PACKAGES for path in (REPO_ROOT / package).rglob("*.py")}
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    """Modules ``path`` imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``; callers keep what exists)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _violations(rule) -> list[str]:
+    return sorted(
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        for imported in _imports(path, top_level_only=False)
+        if rule(name, imported)
+    )
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_only_the_extractor_imports_sglang():
+    assert _violations(lambda name, imported: _within(imported, "sglang") and not _within(name, "extractor")) == []
+
+
+def test_storage_imports_only_itself():
+    others = ("jobs", "training", "extractor")
+    assert _violations(
+        lambda name, imported: _within(name, "storage") and any(_within(imported, p) for p in others)) == []
+
+
+def test_common_imports_nothing_of_the_project():
+    assert _violations(lambda name, imported: _within(name, "common") and any(
+        _within(imported, p) for p in PACKAGES if p != "common")) == []
+
+
+def test_training_imports_nothing_of_the_job():
+    assert _violations(lambda name, imported: _within(name, "training") and _within(imported, "jobs")) == []
+
+
+def test_config_modules_import_no_implementation():
+    modules = _modules()
+
+    def is_config(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] == "config"
+
+    def breaks(name: str, imported: str) -> bool:
+        return (is_config(name) and imported in modules and not is_config(imported)
+                and imported not in CONFIG_MAY_IMPORT)
+
+    assert _violations(breaks) == []
+
+
+def test_no_import_circles():
+    modules = _modules()
+    graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
+             for name, path in modules.items()}
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    # A package's __init__ importing its own submodules is not a circle of the layout.
+    circles = [c for c in circles if not all(_within(m, c[0]) or _within(c[0], m) for m in c)]
+    assert circles == []
+
+
+def test_the_rules_see_real_imports():
+    """The checks above would notice: extractor does import SGLang and jobs' config imports other config."""
+    modules = _modules()
+    assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"], top_level_only=False))
+    assert "extractor.config" in _imports(modules["jobs.config"], top_level_only=True)
+    assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"], True)
+
+
+def test_test_modules_import_only_the_shared_helpers():
+    """Test modules share code through tests.helpers and tests.conftest, never through one another."""
+    offending = sorted(
+        f"{path.name} imports {imported}"
+        for path in (REPO_ROOT / "tests").glob("test_*.py")
+        for imported in _imports(path, top_level_only=False)
+        if imported.startswith("tests.test_")
+    )
+    assert offending == []

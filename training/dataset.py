@@ -1,0 +1,167 @@
+"""A PyTorch map-style dataset over one or more runs, for training a drafter straight from the shards.
+
+>>> dataset = HiddenStatesDataset("out")                        # or "s3://bucket/run1", or a list of runs
+>>> loader = DataLoader(dataset, batch_size=8, collate_fn=collate, num_workers=4,
+...                     sampler=DistributedSampler(dataset))    # shards by rank
+>>> HiddenStatesDataset("out", view="specforge")   # exactly SpecForge's OfflineEagle3Dataset items
+>>> HiddenStatesDataset("out", view="speculators") # exactly speculators' ArrowDataset items
+
+Any sample is two bisects away (file, then row group, from an index built once from the
+files' footers, ``storage.run_index``); reading it decodes its row group only, from a
+memory-mapped file (local) or by range reads (a URL). State tensors are views on that row
+group's buffers; fp8 shards are dequantized to the model dtype unless ``raw_fp8``. The last row
+group read stays cached, so reading samples in file order decodes each group once, and an
+in-place op on a sample's tensor changes what later reads of that row group return: ``clone()``
+before modifying one (``collate`` copies). Files are opened lazily in the process that reads
+them: the dataset pickles as its index (a few numbers per file), so each ``DataLoader`` worker
+opens its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+from storage.reader import Sample, sample_from_table
+from storage.run_index import RunIndex, open_parquet
+from storage.schema import ShardMetadata
+from training import peer_formats
+
+SAMPLE = "sample"
+VIEWS = (SAMPLE, peer_formats.SPECFORGE, peer_formats.SPECULATORS)
+
+
+def sample_item(sample: Sample) -> dict[str, Any]:
+    """This project's item: ``sample_id``, ``input_ids`` [T] int64, ``loss_mask`` [T] uint8,
+    ``aux_hidden_states`` [T, L*H], ``last_hidden_state`` [T, H] (when the run has one), and
+    with raw fp8 states their scales ``aux_hidden_states_scales`` [T, L], ``last_hidden_state_scales`` [T, 1]."""
+    item: dict[str, Any] = {
+        "sample_id": sample.sample_id,
+        "input_ids": sample.input_ids,
+        "loss_mask": sample.loss_mask,
+        "aux_hidden_states": sample.aux_hidden_states,
+    }
+    optional = {
+        "last_hidden_state": sample.last_hidden_state,
+        "aux_hidden_states_scales": sample.aux_hidden_states_scales,
+        "last_hidden_state_scales": sample.last_hidden_state_scales,
+    }
+    item.update((key, value) for key, value in optional.items() if value is not None)
+    return item
+
+
+class HiddenStatesDataset(Dataset):
+    """Samples of one or more runs (``output.dir`` paths or URLs of shard files), in run, file and row order.
+
+    ``view`` picks the item: ``sample`` (``sample_item``), ``specforge`` (SpecForge's
+    ``OfflineEagle3Dataset`` item, cut to ``max_len``; needs a post-norm run) or ``speculators``
+    (speculators' ``ArrowDataset`` item, states cast to ``hidden_states_dtype``; needs a pre-norm
+    run). ``storage_options`` go to fsspec for URLs (a sink's endpoint and keys).
+    """
+
+    def __init__(
+        self,
+        runs: str | os.PathLike | Sequence[str | os.PathLike],
+        view: str = SAMPLE,
+        *,
+        raw_fp8: bool = False,
+        max_len: int = peer_formats.SPECFORGE_MAX_LEN,
+        hidden_states_dtype: torch.dtype = torch.bfloat16,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if view not in VIEWS:
+            raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
+        self.index = RunIndex.build(runs, storage_options)
+        self.view = view
+        self.raw_fp8 = raw_fp8
+        self.max_len = max_len
+        self.hidden_states_dtype = hidden_states_dtype
+        self.storage_options = dict(storage_options or {})
+        if view != SAMPLE:
+            peer_formats.check_final_state(view, self.metadata, str(runs))
+            if raw_fp8:
+                raise ValueError(f"view={view!r} returns what that trainer reads, model-dtype states: drop raw_fp8")
+        if raw_fp8 and not self.metadata.fp8:
+            raise ValueError(f"raw_fp8=True but {runs} stored {self.metadata.state_dtype} states, not fp8")
+        self._item: Callable[[Sample], dict[str, Any]] = self._item_function()
+        self._files: dict[int, pq.ParquetFile] = {}
+        self._cached: tuple[int, int, pa.Table] | None = None
+        self._opened_by = os.getpid()
+
+    @property
+    def metadata(self) -> ShardMetadata:
+        return self.index.metadata
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._item(self.sample(index))
+
+    def sample(self, index: int) -> Sample:
+        """The ``Sample`` at global index ``index`` (model dtype; raw fp8 with ``raw_fp8``)."""
+        file, group, row = self.index.locate(int(index))
+        return sample_from_table(self._row_group(file, group), row, self.metadata, self.raw_fp8)
+
+    def run_of(self, index: int) -> int:
+        """Which of the runs given (its position in the list) holds sample ``index``."""
+        return self.index.files[self.index.locate(int(index))[0]].run
+
+    def _row_group(self, file: int, group: int) -> pa.Table:
+        if self._opened_by != os.getpid():  # a forked DataLoader worker: its own handles, not the parent's sockets
+            self._files, self._cached, self._opened_by = {}, None, os.getpid()
+        if self._cached is not None and self._cached[:2] == (file, group):
+            return self._cached[2]
+        if file not in self._files:
+            self._files[file] = open_parquet(self.index.files[file].url, self.storage_options)
+        table = self._files[file].read_row_group(group)
+        self._cached = (file, group, table)
+        return table
+
+    def _item_function(self) -> Callable[[Sample], dict[str, Any]]:
+        hidden = self.metadata.hidden_size
+        if self.view == peer_formats.SPECFORGE:
+            max_len = self.max_len
+            return lambda sample: peer_formats.specforge_item(sample, max_len)
+        if self.view == peer_formats.SPECULATORS:
+            dtype = self.hidden_states_dtype
+            return lambda sample: peer_formats.speculators_item(sample, hidden, dtype)
+        return sample_item
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Open files, the cached row group and the item function stay behind; a worker reopens lazily."""
+        state = dict(self.__dict__)
+        state.update(_files={}, _cached=None, _item=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._item = self._item_function()
+
+
+def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Pads a list of ``sample`` items to the longest: [B, T] token tensors and [B, T, W] states,
+    zeros after each sample's end; ``attention_mask`` [B, T] int64 is 1 on real tokens; ``lengths``
+    and ``sample_ids`` are [B] int64."""
+    if not batch:
+        raise ValueError("collate got an empty batch")
+    lengths = torch.tensor([item["input_ids"].shape[0] for item in batch], dtype=torch.long)
+    longest = int(lengths.max())
+    out: dict[str, torch.Tensor] = {
+        "sample_ids": torch.tensor([item["sample_id"] for item in batch], dtype=torch.long),
+        "lengths": lengths,
+        "attention_mask": (torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long),
+    }
+    for key, first in batch[0].items():
+        if key == "sample_id":
+            continue
+        padded = first.new_zeros((len(batch), longest, *first.shape[1:]))
+        for row, item in enumerate(batch):
+            padded[row, : item[key].shape[0]] = item[key]
+        out[key] = padded
+    return out
