@@ -199,15 +199,16 @@ def write_conversations(prompts: Sequence[str], path: Path) -> None:
 def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens: int) -> list[str]:
     """The one call of ``jobs.prepare`` with regeneration: the target answers every user turn itself,
     greedy, and the chat template and the assistant-only loss mask are applied to its answers. Written
-    against issue 20's interface while it is being built: adjust the keys here once it is merged."""
+    against issue 20's interface as its branch has it (not merged here yet: check the keys once it is)."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
-            f"output.path={out}", "prepare.regenerate=true", "prepare.temperature=0",
-            f"prepare.max_new_tokens={max_new_tokens}"]
+            f"output.path={out}", "regenerate=true", "generation.temperature=0",
+            f"generation.max_new_tokens={max_new_tokens}"]
 
 
 def prepared_data(out: Path) -> str:
     """What ``jobs.extract`` reads (its ``data.path``) from ``prepare_command``'s output: the Parquet files
-    under it (a side record beside them is not data)."""
+    at its top (``part-NNNNN.parquet``; its side record ``_prepare.json`` and the ``_regenerated/`` answers
+    are not data)."""
     return str(out / "*.parquet") if out.is_dir() else str(out)
 
 
