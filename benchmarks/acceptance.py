@@ -262,8 +262,8 @@ def write_hf_features(model_path: Path, run_dir: Path, dest: Path, device: str, 
     import transformers
 
     from storage import ShardReader
-    from training.peer_formats import specforge_file, specforge_path
     from storage.reader import Sample
+    from training.peer_formats import specforge_file, specforge_path
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
     model = model.to(device).eval()

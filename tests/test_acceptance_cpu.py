@@ -19,8 +19,12 @@ from benchmarks import acceptance
 from benchmarks.acceptance import PromptResult
 from storage import ShardReader
 from tests.conftest import REPO_ROOT
-from tests.smollm2_runs import (
-    POST_NORM_LAYERS, PRE_NORM_LAYERS, checkpoint_dir, post_norm_run, pre_norm_run,
+from tests.helpers import (
+    POST_NORM_LAYERS,
+    PRE_NORM_LAYERS,
+    checkpoint_dir,
+    post_norm_run,
+    pre_norm_run,
 )
 
 FSDP_STOP = "FSDP needs a non-CPU accelerator device"

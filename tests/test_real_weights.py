@@ -14,8 +14,14 @@ import pytest
 import torch
 
 from storage import ShardReader
-from tests.smollm2_runs import (
-    CHATS, POST_NORM_LAYERS, PRE_NORM_LAYERS, chat_dataset, checkpoint_dir, post_norm_run, pre_norm_run,
+from tests.helpers import (
+    CHATS,
+    POST_NORM_LAYERS,
+    PRE_NORM_LAYERS,
+    chat_dataset,
+    checkpoint_dir,
+    post_norm_run,
+    pre_norm_run,
 )
 
 TOLERANCE = 2e-5
