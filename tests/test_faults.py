@@ -335,8 +335,8 @@ def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_clu
 
 class SinkServer(http.server.ThreadingHTTPServer):
     """An object store on loopback that fsspec's http filesystem uploads to (POST) and verifies from
-    (HEAD, ranged GET). ``mode``: ok, down (every request answers 503) or corrupt (GET returns the
-    object with one byte flipped); past ``uploads_accepted`` uploads, it refuses more (503)."""
+    (HEAD, ranged GET). ``mode``: ok, down (every request answers 503) or corrupt (GET returns a shard
+    file with one byte flipped); past ``uploads_accepted`` uploads, it refuses more (503)."""
 
     daemon_threads = True
 
@@ -383,7 +383,7 @@ class SinkHandler(http.server.BaseHTTPRequestHandler):
         data = self.server.objects.get(self.path)
         if self.server.mode == "down" or data is None:
             return self._reply(503 if self.server.mode == "down" else 404)
-        if self.server.mode == "corrupt":
+        if self.server.mode == "corrupt" and "shard-" in self.path:  # the job's test write reads back whole
             middle = len(data) // 2
             data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
         wanted = self.headers.get("Range", "")
