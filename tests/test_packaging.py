@@ -76,20 +76,28 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     assert str(venv) in where
 
 
+def _listed(name: str) -> list[str]:
+    return [line.strip() for line in (REPO_ROOT / "requirements" / name).read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
 def test_pip_check_reports_only_what_the_lock_leaves_out():
     """SGLang is installed --no-deps; pip check lists its CUDA-side requirements (each one named in
-    requirements/sglang-left-out.txt) and must find nothing else wrong."""
-    left_out = {
-        line.strip().lower() for line in (REPO_ROOT / "requirements" / "sglang-left-out.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
+    requirements/sglang-left-out.txt), and of the two trainers installed --no-deps for their loaders exactly the
+    lines requirements/peers-left-out.txt holds, and must find nothing else wrong."""
+    left_out = {line.lower() for line in _listed("sglang-left-out.txt")}
+    peers = set(_listed("peers-left-out.txt"))
     result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
-    reported = set()
+    reported, peers_reported = set(), set()
     for line in result.stdout.splitlines():
+        if line.strip() in peers:
+            peers_reported.add(line.strip())
+            continue
         match = PIP_CHECK_LINE.fullmatch(line.strip())
         assert match and match.group(1) == "sglang", f"pip check: {line}"
         reported.add(match.group(3).lower())
     assert reported == left_out
+    assert peers_reported == peers
 
 
 def test_cluster_yaml_is_valid_and_safe():
