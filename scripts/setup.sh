@@ -34,7 +34,7 @@ install_locked() {  # venv lock [fallback-site-packages]
 install_project() {  # venv: this checkout, editable, without its dependencies (the lock holds them)
   local venv=$1
   local stamp="$venv/.project-$({ echo "$root"; cat "$root/pyproject.toml"; } | sha256sum | cut -c1-16)"
-  [ -f "$stamp" ] && return
+  [ -f "$stamp" ] && [ -x "$venv/bin/eagle3-extract" ] && return
   echo "setup: installing the project from $root into $venv (editable)" >&2
   # --no-build-isolation: setuptools comes from the lock, so nothing is downloaded.
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" 2>&1 \

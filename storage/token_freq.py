@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import schema
+from storage.manifest import CONSUMED, DONE, read_manifest
 from storage.run_index import list_run_files, open_parquet
 
 TOKEN_FREQ_FILE = ".token_freq.pt"
@@ -85,6 +86,17 @@ def write_token_freq(output_dir: str | os.PathLike) -> Path:
         os.fsync(file.fileno())
     os.replace(temp, path)
     return path
+
+
+def maybe_write_token_freq(output_dir: str | os.PathLike) -> Path | None:
+    """``write_token_freq`` when the run is complete, nothing of it consumed yet, and it has no count yet: the last
+    moment the count can still be made (``jobs.export consume=true`` calls it before deleting anything)."""
+    directory = Path(output_dir)
+    if (directory / TOKEN_FREQ_FILE).exists():
+        return None
+    if any(r["state"] != DONE or r["location"] == CONSUMED for r in read_manifest(directory)["shards"]):
+        return None
+    return write_token_freq(directory)
 
 
 def read_token_freq(output_dir: str | os.PathLike) -> dict[int, int] | None:

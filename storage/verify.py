@@ -377,7 +377,8 @@ def _stray_files(output_dir: Path, records: list[dict]) -> list[Problem]:
     ]
     problems += [
         Problem(str(path), f"consumed into {exported[path.name]}, but still here (that export stopped before deleting "
-                "it): Parquet readers of output.dir read it as data", "rerun that export's command (it deletes it)")
+                "it): Parquet readers of output.dir read it as data",
+                "its samples are in that export: delete it, or rerun that export's command (it deletes it)")
         if path.name in exported else
         Problem(str(path), "a shard file the manifest does not list as done here: Parquet readers of output.dir "
                 "read it as data", "delete it, or rerun the job's command (it removes such files)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -32,13 +34,15 @@ from jobs import export as export_job
 from jobs.errors import EXIT_FAULT, EXIT_LOCKED
 from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
+from jobs.status import status_report
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, read_manifest
-from storage.token_freq import read_token_freq, write_token_freq
+from storage.token_freq import read_token_freq
 from tests.conftest import REPO_ROOT
 from tests.test_job import job_config, python_env
 from tests.test_lock import HOLDER
 from tests.test_training_data import same, specforge_files, specforge_item, speculators_dataset
+from training import consume as consume_module
 from training import destination, peer_formats
 from training.dataset import HiddenStatesDataset
 
@@ -177,8 +181,7 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
     dest, scratch = tmp_path / "dest", tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # speculators' dataset passes through a scratch file
-    write_token_freq(run_dir)  # the count the extraction leaves (the lead's hook); the shards are gone after
-    counts = read_token_freq(run_dir)
+    counts = HiddenStatesDataset(shaped_runs[run_name]).token_freq()  # counted from the untouched run's files
     shards = shard_bytes(run_dir)
     source = allocated(run_dir)
     started = time.perf_counter()
@@ -213,9 +216,18 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
     assert all(f"consumed into {key} (exported, then deleted from output.dir)" in note for note in report.notes)
     summary = run(shaped_config(shaped_runs["model"], shaped_runs["data"], run_dir, run_name + "_norm"))
     assert summary["outcome"] == "nothing_to_do" and not list(run_dir.glob("shard-*.parquet"))
-    assert read_token_freq(run_dir) == counts
+    assert read_token_freq(run_dir) == counts  # counted before the first shard went
+    assert f"consumed:      8 shards deleted from output.dir by exports into {key}" in status_report(run_dir)
     with pytest.raises(ValueError, match=f"every done shard was consumed by an export \\(into {key}\\)"):
         HiddenStatesDataset(run_dir)
+
+    if to == "specforge":  # killed between recording a shard and deleting it: verify says so, a rerun deletes it
+        shutil.copy(shaped_runs[run_name] / "shard-00003.parquet", run_dir)
+        report = verify(run_dir)
+        assert [p.what.startswith(f"consumed into {key}, but still here") for p in report.problems] == [True]
+        state = dest / ".export_state.json"
+        state.write_text(state.read_text().replace('"complete": true', '"complete": false'))
+        assert export(run_dir, to, dest, "consume=true") == 0 and not list(run_dir.glob("shard-*.parquet"))
 
     # the trainers' loaders read exactly what the run held
     assert_peers_read_the_run(to, dest, shaped_runs[run_name], fp8=bool(extra))
@@ -326,6 +338,15 @@ def test_consume_refuses_what_it_cannot_do_safely(shaped_runs, tmp_path, capsys)
     finally:
         holder.kill()
         holder.wait()
+    # a dest without room for the export's peak: refused before anything is written, saying what would fit
+    run_bytes = allocated(run_dir)
+    for free, consume, message in ((run_bytes // 2, "false", "with consume=true .* it needs .*, which fits"),
+                                   (run_bytes // 100, "true", r"needs about .* more at its peak, but its filesystem has")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(consume_module.shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
+            assert export(run_dir, "specforge", tmp_path / "dest", f"consume={consume}") == 2
+        assert re.search(message, capsys.readouterr().err)
+        assert not (tmp_path / "dest").exists()
     listed = tmp_path / "listed"  # shard files without a manifest: nothing to record the consumption in
     listed.mkdir()
     shutil.copy(run_dir / "shard-00000.parquet", listed)

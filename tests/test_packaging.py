@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import tomllib
 from pathlib import Path
 
@@ -74,6 +75,31 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
                            capture_output=True, text=True, check=True).stdout
     assert str(venv) in where
+
+
+def test_the_setup_script_gives_the_venv_the_commands_and_reruns_at_once(tmp_path):
+    """scripts/setup.sh (the README's two commands run it first) installs this checkout, editable, into the venv
+    the tests run in: eagle3-extract --help works from anywhere and runs this checkout's code; a rerun returns at
+    once without installing anything."""
+    venv = Path(sys.prefix)
+    assert list(venv.glob(".installed-*")), f"the tests run in {venv}, which scripts/setup.sh did not make"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "EAGLE3_VENV": str(venv)}
+    setup = ["bash", str(REPO_ROOT / "scripts" / "setup.sh")]
+    for stamp in venv.glob(".project-*"):
+        stamp.unlink()  # as on a machine where the project was never installed: setup.sh installs it (seconds)
+    first = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=300)
+    assert f"setup: installing the project from {REPO_ROOT} into {venv} (editable)" in first.stderr, first.stderr
+    started = time.monotonic()
+    again = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert time.monotonic() - started < 5 and again.stderr == "", again.stderr
+    assert again.stdout.strip() == str(venv / "bin" / "python")
+    env.update(PATH=f"{venv / 'bin'}:/usr/bin:/bin", RAY_AUTH_MODE="disabled")
+    ran = subprocess.run(["eagle3-extract", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0 and "usage: eagle3-extract " in ran.stdout, ran.stderr[-2000:]
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(REPO_ROOT / "jobs" / "__init__.py")
 
 
 def _listed(name: str) -> list[str]:

@@ -7,9 +7,10 @@ run's local shards (and before it reads the next shard):
    are fsynced now, so that no crash can take back a name the deletion relies on;
 2. verified against the shard: every file written now is read back from the storage (a local
    file's cached pages dropped first: the bytes come from the disk, not from memory) and its
-   size and sha256 compared with the bytes made from the shard; the shard's first and last
-   samples are read from it again and their files loaded as the trainer loads them
-   (``torch.load``, ``safetensors``), tensor by tensor, bit for bit;
+   size and sha256 compared with the bytes made from the shard; the files of the shard's first
+   and last samples (kept as the export read them from the shard) are loaded as the trainer
+   loads them (``torch.load``, ``safetensors``) and compared, tensor by tensor, bit for bit, with
+   what the format makes of them and with their own token ids and states;
 3. recorded: the run's manifest marks the shard ``consumed`` into ``<format>:<dest>``
    (``consumed_into``, one fsynced journal line): ``jobs.verify`` notes it instead of a missing
    file, a resumed extraction counts it as done, the dataset leaves it out saying where it went;
@@ -20,25 +21,27 @@ are read back and compared again, and any that differ are written again; between
 rerun deletes the file. No shard is deleted while a file of it is unverified, and the export
 works on one shard at a time, so it holds at most one shard's files beyond the run: the disk
 peaks at about the larger of the run and its export, plus one shard. The export is a little
-larger than the run (int64 token ids and a header per file: about 0.04% at Kimi-K2.5's shape),
+larger than the run (int64 token ids and a header per file: about 0.03% at Kimi-K2.5's shape),
 and larger still when it widens the states (an fp8 run to SpecForge's model dtype: twice);
 ``check_space`` refuses, before anything is written, an export whose peak would not fit.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
-from storage.reader import Sample, sample_from_table
-from storage.run_index import open_parquet
+from storage.reader import Sample
+from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
 from training.peer_formats import SPECFORGE, SPECULATORS
 
 if TYPE_CHECKING:
@@ -66,33 +69,38 @@ class ShardConsumer:
         self.report = report
         self.directory = job.config.run_directory()
         self.manifest: Manifest | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(job.config.threads, thread_name_prefix="verify")
 
     def __enter__(self) -> "ShardConsumer":
         if self.job.config.consume:
+            if maybe_write_token_freq(self.directory) is not None:
+                logger.info("counted the run's tokens into %s/%s before consuming its shards (speculators' "
+                            "token_freq.pt)", self.directory, TOKEN_FREQ_FILE)
             # The caller holds the run's lock: no driver writes the manifest while this does.
             self.manifest = Manifest.open(self.directory, read_manifest(self.directory)["content"], [])
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self.manifest is not None:
             self.manifest.close()
 
-    def consume(self, shard: ExportShard, puts: Iterable[Put]) -> None:
-        """Steps 1-4 of the module docstring for a local shard whose files ``puts`` are."""
+    def consume(self, shard: ExportShard, puts: Iterable[Put], ends: Sequence[Sample]) -> None:
+        """Steps 1-4 of the module docstring for a local shard whose files ``puts`` are; ``ends``: its first and last
+        samples as the export read them from it."""
         dest = self.job.dest
         puts = list(puts)
         dest.sync_directories(put.path for put in puts)
-        for put in puts:
-            if not put.wrote:
-                continue  # read back and compared before it was kept
-            size, sha256 = dest.digest(put.path)
+        written = [put for put in puts if put.wrote]  # the others were read back and compared before they were kept
+        # Hashing releases the GIL: the files are read back and hashed by as many threads as wrote them.
+        for put, (size, sha256) in zip(written, self._pool.map(lambda put: dest.digest(put.path), written)):
             if (size, sha256) != (put.size, put.sha256):
                 raise ExportVerificationError(
                     f"{dest.url}/{put.path} reads back as {size} bytes with sha256 {sha256}, but {put.size} bytes "
                     f"with sha256 {put.sha256} were written from {shard.url}: the storage changed them. {shard.name} is "
                     "kept; check the disk under dest, then rerun the same command (the file is written again)"
                 )
-        self._check_first_and_last(shard)
+        self._check_first_and_last(shard, ends)
         self.manifest.update(shard.index, location=CONSUMED, consumed_into=self.job.key)
         self._delete(Path(shard.url))
         self.report["consumed"] += 1
@@ -117,26 +125,19 @@ class ShardConsumer:
             logger.info("shard %d: consumed by an earlier export that stopped before deleting it; %s deleted",
                         shard.index, shard.name)
 
-    def _check_first_and_last(self, shard: ExportShard) -> None:
-        """The shard's first and last samples, read from it again, against their files loaded as the trainer does."""
+    def _check_first_and_last(self, shard: ExportShard, ends: Sequence[Sample]) -> None:
+        """The shard's first and last samples against their files, loaded back as the trainer loads them."""
         job, dest = self.job, self.job.dest
-        parquet = open_parquet(shard.url, job.config.output.sink_options)
-        try:
-            groups = parquet.num_row_groups
-            ends = {(0, 0), (groups - 1, parquet.metadata.row_group(groups - 1).num_rows - 1)} if shard.rows else set()
-            for group, row in sorted(ends):
-                sample = sample_from_table(parquet.read_row_group(group), row, job.metadata, job.plan.read_raw)
-                path = job.path(shard, sample.sample_id)
-                loaded = load_file(job.plan.trainer, dest.read_bytes(path))
-                problem = differs(job.file_tensors(sample), loaded) or self._differs_from_sample(loaded, sample)
-                if problem:
-                    raise ExportVerificationError(
-                        f"{dest.url}/{path} loads with {problem}, not as sample {sample.sample_id} of {shard.url} "
-                        f"gives it. {shard.name} is kept; delete {path} and rerun the same command (if it happens "
-                        "again, the export is wrong: report it)"
-                    )
-        finally:
-            parquet.close()
+        for sample in ends:
+            path = job.path(shard, sample.sample_id)
+            loaded = load_file(job.plan.trainer, dest.read_bytes(path))
+            problem = differs(job.file_tensors(sample), loaded) or self._differs_from_sample(loaded, sample)
+            if problem:
+                raise ExportVerificationError(
+                    f"{dest.url}/{path} loads with {problem}, not as sample {sample.sample_id} of {shard.url} gives "
+                    f"it. {shard.name} is kept; delete {path} and rerun the same command (if it happens again, the "
+                    "export is wrong: report it)"
+                )
 
     def _differs_from_sample(self, loaded: dict[str, Any], sample: Sample) -> str:
         """The file against the sample itself, not through the format's own code: its token ids, and (unless the
@@ -155,7 +156,7 @@ class ShardConsumer:
             last = loaded["hidden_states"][:, layers]
         for name, mine, theirs in (("the captured layers", aux, sample.aux_hidden_states),
                                    ("the final state", last, sample.last_hidden_state)):
-            if mine.shape != theirs.shape or not torch.equal(_bytes_of(mine), _bytes_of(theirs)):
+            if mine.shape != theirs.shape or not same_bits(mine, theirs):
                 return f"other values than the sample's in {name}"
         return ""
 
@@ -187,14 +188,17 @@ def differs(expected: dict[str, torch.Tensor], loaded: dict[str, Any]) -> str:
         if not isinstance(other, torch.Tensor) or other.dtype != tensor.dtype or other.shape != tensor.shape:
             what = f"{other.dtype} {tuple(other.shape)}" if isinstance(other, torch.Tensor) else type(other).__name__
             return f"{key} as {what} instead of {tensor.dtype} {tuple(tensor.shape)}"
-        if not torch.equal(_bytes_of(other), _bytes_of(tensor)):
+        if not same_bits(other, tensor):
             return f"other values in {key}"
     return ""
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bytes, so that equality is bit for bit (NaN-safe, fp8 included)."""
-    return tensor.contiguous().view(-1).view(torch.uint8)
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal byte for byte (NaN-safe, fp8 included); numpy compares raw bytes faster than torch.equal does."""
+    def raw(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.contiguous().view(-1).view(torch.uint8).numpy()
+
+    return a.dtype == b.dtype and np.array_equal(raw(a), raw(b))
 
 
 # -- room on the disk ------------------------------------------------------------------------------

@@ -430,7 +430,7 @@ class Put:
     path: str
     size: int
     sha256: str
-    """Of the bytes made from the run's shard."""
+    """Of the bytes made from the run's shard (consume only: what the file is verified against)."""
     wrote: bool
     """Written now; False: it was there with exactly these bytes (read back and compared)."""
 
@@ -461,9 +461,9 @@ def write(job: PreparedExport) -> dict[str, Any]:
                 report["skipped"] += shard.rows
                 progress.update(shard.rows, 0)
                 continue
-            puts = _export_shard(job, shard, present, writers, progress, report, rows=not was_complete)
+            puts, ends = _export_shard(job, shard, present, writers, progress, report, rows=not was_complete)
             if config.consume and shard.location == LOCAL:
-                consumer.consume(shard, puts)
+                consumer.consume(shard, puts, ends)
     if plan.trainer == SPECULATORS and not was_complete:
         report["bytes"] += _write_speculators_dataset(job)
     dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
@@ -472,11 +472,13 @@ def write(job: PreparedExport) -> dict[str, Any]:
 
 
 def _export_shard(job: PreparedExport, shard: ExportShard, present: dict[str, int], writers: "_Writers",
-                  progress: "_Progress", report: dict[str, Any], rows: bool) -> list[Put]:
+                  progress: "_Progress", report: dict[str, Any], rows: bool) -> tuple[list[Put], list[Sample]]:
     """Write the shard's files (with ``consume``: every one, those there already read back and rewritten if they
-    differ; else the missing ones); returns what each file is now."""
+    differ; else the missing ones); returns what each file is now, and copies of the first and last samples read
+    (with ``consume``: the shard's first and last, which its verification loads back)."""
     check = present if job.config.consume else None
     puts: list[Put] = []
+    ends: list[Sample] = []
 
     def done(put: Put) -> None:
         puts.append(put)
@@ -485,36 +487,46 @@ def _export_shard(job: PreparedExport, shard: ExportShard, present: dict[str, in
         progress.update(1, put.size if put.wrote else 0)
 
     skip = (lambda path: False) if check is not None else (lambda path: path in present)
-    for samples, skipped in _shard_samples(job, shard, skip):
+    for samples, skipped, last_group in _shard_samples(job, shard, skip):
         report["skipped"] += skipped
         progress.update(skipped, 0)
         for path, sample in samples:
             writers.submit(lambda path=path, sample=sample: _put(job.dest, path, _file_bytes(job, sample), check),
                            on_done=done, state_bytes=_state_bytes(sample))
+        if check is not None and samples:  # every row is read: the first group's first, the last group's last
+            # Copies: a sample is a view on its row group, which is let go once its files are written.
+            ends += ([_copy(samples[0][1])] if not ends else []) + ([_copy(samples[-1][1])] if last_group else [])
     writers.drain()
     if job.plan.trainer == SPECULATORS and rows and (check is not None or rows_file(shard) not in present):
         put = _put(job.dest, rows_file(shard), _rows_bytes(shard, job.config.output.sink_options), check)
         report["bytes"] += put.size if put.wrote else 0
         puts.append(put)
-    return puts
+    return puts, ends
+
+
+def _copy(sample: Sample) -> Sample:
+    return dataclasses.replace(sample, **{field.name: getattr(sample, field.name).clone()
+                                          for field in dataclasses.fields(sample)
+                                          if isinstance(getattr(sample, field.name), torch.Tensor)})
 
 
 def _shard_samples(job: PreparedExport, shard: ExportShard,
-                   skip: Callable[[str], bool]) -> Iterator[tuple[list[tuple[str, Sample]], int]]:
-    """Per row group of the shard: the (path, sample) pairs whose files are not skipped, and how many are.
-    A row group whose files are all skipped is not read beyond its sample ids."""
+                   skip: Callable[[str], bool]) -> Iterator[tuple[list[tuple[str, Sample]], int, bool]]:
+    """Per row group of the shard: the (path, sample) pairs whose files are not skipped, how many are, and whether
+    it is the shard's last group. A row group whose files are all skipped is not read beyond its sample ids."""
     parquet = open_parquet(shard.url, job.config.output.sink_options)
     try:
         for group in range(parquet.num_row_groups):
+            last_group = group == parquet.num_row_groups - 1
             group_ids = parquet.read_row_group(group, columns=[schema.SAMPLE_ID]).column(0).to_numpy()
             paths = [job.path(shard, int(sample_id)) for sample_id in group_ids]
             wanted = [row for row, path in enumerate(paths) if not skip(path)]
             if not wanted:
-                yield [], len(paths)
+                yield [], len(paths), last_group
                 continue
             table = parquet.read_row_group(group)
             yield [(paths[row], sample_from_table(table, row, job.metadata, job.plan.read_raw)) for row in wanted], \
-                len(paths) - len(wanted)
+                len(paths) - len(wanted), last_group
     finally:
         parquet.close()
 
@@ -531,9 +543,9 @@ def _file_bytes(job: PreparedExport, sample: Sample) -> bytes | memoryview:
 
 
 def _put(dest: Destination, path: str, data: bytes | memoryview, present: Optional[dict[str, int]]) -> Put:
-    """Write ``data`` to ``path``; with ``present`` (consume), a file already there is read back and kept only if
-    it holds exactly ``data``."""
-    sha256 = hashlib.sha256(data).hexdigest()
+    """Write ``data`` to ``path``; with ``present`` (consume: the file is verified later, against the sha256 of
+    ``data``), a file already there is read back and kept only if it holds exactly ``data``."""
+    sha256 = hashlib.sha256(data).hexdigest() if present is not None else ""
     size = len(data)
     if present is not None and path in present:
         if present[path] == size and dest.digest(path) == (size, sha256):
