@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import schema
-from storage.manifest import CONSUMED, DONE, read_manifest
+from storage.manifest import CONSUMED, DONE, LOCAL, read_manifest
 from storage.run_index import list_run_files, open_parquet
 
 TOKEN_FREQ_FILE = ".token_freq.pt"
@@ -89,13 +89,17 @@ def write_token_freq(output_dir: str | os.PathLike) -> Path:
 
 
 def maybe_write_token_freq(output_dir: str | os.PathLike) -> Path | None:
-    """``write_token_freq`` when the run is complete, nothing of it consumed yet, and it has no count yet: the last
-    moment the count can still be made (``jobs.export consume=true`` calls it before deleting anything)."""
+    """``write_token_freq`` when the run has no count yet, is complete, nothing of it is consumed yet and every
+    local shard file is in ``output_dir`` (not on another node's disk); else None. Safe to call at the end of any
+    run; ``jobs.export consume=true`` calls it before it deletes anything, the last moment the count can be made."""
     directory = Path(output_dir)
     if (directory / TOKEN_FREQ_FILE).exists():
         return None
-    if any(r["state"] != DONE or r["location"] == CONSUMED for r in read_manifest(directory)["shards"]):
-        return None
+    for record in read_manifest(directory)["shards"]:
+        if record["state"] != DONE or record["location"] == CONSUMED:
+            return None
+        if record["location"] == LOCAL and not (directory / record["file"]).is_file():
+            return None
     return write_token_freq(directory)
 
 

@@ -36,8 +36,8 @@ from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.status import status_report
 from storage import ShardReader
-from storage.manifest import CONSUMED, LOCAL, read_manifest
-from storage.token_freq import read_token_freq
+from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
+from storage.token_freq import maybe_write_token_freq, read_token_freq
 from tests.conftest import REPO_ROOT
 from tests.test_job import job_config, python_env
 from tests.test_lock import HOLDER
@@ -353,3 +353,24 @@ def test_consume_refuses_what_it_cannot_do_safely(shaped_runs, tmp_path, capsys)
     assert export(listed, "specforge", tmp_path / "dest", "consume=true") == 2
     assert "not a local output.dir with a .manifest.json" in capsys.readouterr().err
     assert (listed / "shard-00000.parquet").exists() and len(shard_bytes(run_dir)) == SAMPLES // SHARD_SIZE
+
+
+def test_the_token_count_is_made_only_while_the_whole_run_is_there(shaped_runs, tmp_path):
+    """maybe_write_token_freq (the end of a run; consume=true before its first deletion) writes .token_freq.pt
+    only for a complete run with every shard file in output.dir, and never over one already there."""
+    run_dir = consumable_copy(shaped_runs, "pre", tmp_path)
+    moved = run_dir / "shard-00002.parquet"
+    moved.rename(tmp_path / moved.name)  # on another node's disk, say
+    assert maybe_write_token_freq(run_dir) is None and read_token_freq(run_dir) is None
+    (tmp_path / moved.name).rename(moved)
+    manifest = Manifest.open(run_dir, read_manifest(run_dir)["content"], [])
+    manifest.update(5, state="failed", error="a test")
+    manifest.close()
+    assert maybe_write_token_freq(run_dir) is None
+    manifest = Manifest.open(run_dir, read_manifest(run_dir)["content"], [])
+    manifest.update(5, state="done", error="")
+    manifest.close()
+    assert maybe_write_token_freq(run_dir) == run_dir / ".token_freq.pt"
+    counts = read_token_freq(run_dir)
+    assert counts == HiddenStatesDataset(shaped_runs["pre"]).token_freq() and sum(counts.values()) > 0
+    assert maybe_write_token_freq(run_dir) is None and read_token_freq(run_dir) == counts
