@@ -24,13 +24,33 @@ from typing import Any, Optional, Sequence
 
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
-from jobs.config import CommandParser, program_name
+from jobs.config import CommandParser, config_keys, describe, program_name
 from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")
 
+
+@dataclasses.dataclass
+class CheckedRun:
+    dir: str = ""
+    """The run whose stored layers the drafter configs must capture (its output.dir). Required."""
+
+
+@dataclasses.dataclass
+class TargetCheckpoint:
+    path: str = ""
+    """The target's checkpoint directory, when it has moved since the run (only config.json is read). Empty: the
+    model_path the run recorded."""
+
+
+@dataclasses.dataclass
+class CheckDrafterConfig:
+    """The keys ``jobs.check_drafter`` reads, after the drafter configs (``key=value``; no ``--config`` file)."""
+
+    output: CheckedRun = dataclasses.field(default_factory=CheckedRun)
+    model: TargetCheckpoint = dataclasses.field(default_factory=TargetCheckpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +152,16 @@ def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[
 
 def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
     parser = CommandParser(prog=program_name("jobs.check_drafter"), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="keys (key=value, defaults shown):\n" + describe(CheckDrafterConfig))
     parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
                         help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
     items = parser.parse_args(list(argv)).items
     settings = dict(item.split("=", 1) for item in items if "=" in item)
-    unknown = sorted(set(settings) - {"output.dir", "model.path"})
+    known = config_keys(CheckDrafterConfig)
+    unknown = sorted(set(settings) - set(known))
     if unknown or "output.dir" not in settings:
-        parser.error(f"name the run with output.dir=RUN (known keys: output.dir, model.path); got {unknown or items}")
+        parser.error(f"name the run with output.dir=RUN (known keys: {', '.join(known)}); got {unknown or items}")
     paths = [Path(item) for item in items if "=" not in item]
     if not paths:
         parser.error("name at least one drafter config")

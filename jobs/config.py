@@ -109,17 +109,27 @@ def build_parser(prog: str, description: str, schema: type) -> argparse.Argument
     return parser
 
 
+def parse_command(
+    module: str, description: str, schema: type[T], argv: Sequence[str], flags: dict[str, str] | None = None,
+) -> tuple[T, argparse.Namespace]:
+    """A command's ``[--config FILE] [--flag ...] [key=value ...]``: its checked config and its flags
+    (``flags``: name -> help of each on/off flag). Raises ConfigError."""
+    parser = build_parser(program_name(module), description, schema)
+    for flag, help in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=help)
+    args = parser.parse_args(list(argv))
+    return build_config(schema, args.config, args.overrides, prog=parser.prog), args
+
+
 def load_config(argv: Sequence[str]) -> JobConfig:
     """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig; raises ConfigError."""
-    parser = build_parser(
-        program_name("jobs.extract"),
+    return parse_command(
+        "jobs.extract",
         "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
-        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 130/143 stopped by a "
-        "signal (README: Exit codes).",
-        JobConfig,
-    )
-    args = parser.parse_args(list(argv))
-    return build_config(JobConfig, args.config, args.overrides, prog=parser.prog)
+        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards written but not "
+        "all uploaded to output.sink, 130/143 stopped by a signal (docs/reference.md: exit codes).",
+        JobConfig, argv,
+    )[0]
 
 
 def build_config(schema: type[T], config_file: str | None, overrides: Sequence[str], prog: str) -> T:
@@ -260,15 +270,24 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe(cls: type, prefix: str = "") -> str:
-    """One line per key: ``section.key = default  # doc``."""
-    lines: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One key of a config tree: its dotted name, its default and the docstring under its field."""
+
+    key: str
+    default: Any
+    doc: str
+
+
+def key_docs(cls: type, prefix: str = "") -> list[KeyDoc]:
+    """Every key of a config dataclass tree, in field order, with its default and docstring."""
+    found: list[KeyDoc] = []
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         key = f"{prefix}{field.name}"
         section = _section_type(field)
         if section is not None:
-            lines.append(describe(section, prefix=key + "."))
+            found += key_docs(section, prefix=key + ".")
             continue
         if field.default is not dataclasses.MISSING:
             default: Any = field.default
@@ -276,6 +295,12 @@ def describe(cls: type, prefix: str = "") -> str:
             default = field.default_factory()
         else:
             default = None
-        doc = docs.get(field.name, "")
-        lines.append(f"  {key} = {default!r}" + (f"  # {doc}" if doc else ""))
-    return "\n".join(lines)
+        found.append(KeyDoc(key, default, docs.get(field.name, "")))
+    return found
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """One line per key: ``section.key = default  # doc``."""
+    return "\n".join(
+        f"  {item.key} = {item.default!r}" + (f"  # {item.doc}" if item.doc else "") for item in key_docs(cls, prefix)
+    )

@@ -2,11 +2,11 @@
 
 | code | outcome | what the user does |
 |---|---|---|
-| 0 | every selected shard is done (or already was: nothing to do) | nothing |
+| 0 | every shard this run was to write is done, and with ``output.sink`` uploaded (or already was: nothing to do) | nothing |
 | 1 | some shards failed (their errors are in the manifest); for ``jobs.check_drafter``: a drafter config would not capture the run's layers | rerun with ``shards=failed``; fix the drafter config |
 | 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
-| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC) | free space or raise the budget, rerun |
-| 4 | a fault the job could not absorb (actors or a node lost) | rerun the same command: it resumes |
+| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free_bytes`` | free space or raise the budget, rerun |
+| 4 | a fault the job could not absorb (actors or a node lost), or shards left neither done nor failed (named) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
 | 7 | every shard is written, but some could not be uploaded to ``output.sink`` (kept locally, listed) | fix the sink, rerun: it uploads them |

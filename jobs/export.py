@@ -14,7 +14,7 @@ import logging
 from typing import Any, Sequence
 
 from jobs.cli import DETAILED, console_entry, run_command
-from jobs.config import build_config, build_parser, program_name
+from jobs.config import parse_command
 from jobs.errors import EXIT_OK
 from jobs.rundir.lock import OutputLock
 from training.export import ExportConfig, prepare, write
@@ -23,15 +23,13 @@ logger = logging.getLogger("jobs.export")
 
 
 def load_config(argv: Sequence[str]) -> ExportConfig:
-    parser = build_parser(
-        program_name("jobs.export"),
+    return parse_command(
+        "jobs.export",
         "Export a run's hidden states in the layout SpecForge or speculators trains from. Exit codes: 0 done, "
         "2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job holds the "
         "run (consume=true), 130/143 stopped by a signal (rerun: it resumes).",
-        ExportConfig,
-    )
-    args = parser.parse_args(list(argv))
-    return build_config(ExportConfig, args.config, args.overrides, prog=parser.prog)
+        ExportConfig, argv,
+    )[0]
 
 
 def final_message(report: dict[str, Any]) -> str:

@@ -1,20 +1,8 @@
-"""``python -m jobs.plan [--config FILE] [key=value ...]`` (or ``eagle3-plan``): what a run would do, before it does it.
+"""``python -m jobs.plan [--config FILE] [--json] [key=value ...]`` (or ``eagle3-plan``): the dry run.
 
-Takes the job's own config and reads what the job reads before Ray starts: the
-checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
-nothing is written. Prints samples, tokens, invalid rows, shards and batches, bytes
-per token, the predicted bytes against ``output.disk_budget`` and the free space,
-the layers SGLang will capture and the drafter ids, and what will not fit. Each
-number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
-``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
-from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
-does (``extractor.drafter_check.plan_capture``: about a second for Kimi-K2.5, plus
-SGLang's import). ``--json`` prints the same as one JSON object.
-
-Exit codes (``jobs.errors``): 0 the run fits; 2 the job would refuse it (bad config or
-input, invalid rows with ``data.on_invalid=fail``, a shard larger than the budget);
-3 it would stop for disk (the run needs more than ``output.disk_budget`` without a
-sink, or more than the filesystem has free above ``output.min_free_bytes``).
+What a run of ``python -m jobs.extract`` with the same config would do, before it does it: no weight
+loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes:
+0 the run fits, 2 the job would refuse it, 3 it would stop for disk.
 """
 
 from __future__ import annotations
@@ -25,9 +13,14 @@ import logging
 from typing import Sequence
 
 from jobs.cli import console_entry, run_command
-from jobs.config import JobConfig, build_config, build_parser, program_name
+from jobs.config import JobConfig, parse_command
 from jobs.driver.budget import format_bytes
 from jobs.planning.dry_run import DryRun, dry_run
+
+DESCRIPTION = (
+    "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
+    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space."
+)
 
 
 def format_report(report: DryRun) -> str:
@@ -80,15 +73,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _plan(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.plan"),
-        "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
-        "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space.",
-        JobConfig,
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    args = parser.parse_args(list(argv))
-    report = dry_run(build_config(JobConfig, args.config, args.overrides, prog=parser.prog))
+    config, args = parse_command("jobs.plan", DESCRIPTION, JobConfig, argv, {"--json": "print the plan as one JSON object"})
+    report = dry_run(config)
     if args.json:
         print(json.dumps({**dataclasses.asdict(report), "exit_code": report.exit_code}))
     else:

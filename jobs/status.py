@@ -11,13 +11,15 @@ not know about, and the last error of every failed shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from common.checks import parse_bytes
 from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
-from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.config import ConfigError, parse_command
 from jobs.driver.budget import format_bytes
 from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
@@ -49,8 +51,27 @@ JOB_FILES = frozenset(
 
 
 @dataclasses.dataclass
+class StatusOutput:
+    """The keys of the ``output`` section ``jobs.status`` reads (the job's own has many more)."""
+
+    dir: str = ""
+    """The run's output.dir."""
+    disk_budget: str = ""
+    """Budget to show the local bytes against (500GB, 1.3TB or bytes). Empty: the run's own, from its .summary.json."""
+
+    def __post_init__(self) -> None:
+        if self.disk_budget and self.disk_budget_bytes <= 0:
+            raise ValueError(f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes")
+
+    @functools.cached_property
+    def disk_budget_bytes(self) -> Optional[int]:
+        """``disk_budget`` in bytes; None when empty (the run's own)."""
+        return parse_bytes(self.disk_budget, "output.disk_budget") if self.disk_budget else None
+
+
+@dataclasses.dataclass
 class StatusConfig:
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    output: StatusOutput = dataclasses.field(default_factory=StatusOutput)
 
 
 def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
@@ -195,15 +216,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _status(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.status"), "Where an extraction run stands, from its output directory.", StatusConfig
-    )
-    args = parser.parse_args(list(argv))
-    config = build_config(StatusConfig, args.config, args.overrides, prog=parser.prog)
+    config, _ = parse_command("jobs.status", "Where an extraction run stands, from its output directory.", StatusConfig, argv)
     if not config.output.dir:
         raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
-    given_budget = any(item.startswith("output.disk_budget=") for item in args.overrides)
-    print(status_report(Path(config.output.dir), config.output.disk_budget_bytes if given_budget else None))
+    print(status_report(Path(config.output.dir), config.output.disk_budget_bytes))
     return EXIT_OK
 
 

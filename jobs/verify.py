@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
 from jobs.cli import console_entry, run_command
-from jobs.config import ConfigError, build_config, build_parser, program_name
+from jobs.config import ConfigError, parse_command
 from jobs.driver.budget import format_bytes
-from jobs.driver.config import OutputConfig
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
@@ -25,8 +24,24 @@ from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
+class VerifiedRun:
+    """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
+
+    dir: str = ""
+    """The run's output.dir, where it is now (a copied or moved run is checked there)."""
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """fsspec options for the shards in the sink, as the run had them (the manifest records each uploaded file's
+    URL)."""
+
+
+@dataclasses.dataclass
 class VerifyConfig:
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
+
+
+DESCRIPTION = (
+    "Check a run's shard files against its manifest (exit 0: all whole; 6: problems, one line each; 2: no run there)."
+)
 
 
 def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = None) -> VerifyReport:
@@ -77,15 +92,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _verify(argv: Sequence[str]) -> int:
-    parser = build_parser(
-        program_name("jobs.verify"),
-        "Check a run's shard files against its manifest (exit 0: all whole; 6: problems, one line each; "
-        "2: no run there).",
-        VerifyConfig,
-    )
-    parser.add_argument("--deep", action="store_true", help="also read every state and scan it for NaN/Inf")
-    args = parser.parse_args(list(argv))
-    config = build_config(VerifyConfig, args.config, args.overrides, prog=parser.prog)
+    flags = {"--deep": "also read every state and scan it for NaN/Inf"}
+    config, args = parse_command("jobs.verify", DESCRIPTION, VerifyConfig, argv, flags)
     if not config.output.dir:
         raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep]")
     report = verify(Path(config.output.dir), args.deep, config.output.sink_options)

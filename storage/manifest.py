@@ -32,6 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from storage.atomic import fsync_path, replace_atomically
+
 MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
 MANIFEST_VERSION = 1
@@ -140,19 +142,22 @@ class Manifest:
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }
-        temp = self.path.with_name(self.path.name + ".tmp")
-        with open(temp, "w") as file:
-            json.dump(payload, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, self.path)
+        replace_atomically(self.path, json.dumps(payload, indent=1))
         self._close_journal()
         # Lines left by a crash right here carry sequence numbers the snapshot already holds.
         with open(self.journal_path, "wb") as journal:
             os.fsync(journal.fileno())
         self._torn = False
-        _fsync_directory(self.path.parent)
+        fsync_path(self.path.parent)
         self._compacted = self._sequence
+
+    def start_over(self, shards: Iterable[int]) -> None:
+        """Forget what earlier runs recorded of ``shards`` (a rerun writes them again): pending, with only
+        their attempts kept; saved at once."""
+        for index in shards:
+            record = self.shards[index]
+            self.shards[index] = ShardRecord(index, record.start, record.stop, attempts=record.attempts)
+        self.save()
 
     def close(self) -> None:
         """Compact and release the journal."""
@@ -180,14 +185,6 @@ class Manifest:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,10 @@ def probe(sink: str, storage_options: dict[str, Any]) -> None:
     payload = b"eagle3-extract sink probe\n"
     fs, remote = fsspec.core.url_to_fs(url, **storage_options)
     fs.makedirs(fs._parent(remote), exist_ok=True)
-    fs.pipe_file(remote, payload)
+    with tempfile.NamedTemporaryFile() as local:  # put_file: the call every upload makes
+        local.write(payload)
+        local.flush()
+        fs.put_file(local.name, remote)
     try:
         if fs.cat_file(remote) != payload:
             raise SinkVerificationError(f"{url}: what was read back is not what was written")

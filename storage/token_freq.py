@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import schema
+from storage.atomic import replace_atomically
 from storage.manifest import CONSUMED, DONE, LOCAL, read_manifest
 from storage.run_index import list_run_files, open_parquet
 
@@ -76,15 +77,8 @@ def write_token_freq(output_dir: str | os.PathLike) -> Path:
     """Count the run's tokens and write ``output_dir/.token_freq.pt`` (temp file, fsync, rename); returns its path.
 
     Call it once the run is complete (every shard done), before anything consumes its shards."""
-    directory = Path(output_dir)
-    path = directory / TOKEN_FREQ_FILE
-    temp = directory / f"{TOKEN_FREQ_FILE}.tmp"
-    data = token_freq_bytes(count_tokens(directory))
-    with open(temp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temp, path)
+    path = Path(output_dir) / TOKEN_FREQ_FILE
+    replace_atomically(path, token_freq_bytes(count_tokens(output_dir)))
     return path
 
 

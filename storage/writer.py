@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import nonfinite, schema
+from storage.atomic import fsync_path
 from storage.schema import ShardMetadata
 
 SHARD_GLOB = "shard-*.parquet"
@@ -201,6 +202,62 @@ def _binary_column(states: np.ndarray, row_offsets: np.ndarray, row_width_bytes:
     )
 
 
+def encode_batch(
+    meta: ShardMetadata,
+    arrow_schema: pa.Schema,
+    file_name: str,
+    sample_ids: Sequence[int],
+    input_ids: Sequence[np.ndarray],
+    loss_masks: Sequence[np.ndarray],
+    aux_hidden_states: np.ndarray,
+    last_hidden_state: np.ndarray | None,
+    aux_scales: np.ndarray | None,
+    last_scales: np.ndarray | None,
+) -> tuple[pa.Table, np.ndarray]:
+    """A batch as an Arrow table of the file's schema, and its rows' token counts; state columns share the
+    arrays' memory. ValueError (naming ``file_name`` and the samples) when a part does not fit the metadata."""
+    lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+    if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
+        raise ValueError(
+            f"{file_name}: {len(sample_ids)} sample ids, {len(input_ids)} input_ids, "
+            f"{len(loss_masks)} loss masks; they must match one to one"
+        )
+    row_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(row_offsets[-1])
+    columns = {
+        schema.SAMPLE_ID: _flat_column(np.asarray(sample_ids, dtype=np.int64), pa.int64()),
+        schema.INPUT_IDS: _list_column(input_ids, np.int32, pa.int32(), row_offsets),
+        schema.LOSS_MASK: _list_column(loss_masks, np.uint8, pa.uint8(), row_offsets),
+    }
+    states = [(schema.AUX_HIDDEN_STATES, aux_hidden_states, aux_scales, len(meta.layer_ids))]
+    if meta.has_last_hidden_state:
+        if last_hidden_state is None:
+            raise ValueError(f"{file_name}: the shard stores last_hidden_state but none was given")
+        states.append((schema.LAST_HIDDEN_STATE, last_hidden_state, last_scales, 1))
+    for name, values, scales, layers in states:
+        width = layers * meta.hidden_size
+        _check_states(meta, file_name, name, values, (total, width), meta.itemsize, sample_ids)
+        columns[name] = _binary_column(values, row_offsets, width * meta.itemsize)
+        if meta.fp8:
+            _check_states(meta, file_name, name + schema.SCALES_SUFFIX, scales, (total, layers), schema.SCALE_ITEMSIZE,
+                          sample_ids)
+            columns[name + schema.SCALES_SUFFIX] = _binary_column(scales, row_offsets, layers * schema.SCALE_ITEMSIZE)
+    return pa.Table.from_pydict(columns, schema=arrow_schema), lengths
+
+
+def _check_states(
+    meta: ShardMetadata, file_name: str, name: str, states: np.ndarray | None, expected: tuple[int, int],
+    itemsize: int, sample_ids: Sequence[int],
+) -> None:
+    if states is None or states.shape != expected or states.dtype.itemsize != itemsize:
+        first, last = (sample_ids[0], sample_ids[-1]) if len(sample_ids) else (None, None)
+        got = "none" if states is None else f"shape {states.shape} and itemsize {states.dtype.itemsize}"
+        raise ValueError(
+            f"{file_name}: {name} for samples {first}..{last} has {got}; expected {expected} with itemsize "
+            f"{itemsize} ({meta.state_dtype if itemsize == meta.itemsize else 'float32'})"
+        )
+
+
 class ShardWriter:
     """Appends captured batches to one shard file; a context manager.
 
@@ -273,8 +330,9 @@ class ShardWriter:
         if self._writer is None:
             raise RuntimeError(f"{self.path}: append() outside the writer's `with` block")
         with self.clock.stage("encode"):
-            table, lengths = self._table(
-                sample_ids, input_ids, loss_masks, aux_hidden_states, last_hidden_state, aux_scales, last_scales
+            table, lengths = encode_batch(
+                self.metadata, self._schema, self.path.name, sample_ids, input_ids, loss_masks, aux_hidden_states,
+                last_hidden_state, aux_scales, last_scales,
             )
             if finite is not None:
                 keep, records = nonfinite.screen(sample_ids, finite, self.metadata, self.on_nonfinite, self.path.name)
@@ -291,59 +349,6 @@ class ShardWriter:
         self._rows += table.num_rows
         self._tokens += tokens
 
-    def _table(
-        self,
-        sample_ids: Sequence[int],
-        input_ids: Sequence[np.ndarray],
-        loss_masks: Sequence[np.ndarray],
-        aux_hidden_states: np.ndarray,
-        last_hidden_state: np.ndarray | None,
-        aux_scales: np.ndarray | None,
-        last_scales: np.ndarray | None,
-    ) -> tuple[pa.Table, np.ndarray]:
-        """The batch as an Arrow table of the file's schema, and its rows' token counts; state columns
-        share the arrays' memory."""
-        meta = self.metadata
-        lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
-        if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
-            raise ValueError(
-                f"{self.path}: {len(sample_ids)} sample ids, {len(input_ids)} input_ids, "
-                f"{len(loss_masks)} loss masks; they must match one to one"
-            )
-        row_offsets = np.concatenate([[0], np.cumsum(lengths)])
-        total = int(row_offsets[-1])
-        columns = {
-            schema.SAMPLE_ID: _flat_column(np.asarray(sample_ids, dtype=np.int64), pa.int64()),
-            schema.INPUT_IDS: _list_column(input_ids, np.int32, pa.int32(), row_offsets),
-            schema.LOSS_MASK: _list_column(loss_masks, np.uint8, pa.uint8(), row_offsets),
-        }
-        states = [(schema.AUX_HIDDEN_STATES, aux_hidden_states, aux_scales, len(meta.layer_ids))]
-        if meta.has_last_hidden_state:
-            if last_hidden_state is None:
-                raise ValueError(f"{self.path}: the shard stores last_hidden_state but none was given")
-            states.append((schema.LAST_HIDDEN_STATE, last_hidden_state, last_scales, 1))
-        for name, values, scales, layers in states:
-            width = layers * meta.hidden_size
-            self._check(name, values, (total, width), meta.itemsize, sample_ids)
-            columns[name] = _binary_column(values, row_offsets, width * meta.itemsize)
-            if meta.fp8:
-                self._check(name + schema.SCALES_SUFFIX, scales, (total, layers), schema.SCALE_ITEMSIZE, sample_ids)
-                columns[name + schema.SCALES_SUFFIX] = _binary_column(
-                    scales, row_offsets, layers * schema.SCALE_ITEMSIZE
-                )
-        return pa.Table.from_pydict(columns, schema=self._schema), lengths
-
-    def _check(
-        self, name: str, states: np.ndarray | None, expected: tuple[int, int], itemsize: int, sample_ids: Sequence[int]
-    ) -> None:
-        if states is None or states.shape != expected or states.dtype.itemsize != itemsize:
-            first, last = (sample_ids[0], sample_ids[-1]) if len(sample_ids) else (None, None)
-            got = "none" if states is None else f"shape {states.shape} and itemsize {states.dtype.itemsize}"
-            raise ValueError(
-                f"{self.path}: {name} for samples {first}..{last} has {got}; expected {expected} with itemsize "
-                f"{itemsize} ({self.metadata.state_dtype if itemsize == self.metadata.itemsize else 'float32'})"
-            )
-
     def finalize(self) -> ShardFileInfo:
         """Close, fsync and atomically publish the file under its final name."""
         if self._writer is None or self._file is None or self._hasher is None:
@@ -357,10 +362,10 @@ class ShardWriter:
         sha256 = hasher.finish(size)  # waits for the hasher, whose time its own clock counts
         self.clock.add(hasher.clock)
         with self.clock.stage("sync"):
-            _fsync_path(self.temp_path)
+            fsync_path(self.temp_path)
         with self.clock.stage("commit"):
             os.replace(self.temp_path, self.path)
-            _fsync_path(self.path.parent)
+            fsync_path(self.path.parent)
         return ShardFileInfo(
             path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256,
             nonfinite=tuple(self._nonfinite),
@@ -383,12 +388,3 @@ class ShardWriter:
                 self._hasher.stop()
                 self.clock.add(self._hasher.clock)
             self.temp_path.unlink(missing_ok=True)
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or directory by path (Linux flushes the inode whichever descriptor asks)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,8 +1,19 @@
-"""Test helpers: start an extractor actor, compute HF reference states."""
+"""What the tests share: the environment of the commands they start, a small job config, extractor actors,
+HF reference states, checks of a run's output, tools to damage files or sample a directory, the trainers'
+own loaders, and a process that holds a run's lock.
+
+Test modules import from here and from ``tests.conftest`` only, never from one another."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -10,9 +21,13 @@ import numpy as np
 import ray
 import torch
 
+from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
 from jobs.actors.extractor import fetch_batch, start_extractor
+from jobs.config import load_config
 from storage import ShardReader, ShardWriter
+from tests.conftest import REPO_ROOT
+from training import peer_formats
 
 
 def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
@@ -168,3 +183,163 @@ def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Pa
     duplicates = sorted(sample for sample, count in collections.Counter(seen).items() if count > 1)
     assert not duplicates, f"samples written more than once: {duplicates[:10]}"
     assert sorted(seen) == sorted(expected.tolist()), f"{len(seen)} samples written, {len(expected)} in the dataset"
+
+
+HIDDEN = 64
+"""Hidden size of the tiny test models (conftest)."""
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment of a command the tests start: this checkout on the path, no Ray address (a command
+    starts its own private cluster), Ray's auth off; ``extra`` on top."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    return dict(env, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """A user's shell: like ``python_env`` but without the test session's loopback switch either."""
+    env = python_env(RAY_USAGE_STATS_ENABLED="0", **extra)
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in extra:
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    return env
+
+
+def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
+    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=python_env(),
+                            capture_output=True, text=True, check=True)
+    return eval(result.stdout)
+
+
+def job_config(model, data, out, *extra):
+    """The job's config for a small CPU run of ``model`` over ``data`` into ``out``; ``extra`` overrides."""
+    return load_config(
+        [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
+         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free_bytes=1GB",
+         "output.budget_wait_s=30", *extra]
+    )
+
+
+def read_all(out_dir):
+    """Every sample of the shard files in ``out_dir`` by sample id (none may be there twice)."""
+    samples = {}
+    for path in sorted(out_dir.glob("shard-*.parquet")):
+        for sample in ShardReader(path):
+            assert sample.sample_id not in samples, f"sample {sample.sample_id} written twice"
+            samples[sample.sample_id] = sample
+    return samples
+
+
+def check_drafter(run_dir, variants: dict[str, dict], tmp_path) -> tuple[int, dict[str, str], str]:
+    """Run the CLI on every variant at once; returns the exit code and each variant's PASS/FAIL line."""
+    paths = []
+    for name, config in variants.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        paths.append(str(path))
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.check_drafter", *paths, f"output.dir={run_dir}"],
+        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
+    )
+    verdicts = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"(PASS|FAIL) .*/([\w+-]+)\.json: (.*)", line)
+        if found:
+            verdicts[found.group(2)] = f"{found.group(1)} {found.group(3)}"
+    return result.returncode, verdicts, result.stdout + result.stderr[-3000:]
+
+
+def with_ids(config: dict, ids: list[int]) -> dict:
+    return {**config, "eagle_config": {**config["eagle_config"], IDS: ids}}
+
+
+def vllm_style(config: dict, ids: list[int]) -> dict:
+    return {**{k: v for k, v in config.items() if k != "eagle_config"}, IDS: ids}
+
+
+class DiskSampler:
+    """Samples the bytes of shard files (final and temp) under a directory while the job runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for path in list(self.directory.glob("*shard-*")):  # committed and temp (.shard-*.tmp)
+                try:
+                    total += path.stat().st_size
+                except FileNotFoundError:
+                    pass  # uploaded and deleted between listing and stat
+            self.peak = max(self.peak, total)
+            self.samples += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> "DiskSampler":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def flip_middle(path, nbytes=4096) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - nbytes // 2
+    data[middle : middle + nbytes] = bytes(b ^ 0xFF for b in data[middle : middle + nbytes])
+    path.write_bytes(bytes(data))
+
+
+# -- the trainers' own loaders (speculators 0.9.0, SpecForge 0.2.0), and bit-for-bit equality ---------------
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Raw bits, so that equality is bit for bit (NaN-safe, -0 vs 0 told apart)."""
+    return tensor.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def specforge_files(directory: Path) -> list[str]:
+    """SpecForge 0.2.0's trainer lists its offline features with list_feature_files: every .ckpt / .ckpt.gz
+    below the directory, as absolute paths sorted as strings (the order it trains in)."""
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    return list_feature_files(str(directory))
+
+
+def specforge_item(path: str, max_len: int) -> dict:
+    """SpecForge 0.2.0's item for one file: its feature store's load_feature_file (torch.load, weights_only=False,
+    mmap), then the EAGLE-3 normalizer (normalize_offline_sample: what OfflineEagle3Dataset.process_data did)."""
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    return normalize_offline_sample(load_feature_file(path), max_len)
+
+
+def speculators_dataset(dest: Path, fp8: bool = False, **kwargs):
+    """speculators 0.9.0's own dataset over an export: ArrowDataset reading hidden_states/hs_{i}.safetensors through
+    its FileTransfer (fp8 files: FP8Transfer, which dequantizes them to bf16), never asking vLLM for a missing file."""
+    from hs_connectors.transfer import FileTransfer, FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    transfer = (FP8Transfer if fp8 else FileTransfer)(Path(dest) / "hidden_states")
+    return ArrowDataset(peer_formats.SPECFORGE_MAX_LEN, str(dest), transfer=transfer, on_missing="raise", **kwargs)
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from jobs.rundir.lock import OutputLock
+with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+"""A process that holds the output.dir lock of its argument until killed: ``python -c LOCK_HOLDER.format(root=...)``."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,10 +12,11 @@ from benchmarks.shapes import SHAPES
 from benchmarks.throughput import benchmark_layer_ids
 from extractor.layers import check_layer_ids
 from tests.conftest import REPO_ROOT
+from tests.helpers import python_env
 
 
 def test_throughput_benchmark_smoke(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
+    env = python_env()
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--shape", "tiny", "--device", "cpu", "--samples", "8",
@@ -50,7 +50,7 @@ def test_throughput_benchmark_smoke(tmp_path):
 
 
 def test_driver_scale_benchmark_smoke(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
+    env = python_env()
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.driver_scale", "--rows", "5000", "--shards", "50", "--mean-tokens", "8",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from jobs.status import status_report
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, read_all
+from tests.helpers import DiskSampler, job_config, python_env, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
@@ -54,43 +53,12 @@ def budget_config(model, data, out, budget, *extra):
     )
 
 
-class DiskSampler:
-    """Samples the bytes of shard files (final and temp) under a directory while the job runs."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for path in list(self.directory.glob("*shard-*")):  # committed and temp (.shard-*.tmp)
-                try:
-                    total += path.stat().st_size
-                except FileNotFoundError:
-                    pass  # uploaded and deleted between listing and stat
-            self.peak = max(self.peak, total)
-            self.samples += 1
-            time.sleep(0.005)
-
-    def __enter__(self) -> "DiskSampler":
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def assert_every_sample_once(samples, count=NUM_SAMPLES):
+def assert_sample_ids_complete(samples, count=NUM_SAMPLES):
+    """``samples`` (ids) are 0..count-1, each once."""
     assert sorted(samples) == list(range(count))
 
 
@@ -127,7 +95,7 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
     local_copy.mkdir()
     for record in manifest["shards"]:
         (local_copy / record["file"]).write_bytes(fs.cat_file(fs._strip_protocol(record["sink_url"])))
-    assert_every_sample_once(read_all(local_copy))
+    assert_sample_ids_complete(read_all(local_copy))
 
 
 def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
@@ -163,7 +131,7 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
     # this run's rate counts only what this run extracted
     assert summary["this_run"]["tokens"] == summary["tokens"] - stopped["tokens"] == planned
     assert summary["tokens_per_second"] == round(planned / summary["this_run"]["seconds"], 1)
-    assert_every_sample_once(read_all(out))
+    assert_sample_ids_complete(read_all(out))
     attempts = {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}
     assert all(attempts[r["index"]] == 1 for r in done), "done shards must not run again"
 
@@ -195,7 +163,7 @@ def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, data
     assert locations.count("consumed") >= 3 and set(locations) <= {"consumed", "local"}
     for name, data in seen.items():
         (out / name).write_bytes(data)
-    assert_every_sample_once(read_all(out))
+    assert_sample_ids_complete(read_all(out))
 
 
 def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tmp_path):
@@ -207,7 +175,7 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
         "model.device=cpu", "output.min_free_bytes=1GB", "output.max_inflight_batches=1",
         "extract.max_tokens_per_batch=64", f"ray.address={address}",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = python_env()  # ray.address names the session's cluster
     driver = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -227,7 +195,7 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
     assert read_manifest(out)["shards"]  # readable after the kill
     summary = run(job_config(llama_fp32, many, out, "data.shard_size=4", "extract.max_tokens_per_batch=64"))
     assert summary["shards_done"] == 40 and summary["shards_failed"] == {}
-    assert_every_sample_once(read_all(out), count=160)
+    assert_sample_ids_complete(read_all(out), count=160)
     assert not list(out.glob("*.tmp"))
 
 
@@ -253,13 +221,13 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert records[1]["attempts"] == 2 and records[1]["state"] == DONE
     assert all(records[i]["attempts"] == 1 for i in records if i != 1)
-    assert_every_sample_once(read_all(out))
+    assert_sample_ids_complete(read_all(out))
 
     # named shards rerun too, and nothing else
     summary = run(budget_config(llama_fp32, dataset, out, "1TB", "shards=[0,3]"))
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert [records[i]["attempts"] for i in range(5)] == [2, 2, 1, 2, 1]
-    assert_every_sample_once(read_all(out))
+    assert_sample_ids_complete(read_all(out))
 
 
 def test_resume_with_other_content_or_into_another_runs_directory_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
@@ -277,7 +245,7 @@ def test_resume_with_other_content_or_into_another_runs_directory_is_refused(ray
     assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == files
     records = read_manifest(out)["shards"]
     assert all(r["state"] == DONE and r["attempts"] == 1 for r in records)
-    assert_every_sample_once(read_all(out))
+    assert_sample_ids_complete(read_all(out))
 
 
 def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):

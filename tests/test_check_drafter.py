@@ -8,7 +8,6 @@ top-level key that SGLang ignores.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -16,11 +15,12 @@ import pytest
 
 from benchmarks.shapes import KIMI_K25
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
-from jobs.check_drafter import EXIT_BAD_INPUT, EXIT_MISMATCH
+from jobs.errors import EXIT_BAD_INPUT
+from jobs.errors import EXIT_DRAFTER_MISMATCH as EXIT_MISMATCH
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, python_env
+from tests.helpers import check_drafter, job_config, python_env, vllm_style, with_ids
 
 IDS = "eagle_aux_hidden_state_layer_ids"
 
@@ -48,33 +48,6 @@ def test_ids_are_read_as_sglang_reads_them(eagle_config, expected):
 def test_vllm_style_ids_are_the_top_level_key():
     assert vllm_style_ids({IDS: [3, 5, 6]}) == [3, 5, 6]
     assert vllm_style_ids({"eagle_config": {IDS: [3, 5, 6]}}) is None
-
-
-def check_drafter(run_dir, variants: dict[str, dict], tmp_path) -> tuple[int, dict[str, str], str]:
-    """Run the CLI on every variant at once; returns the exit code and each variant's PASS/FAIL line."""
-    paths = []
-    for name, config in variants.items():
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(config))
-        paths.append(str(path))
-    result = subprocess.run(
-        [sys.executable, "-m", "jobs.check_drafter", *paths, f"output.dir={run_dir}"],
-        cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
-    )
-    verdicts = {}
-    for line in result.stdout.splitlines():
-        found = re.match(r"(PASS|FAIL) .*/([\w+-]+)\.json: (.*)", line)
-        if found:
-            verdicts[found.group(2)] = f"{found.group(1)} {found.group(3)}"
-    return result.returncode, verdicts, result.stdout + result.stderr[-3000:]
-
-
-def with_ids(config: dict, ids: list[int]) -> dict:
-    return {**config, "eagle_config": {**config["eagle_config"], IDS: ids}}
-
-
-def vllm_style(config: dict, ids: list[int]) -> dict:
-    return {**{k: v for k, v in config.items() if k != "eagle_config"}, IDS: ids}
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,12 +16,7 @@ from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolv
 from jobs.driver.config import OutputConfig
 from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
-
-
-def python_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", **extra)
-    env.pop("RAY_ADDRESS", None)
-    return env
+from tests.helpers import python_env
 
 
 @pytest.mark.parametrize("override, message", [

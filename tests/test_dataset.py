@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import input_files
+from jobs.inputs import files as input_files
 from jobs.inputs.dataset import InvalidRow, open_tokenized_dataset
 
 VOCAB = 1000
@@ -291,7 +291,7 @@ def test_a_file_changed_during_the_run_is_noticed(tmp_path):
 def test_job_skips_invalid_rows_lists_them_and_keeps_sample_ids(ray_cluster, llama_fp32, tmp_path):
     from jobs.extract import run
     from jobs.rundir.summary import INVALID_ROWS_FILE
-    from tests.test_job import job_config, read_all
+    from tests.helpers import job_config, read_all
 
     rows = make_rows(12, 12)
     for row in rows:

@@ -10,8 +10,16 @@ import pytest
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
-from tests.helpers import ExtractorHandle, assert_matches_hf, engine_spec, extract_once, random_sequences, split_tokens
-from tests.test_job import job_config, read_all
+from tests.helpers import (
+    ExtractorHandle,
+    assert_matches_hf,
+    engine_spec,
+    extract_once,
+    job_config,
+    random_sequences,
+    read_all,
+    split_tokens,
+)
 
 HIDDEN = 64
 LENGTHS = (9, 1, 23, 5)

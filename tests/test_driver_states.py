@@ -302,7 +302,7 @@ def make_run(
     rescanner = Rescanner(manifest, lanes, uploads, rescan_s=0.01)
     disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
     progress.begin([budget])
-    loop = DriverLoop(scheduler, completions, uploads, rescanner, disk_wait, progress, work)
+    loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work)
     return Run(world, manifest, loop, budget, pool, extractor)
 
 

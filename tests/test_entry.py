@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
-import os
 import re
 import subprocess
 import sys
@@ -30,16 +29,9 @@ from jobs.status import status_report
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
-from tests.helpers import assert_run_verifies
-from tests.test_job import read_all
+from tests.helpers import assert_run_verifies, read_all, user_env
 
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def user_env(**extra: str) -> dict[str, str]:
-    """A user's shell: none of the test session's Ray settings (loopback switch, address)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    return dict(env, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **extra)
 
 
 def start_job(args: list[str], cwd: Path = REPO_ROOT, **env: str) -> subprocess.Popen:

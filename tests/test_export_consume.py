@@ -39,9 +39,15 @@ from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, python_env
-from tests.test_lock import HOLDER
-from tests.test_training_data import same, specforge_files, specforge_item, speculators_dataset
+from tests.helpers import (
+    LOCK_HOLDER,
+    job_config,
+    python_env,
+    same,
+    specforge_files,
+    specforge_item,
+    speculators_dataset,
+)
 from training import consume as consume_module
 from training import destination, peer_formats
 from training.dataset import HiddenStatesDataset
@@ -99,7 +105,7 @@ def allocated(*directories: Path) -> int:
     return total
 
 
-class DiskSampler:
+class DirectorySizes:
     """The largest total size of ``directories`` seen, sampled every millisecond or so while it runs."""
 
     def __init__(self, *directories: Path) -> None:
@@ -114,7 +120,7 @@ class DiskSampler:
             self.samples += 1
             time.sleep(0.001)
 
-    def __enter__(self) -> "DiskSampler":
+    def __enter__(self) -> "DirectorySizes":
         self._thread.start()
         return self
 
@@ -185,7 +191,7 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
     shards = shard_bytes(run_dir)
     source = allocated(run_dir)
     started = time.perf_counter()
-    with DiskSampler(run_dir, dest, scratch) as disk:
+    with DirectorySizes(run_dir, dest, scratch) as disk:
         assert export(run_dir, to, dest, "consume=true", *extra) == 0
     seconds = time.perf_counter() - started
     assert "8 shards consumed" in capsys.readouterr().out
@@ -246,7 +252,7 @@ def test_killed_consume_resumes_where_it_stopped(shaped_runs, tmp_path, capsys):
     source = allocated(run_dir)
     command = [sys.executable, "-m", "jobs.export", f"output.dir={run_dir}", "to=speculators", f"dest={dest}",
                "consume=true", "threads=1"]
-    with DiskSampler(run_dir, dest) as disk:
+    with DirectorySizes(run_dir, dest) as disk:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=python_env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE)
         deadline = time.monotonic() + 300
@@ -266,7 +272,7 @@ def test_killed_consume_resumes_where_it_stopped(shaped_runs, tmp_path, capsys):
     present = {path: path.stat().st_mtime_ns for path in (dest / "hidden_states").glob("hs_*.safetensors")}
     assert len(present) > SHARD_SIZE * len(consumed)
 
-    with DiskSampler(run_dir, dest) as resumed_disk:
+    with DirectorySizes(run_dir, dest) as resumed_disk:
         assert export(run_dir, "speculators", dest, "consume=true") == 0
     out = capsys.readouterr().out
     assert f"{SAMPLES - len(present)} written, {len(present)} already there" in out, out
@@ -329,7 +335,7 @@ def test_a_flipped_byte_or_a_wrong_file_is_caught_before_its_shard_is_deleted(sh
 
 def test_consume_refuses_what_it_cannot_do_safely(shaped_runs, tmp_path, capsys):
     run_dir = consumable_copy(shaped_runs, "post", tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(REPO_ROOT)), str(run_dir)],
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(root=str(REPO_ROOT)), str(run_dir)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -274,11 +274,11 @@ def test_a_fault_while_waiting_for_disk_loses_no_shard(ray_cluster, llama_fp32, 
     assert_every_sample_once(consumed, dataset)
 
 
-def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, capsys):
     """Instead of waiting forever for CPU slots Ray does not have; refused before the manifest or any actor."""
     out = tmp_path / "out"
     assert main(job_args(llama_fp32, dataset, out, "output.num_writers=64")) == EXIT_BAD_INPUT
-    assert "output.num_writers=64, but node 127.0.0.1 has 2 CPUs" in caplog.text
+    assert "output.num_writers=64, but node 127.0.0.1 has 2 CPUs" in capsys.readouterr().err
     assert not (out / MANIFEST_FILE).exists() and not list(out.glob("shard-*"))
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,33 +10,21 @@ import pytest
 import torch
 
 from extractor.quantize import quantize_fp8
-from jobs.config import load_config
 from jobs.extract import run
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.planning.shards import pack_batches
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE
 from storage import ShardReader
-from tests.conftest import REPO_ROOT
-from tests.helpers import ExtractorHandle, assert_reads_as_parquet_dataset, engine_spec, split_tokens
-
-HIDDEN = 64
-
-
-def job_config(model, data, out, *extra):
-    return load_config(
-        [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
-         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free_bytes=1GB",
-         "output.budget_wait_s=30", *extra]
-    )
-
-
-def read_all(out_dir):
-    samples = {}
-    for path in sorted(out_dir.glob("shard-*.parquet")):
-        for sample in ShardReader(path):
-            assert sample.sample_id not in samples, f"sample {sample.sample_id} written twice"
-            samples[sample.sample_id] = sample
-    return samples
+from tests.helpers import (
+    HIDDEN,
+    ExtractorHandle,
+    assert_reads_as_parquet_dataset,
+    engine_spec,
+    imported_by,
+    job_config,
+    read_all,
+    split_tokens,
+)
 
 
 def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset, tmp_path):
@@ -178,19 +163,6 @@ def test_uncapturable_layer_is_rejected_before_any_work(ray_cluster, llama_fp32,
     with pytest.raises(ValueError, match=r"\[7\] cannot be captured from a 8-layer model"):
         run(job_config(llama_fp32, demo_dataset, tmp_path / "out", "extract.layers=[2,4,7]"))
     assert not (tmp_path / "out").exists()
-
-
-def python_env():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
-    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=python_env(),
-                            capture_output=True, text=True, check=True)
-    return eval(result.stdout)
 
 
 def test_storage_and_jobs_do_not_import_sglang():

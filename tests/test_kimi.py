@@ -21,16 +21,23 @@ from safetensors.torch import load_file
 from benchmarks.shapes import KIMI_K25, kimi_k25_reduced
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
-from jobs.check_drafter import EXIT_MISMATCH
+from jobs.errors import EXIT_DRAFTER_MISMATCH
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
-from tests.helpers import engine_spec, random_sequences
-from tests.test_check_drafter import check_drafter, vllm_style, with_ids
-from tests.test_job import job_config, python_env, read_all
+from tests.helpers import (
+    check_drafter,
+    engine_spec,
+    job_config,
+    python_env,
+    random_sequences,
+    read_all,
+    vllm_style,
+    with_ids,
+)
 
 KIMI = "KimiK25ForConditionalGeneration"
 DEEPSEEK = "DeepseekV3ForCausalLM"
@@ -187,7 +194,7 @@ def test_check_drafter_through_the_wrapper(kimi_demo, tmp_path):
         "minus1": with_ids(written, [2, 4, 5]),  # SGLang's default for this depth, and SpecForge's convention
         "vllm": vllm_style(written, [3, 5, 6]),
     }, tmp_path)
-    assert code == EXIT_MISMATCH, output
+    assert code == EXIT_DRAFTER_MISMATCH, output
     assert verdicts["written"].startswith("PASS") and KIMI in verdicts["written"], output
     assert "would capture layers_to_capture [4, 6, 7]" in verdicts["plus1"], output
     assert "would capture layers_to_capture [2, 4, 5]" in verdicts["minus1"], output

@@ -120,3 +120,14 @@ def test_the_rules_see_real_imports():
     assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"], top_level_only=False))
     assert "extractor.config" in _imports(modules["jobs.config"], top_level_only=True)
     assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"], True)
+
+
+def test_test_modules_import_only_the_shared_helpers():
+    """Test modules share code through tests.helpers and tests.conftest, never through one another."""
+    offending = sorted(
+        f"{path.name} imports {imported}"
+        for path in (REPO_ROOT / "tests").glob("test_*.py")
+        for imported in _imports(path, top_level_only=False)
+        if imported.startswith("tests.test_")
+    )
+    assert offending == []

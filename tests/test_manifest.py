@@ -14,6 +14,7 @@ import pytest
 from storage import manifest as manifest_module
 from storage.manifest import DONE, MANIFEST_FILE, MANIFEST_JOURNAL_FILE, Manifest, ShardRecord, read_manifest
 from tests.conftest import REPO_ROOT
+from tests.helpers import python_env
 
 CONTENT = {"data.fingerprint": "abc", "data.shard_size": 4}
 PLAN = [(i, 4 * i, 4 * i + 4) for i in range(40)]
@@ -123,7 +124,7 @@ def test_kill_9_in_a_stream_of_updates_loses_no_completed_update(tmp_path, kill_
     first = 1
     for _ in range(2):  # killed, reopened, killed again
         child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(first)], cwd=REPO_ROOT,
-                                 stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+                                 stdout=subprocess.PIPE, env=python_env())
         seen = 0
         for _ in child.stdout:
             seen += 1

@@ -7,7 +7,6 @@ Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,8 +16,7 @@ from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
 from tests.conftest import REPO_ROOT, ray_temp_dir
-from tests.helpers import assert_every_sample_once, assert_run_verifies
-from tests.test_budget_resume import DiskSampler
+from tests.helpers import DiskSampler, assert_every_sample_once, assert_run_verifies, python_env
 
 NUM_SAMPLES = 24
 SHARD_SIZE = 4
@@ -52,8 +50,7 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
         "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0", f"output.disk_budget={BUDGET}",
         "output.rescan_s=0.2", f"output.sink=file://{sink}",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    env.pop("RAY_ADDRESS", None)
+    env = python_env()
     samplers = {name: DiskSampler(directory) for name, directory in node_dirs.items()}
     for sampler in samplers.values():
         sampler.__enter__()
@@ -101,8 +98,7 @@ def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_f
         f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
         "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    env.pop("RAY_ADDRESS", None)
+    env = python_env()
 
     def job(*extra: str) -> None:
         done = subprocess.run([sys.executable, "-m", "jobs.extract", *args, *extra], cwd=REPO_ROOT, env=env,

@@ -17,8 +17,7 @@ from jobs.rundir.summary import NOTHING_TO_DO
 from jobs.verify import main as verify_main
 from storage import ShardReader, shard_file_name
 from storage.manifest import read_manifest
-from tests.test_job import job_config, read_all
-from tests.test_verify import flip_middle
+from tests.helpers import flip_middle, job_config, read_all
 
 NAN_TOKEN = 7
 NUM_SAMPLES = 12

@@ -20,7 +20,7 @@ from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, python_env
+from tests.helpers import job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
             "output.min_free_bytes=1GB")

@@ -1,4 +1,4 @@
-"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, the README's
+"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, docs/training.md's
 training example. Three real runs of the job on a tiny Llama (bf16 post-norm, bf16 pre-norm, fp8
 pre-norm), built once; the sample with id 5 is an invalid row the runs skip, so sample ids have a gap."""
 
@@ -22,7 +22,16 @@ from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
 from storage.manifest import DONE, SINK, Manifest, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.test_job import HIDDEN, imported_by, job_config
+from tests.helpers import (
+    HIDDEN,
+    bits,
+    imported_by,
+    job_config,
+    same,
+    specforge_files,
+    specforge_item,
+    speculators_dataset,
+)
 from training import peer_formats
 from training.dataset import HiddenStatesDataset, collate
 from training.destination import Destination
@@ -64,46 +73,8 @@ def shard_samples(run_dir: Path, raw_fp8: bool = False) -> dict:
     return samples
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Raw bits, so that equality is bit for bit (NaN-safe, -0 vs 0 told apart)."""
-    return tensor.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
 def export(run_dir, to: str, dest, *extra: str) -> int:
     return export_job.main([f"output.dir={run_dir}", f"to={to}", f"dest={dest}", *extra])
-
-
-# -- how the trainers read their files: their own code (speculators 0.9.0, SpecForge 0.2.0) ------------
-
-def specforge_files(directory: Path) -> list[str]:
-    """SpecForge 0.2.0's trainer lists its offline features with list_feature_files: every .ckpt / .ckpt.gz
-    below the directory, as absolute paths sorted as strings (the order it trains in)."""
-    from specforge.runtime.data_plane.offline_reader import list_feature_files
-
-    return list_feature_files(str(directory))
-
-
-def specforge_item(path: str, max_len: int) -> dict:
-    """SpecForge 0.2.0's item for one file: its feature store's load_feature_file (torch.load, weights_only=False,
-    mmap), then the EAGLE-3 normalizer (normalize_offline_sample: what OfflineEagle3Dataset.process_data did)."""
-    from specforge.algorithms.eagle3.data import normalize_offline_sample
-    from specforge.runtime.data_plane.feature_store import load_feature_file
-
-    return normalize_offline_sample(load_feature_file(path), max_len)
-
-
-def speculators_dataset(dest: Path, fp8: bool = False, **kwargs):
-    """speculators 0.9.0's own dataset over an export: ArrowDataset reading hidden_states/hs_{i}.safetensors through
-    its FileTransfer (fp8 files: FP8Transfer, which dequantizes them to bf16), never asking vLLM for a missing file."""
-    from hs_connectors.transfer import FileTransfer, FP8Transfer
-    from speculators.train.data import ArrowDataset
-
-    transfer = (FP8Transfer if fp8 else FileTransfer)(Path(dest) / "hidden_states")
-    return ArrowDataset(peer_formats.SPECFORGE_MAX_LEN, str(dest), transfer=transfer, on_missing="raise", **kwargs)
 
 
 # -- the dataset ------------------------------------------------------------------------------------
@@ -379,8 +350,8 @@ def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
 def test_export_refuses_what_the_format_cannot_take(runs, tmp_path, capsys, run_name, to, extra, message):
     dest = tmp_path / "dest"
     assert export(runs[run_name], to, dest, *extra) == 2
-    error = capsys.readouterr().err  # the refusal: one line on stderr
-    assert re.search(message, error), error
+    errors = capsys.readouterr().err
+    assert re.search(message, errors), errors
     assert not dest.exists()
 
 
@@ -400,8 +371,8 @@ def test_export_refuses_foreign_or_other_content_and_partial_runs(runs, tmp_path
     manifest.update(2, state="failed", error="a test")
     manifest.close()
     assert export(partial, "specforge", tmp_path / "partial") == 2
-    error = capsys.readouterr().err
-    assert "2 of 3 shards are read; left out: 1 failed" in error and "allow_partial=true" in error
+    errors = capsys.readouterr().err
+    assert "2 of 3 shards are read; left out: 1 failed" in errors and "allow_partial=true" in errors
     assert export(partial, "specforge", tmp_path / "partial", "allow_partial=true") == 0
     assert len(specforge_files(tmp_path / "partial")) == 16
 
@@ -461,14 +432,14 @@ def test_a_failed_write_leaves_no_file(tmp_path):
     assert_failed_write_leaves_nothing(Destination(str(tmp_path / "dest")), os.path.exists)
 
 
-# -- the README's training example ------------------------------------------------------------------
+# -- the training example of docs/training.md ---------------------------------------------------------
 
-def test_readme_training_example_takes_a_step(runs):
-    text = (REPO_ROOT / "README.md").read_text()
+def test_docs_training_example_takes_a_step(runs):
+    text = (REPO_ROOT / "docs" / "training.md").read_text()
     block = re.search(r"<!-- training example.*?-->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert block, "the README's training example block is missing"
+    assert block, "the training example block of docs/training.md is missing"
     namespace = {"RUN": str(runs["post"])}
-    exec(compile(block.group(1), "README.md (training example)", "exec"), namespace)
+    exec(compile(block.group(1), "docs/training.md (training example)", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
     changed = [not torch.equal(a, b) for a, b in zip(namespace["before"], namespace["drafter"].parameters())]
     assert all(changed), "every drafter weight should move in one step"

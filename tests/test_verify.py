@@ -23,6 +23,7 @@ HIDDEN = 32
 LAYERS = [1, 2, 3]
 ROWS = 4
 NAN_BF16 = np.int16(0x7FC0)
+from tests.helpers import flip_middle
 
 
 def metadata(state_dtype="bfloat16", layer_ids=LAYERS) -> ShardMetadata:
@@ -86,13 +87,6 @@ def write_run(out, shards=3, meta=None, invalid=(), **shard_options):
 def verify_lines(out, *extra, capsys) -> tuple[int, list[str]]:
     code = verify_main([f"output.dir={out}", *extra])
     return code, capsys.readouterr().out.strip().splitlines()
-
-
-def flip_middle(path, nbytes=4096) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2 - nbytes // 2
-    data[middle : middle + nbytes] = bytes(b ^ 0xFF for b in data[middle : middle + nbytes])
-    path.write_bytes(bytes(data))
 
 
 def test_a_whole_run_verifies_and_skipped_rows_are_not_missing(tmp_path, capsys):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from storage.atomic import fsync_path
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
@@ -162,11 +163,7 @@ class ShardConsumer:
 
     def _delete(self, path: Path) -> None:
         path.unlink()
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the deletion is durable before the next shard's files are written
-        finally:
-            os.close(fd)
+        fsync_path(path.parent)  # the deletion is durable before the next shard's files are written
 
 
 def load_file(trainer: str, data: bytes) -> dict[str, torch.Tensor]:

@@ -13,10 +13,13 @@ import hashlib
 import json
 import os
 import threading
+from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from storage.atomic import fsync_path
 
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
@@ -128,11 +131,7 @@ class Destination:
             parts = relpath.split("/")[:-1]
             directories.update(self.path("/".join(parts[:depth])) for depth in range(1, len(parts) + 1))
         for directory in sorted(directories, key=len, reverse=True):
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(Path(directory))
 
     def remove(self, relpath: str) -> None:
         """Delete a file or directory the caller wrote here (its own bookkeeping), if it is there."""

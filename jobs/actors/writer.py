@@ -37,6 +37,12 @@ class BatchRows:
     loss_masks: np.ndarray
     """uint8, flat like ``tokens.ids``."""
 
+    @classmethod
+    def of(cls, dataset: Any, shard: int, first: int, last: int) -> "BatchRows":
+        """Kept rows [first, last) of ``dataset`` (a ``TokenizedDataset``), for ``shard``."""
+        tokens, loss_masks = dataset.flat_rows(first, last)
+        return cls(shard=shard, sample_ids=dataset.sample_ids[first:last], tokens=tokens, loss_masks=loss_masks)
+
 
 class ShardFailed(RuntimeError):
     pass

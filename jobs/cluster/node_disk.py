@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from storage.atomic import write_synced
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
 
 CLAIM_FILE = ".eagle3-claim.json"
@@ -105,10 +106,7 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional
         # Written whole under a private name, then linked to the claim's: of two runs claiming at once,
         # exactly one link succeeds, and nobody ever reads a half-written claim.
         temp = path / f"{CLAIM_FILE}.{os.getpid()}.tmp"
-        with open(temp, "w") as file:
-            json.dump(owner, file)
-            file.flush()
-            os.fsync(file.fileno())
+        write_synced(temp, json.dumps(owner).encode())
         try:
             os.link(temp, claim)
         except FileExistsError:

@@ -148,6 +148,18 @@ class Lanes:
     def __len__(self) -> int:
         return len(self._lanes)
 
+    @property
+    def any_open(self) -> bool:
+        return any(lane.has_open for lane in self._lanes)
+
+    def open_count(self) -> int:
+        return sum(len(lane.open) for lane in self._lanes)
+
+    def ready(self) -> Optional[Lane]:
+        """The lane with open shards and the fewest batches in flight, if it may take one more."""
+        lanes = [lane for lane in self._lanes if lane.may_send]
+        return min(lanes, key=lambda lane: lane.inflight) if lanes else None
+
     def home(self, record: ShardRecord) -> Optional[Lane]:
         """The lane on the node holding a done shard's file (records of single-node runs name no node:
         output.dir's); None if that node is not in this run's cluster."""

@@ -13,6 +13,7 @@ import time
 
 from jobs.driver.completions import Completions
 from jobs.driver.disk_wait import DiskWait
+from jobs.driver.lanes import Lanes
 from jobs.driver.progress import RunProgress
 from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
@@ -22,9 +23,10 @@ from jobs.driver.work import PendingWork
 
 class DriverLoop:
     def __init__(
-        self, scheduler: Scheduler, completions: Completions, uploads: UploadQueue, rescanner: Rescanner,
+        self, lanes: Lanes, scheduler: Scheduler, completions: Completions, uploads: UploadQueue, rescanner: Rescanner,
         disk_wait: DiskWait, progress: RunProgress, work: PendingWork,
     ) -> None:
+        self._lanes = lanes
         self._scheduler = scheduler
         self._completions = completions
         self._uploads = uploads
@@ -40,7 +42,7 @@ class DriverLoop:
                 self._progress.tick()
                 self._rescanner.rescan_if_due()
                 self._disk_wait.update(scheduler.open_what_fits())
-                lane = scheduler.ready_lane()
+                lane = self._lanes.ready()
                 if lane is not None:
                     scheduler.send_batch(lane)
                 elif work:

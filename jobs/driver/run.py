@@ -72,8 +72,6 @@ class ExtractionRun:
         self._extract, self._output, self._output_dir = extract, output, output_dir
         self._manifest, self._budget, self._groups, self._progress = manifest, budget, groups, progress
         self._work = PendingWork()
-        self._lanes: list[Lane] = []
-        """Lanes whose actors exist (filled while they start: stopped also after a failed start)."""
         self._started: Optional[StartedLanes] = None
         self._scheduler: Optional[Scheduler] = None
         self._completions: Optional[Completions] = None
@@ -98,14 +96,15 @@ class ExtractionRun:
             self._progress.close()
         finally:
             stop_uploaders(self._uploaders)
-            self._stopped = stop_lanes(self._lanes, collect_stats=not ended_early)
+            lanes = list(self._started.lanes) if self._started is not None else []
+            self._stopped = stop_lanes(lanes, collect_stats=not ended_early)
 
     def run(self) -> None:
         """Start the actors and drive every shard to done (or failed); ``result`` tells what the run
         measured once the ``with`` block has stopped the actors."""
         self._clock["start"] = time.perf_counter()
         self._started = start_lanes(
-            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir, self._lanes
+            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir
         )
         lanes = self._started.lanes
         self._uploaders = start_uploaders(self._output, lanes)
@@ -121,7 +120,7 @@ class ExtractionRun:
         self._clock["first_batch"] = time.perf_counter()
         self._progress.begin(lanes.budgets())
         DriverLoop(
-            self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
+            lanes, self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
         ).run()
         self._clock["end"] = time.perf_counter()
 

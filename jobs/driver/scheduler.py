@@ -38,6 +38,38 @@ from storage.manifest import DONE, FAILED, LOCAL, PENDING, Manifest, ShardRecord
 logger = logging.getLogger(__name__)
 
 
+class ShardQueue:
+    """Shards waiting to be opened, in plan order (a shard a fault cut short goes first), and the tries
+    each has had in this run."""
+
+    def __init__(self, shards: list[ShardRecord], max_attempts: int) -> None:
+        self._waiting = collections.deque(shards)
+        self._tries: dict[int, int] = {}
+        self.max_attempts = max_attempts
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def next(self) -> ShardRecord:
+        return self._waiting[0]
+
+    def take(self) -> ShardRecord:
+        """The next shard, now being tried."""
+        record = self._waiting.popleft()
+        self._tries[record.index] = self.tries(record.index) + 1
+        return record
+
+    def tries(self, shard: int) -> int:
+        return self._tries.get(shard, 0)
+
+    def tries_left(self, shard: int) -> bool:
+        return self.tries(shard) < self.max_attempts
+
+    def first(self, record: ShardRecord) -> None:
+        """A shard to extract again before the shards not started yet."""
+        self._waiting.appendleft(record)
+
+
 class Scheduler:
     def __init__(
         self, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord], manifest: Manifest,
@@ -50,21 +82,15 @@ class Scheduler:
         self._work = work
         self._progress = progress
         self._bytes_per_token = bytes_per_token
-        self._max_attempts = max_attempts
-        self._waiting = collections.deque(shards)
+        self._waiting = ShardQueue(shards, max_attempts)
         self._active: dict[int, ShardAttempt] = {}
         """Attempts not settled yet: open, finishing, or being discarded after a fault."""
-        self._tries: dict[int, int] = {}
         self.peak_open_shards = 0
 
     @property
     def has_work(self) -> bool:
         """Shards wait to be opened, or are not settled yet."""
         return bool(self._waiting or self._active)
-
-    @property
-    def any_open(self) -> bool:
-        return any(lane.has_open for lane in self._lanes)
 
     def active(self) -> list[ShardAttempt]:
         return list(self._active.values())
@@ -83,15 +109,15 @@ class Scheduler:
                 writer = lane.free_writer()
                 if writer is None:
                     break
-                record = self._waiting[0]
+                record = self._waiting.next()
                 shard = self._plan[record.index]
                 nbytes = lane.budget.predict(shard.tokens, self._bytes_per_token, len(shard.batches))
                 if lane.refused_since_last_change() or lane.budget.blocking_policy(nbytes) is not None:
                     lane.refused()
                     blocked = blocked or (lane, nbytes)
                     break
-                self._open(lane, writer, self._waiting.popleft(), nbytes)
-        return None if self.any_open else blocked
+                self._open(lane, writer, self._waiting.take(), nbytes)
+        return None if self._lanes.any_open else blocked
 
     def _open(self, lane: Lane, writer: Any, record: ShardRecord, nbytes: int) -> None:
         lane.budget.reserve(record.index, nbytes)
@@ -99,24 +125,14 @@ class Scheduler:
         attempt = ShardAttempt(record, lane, writer, self._plan[record.index].batches, nbytes)
         lane.add(attempt)
         self._active[record.index] = attempt
-        self._tries[record.index] = self._tries.get(record.index, 0) + 1
-        self.peak_open_shards = max(self.peak_open_shards, sum(len(lane.open) for lane in self._lanes))
-
-    def ready_lane(self) -> Optional[Lane]:
-        """The lane with open shards and the fewest batches in flight, if it may take one more."""
-        lanes = [lane for lane in self._lanes if lane.may_send]
-        return min(lanes, key=lambda lane: lane.inflight) if lanes else None
+        self.peak_open_shards = max(self.peak_open_shards, self._lanes.open_count())
 
     def send_batch(self, lane: Lane) -> None:
         """The next batch of the lane's open shard with the fewest batches in flight."""
         attempt = lane.least_busy()
         start, stop = attempt.next_batch()
-        first, last = attempt.record.start + start, attempt.record.start + stop
-        tokens, loss_masks = self._dataset.flat_rows(first, last)
-        rows = BatchRows(
-            shard=attempt.index, sample_ids=self._dataset.sample_ids[first:last], tokens=tokens, loss_masks=loss_masks
-        )
-        extracted = lane.extractor.extract(tokens)
+        rows = BatchRows.of(self._dataset, attempt.index, attempt.record.start + start, attempt.record.start + stop)
+        extracted = lane.extractor.extract(rows.tokens)
         self._work.add(attempt.writer.append.remote(rows, [extracted]), Append(attempt, attempt.writer, lane.extractor.generation))
         lane.batch_sent()
         if attempt.all_sent:
@@ -195,15 +211,14 @@ class Scheduler:
         attempt.lane.budget.release(attempt.index)
         self._progress.shard_discarded(attempt.index)
         self._settled(attempt)
-        tries = self._tries[attempt.index]
-        if tries >= self._max_attempts:
+        if not self._waiting.tries_left(attempt.index):
             self._manifest.update(attempt.index, state=FAILED, error=attempt.lost)
             self._progress.shard_settled(attempt.index)
             raise JobFault(
-                f"shard {attempt.index} was cut short by faults {tries} times in this run (extract.max_attempts="
-                f"{self._max_attempts}); last: {attempt.lost}. {RERUN}"
+                f"shard {attempt.index} was cut short by faults {self._waiting.tries(attempt.index)} times in this "
+                f"run (extract.max_attempts={self._waiting.max_attempts}); last: {attempt.lost}. {RERUN}"
             )
-        self._waiting.appendleft(self._manifest.update(attempt.index, error=attempt.lost))
+        self._waiting.first(self._manifest.update(attempt.index, error=attempt.lost))
 
     def _settled(self, attempt: ShardAttempt) -> None:
         attempt.lane.close(attempt)

@@ -57,27 +57,40 @@ class StartedLanes:
 
 def start_lanes(
     spec: EngineSpec, groups: list[NodeGroup], extract: ExtractConfig, output: OutputConfig, budget: DiskBudget,
-    output_dir: Path, started: list[Lane],
+    output_dir: Path,
 ) -> StartedLanes:
-    """Extractors and writers of every group, ready. ``started`` receives each lane as soon as its actors
-    exist, so that the caller can stop them also when the start fails half-way."""
+    """Extractors and writers of every group, ready; if the start fails half-way (or a signal stops it),
+    the actors already started are stopped before the error goes on."""
     extractors = [
         ExtractorHost(spec, extract.max_restarts, group.placement(), f"node {group.name}") for group in groups
     ]
-    for extractor in extractors:  # every node loads its model at the same time
-        extractor.launch()
-    engine = [extractor.ready() for extractor in extractors][0]
-    metadata = shard_metadata(engine, spec)
-    budgets: dict[Path, DiskBudget] = {}
-    for group, extractor in zip(groups, extractors):
-        writers = WriterPool(group.directory, metadata, extract.on_nonfinite, group.writers, group.placement())
-        if group.directory not in budgets:
-            budgets[group.directory] = budget.for_disk(group.disk())
-        max_inflight = output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
-        started.append(Lane(group, extractor, writers, budgets[group.directory], max_inflight))
-    bytes_per_token = state_bytes_per_token(metadata)
-    warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in started]
-    for lane in started:
+    lanes: list[Lane] = []
+    try:
+        for extractor in extractors:  # every node loads its model at the same time
+            extractor.launch()
+        engine = [extractor.ready() for extractor in extractors][0]
+        metadata = shard_metadata(engine, spec)
+        budgets: dict[Path, DiskBudget] = {}
+        for group, extractor in zip(groups, extractors):
+            writers = WriterPool(group.directory, metadata, extract.on_nonfinite, group.writers, group.placement())
+            if group.directory not in budgets:
+                budgets[group.directory] = budget.for_disk(group.disk())
+            max_inflight = output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
+            lanes.append(Lane(group, extractor, writers, budgets[group.directory], max_inflight))
+        bytes_per_token = state_bytes_per_token(metadata)
+        _wait_for_writers(lanes, spec, bytes_per_token)
+    except BaseException:
+        stop_lanes(lanes, collect_stats=False)
+        for extractor in extractors[len(lanes):]:
+            extractor.stop(collect_stats=False)
+        raise
+    return StartedLanes(Lanes(lanes, output_dir), engine, bytes_per_token)
+
+
+def _wait_for_writers(lanes: list[Lane], spec: EngineSpec, bytes_per_token: int) -> None:
+    """While the writers start: the batches in flight, and a little more, touch the object store's pages."""
+    warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in lanes]
+    for lane in lanes:
         _check_node(lane, lane.writers.wait_ready())
         logger.info(
             "node %s: %d writers, at most %d batches in flight (about %s of states in memory) -> %s",
@@ -85,7 +98,6 @@ def start_lanes(
             format_bytes(lane.max_inflight * spec.max_tokens_per_batch * bytes_per_token), lane.group.directory,
         )
     ray.get(warmed)
-    return StartedLanes(Lanes(list(started), output_dir), engine, bytes_per_token)
 
 
 def stop_lanes(lanes: list[Lane], collect_stats: bool) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from jobs.config import ConfigError
+from storage.atomic import replace_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,7 @@ def _cached_answer(model_path: str, layer_ids: list[int], dtype: str) -> Optiona
     answer = _probe(model_path, layer_ids, dtype)
     if answer is not None:
         cache.mkdir(parents=True, exist_ok=True)
-        temp = entry.with_suffix(f".{os.getpid()}.tmp")
-        temp.write_text(json.dumps(answer))
-        temp.replace(entry)
+        replace_atomically(entry, json.dumps(answer), temp_suffix=f".{os.getpid()}.tmp")
     return answer
 
 

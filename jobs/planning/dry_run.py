@@ -174,7 +174,7 @@ def _layers(inputs: RunInputs) -> Layers:
         raise ValueError(
             f"SGLang {plan.target.sglang_version} would not read back the drafter config the job writes "
             f"(ids {plan.drafter_layer_ids}): {served.error or f'it captures {served.layers_to_capture}'}; "
-            "check the installed SGLang against README 'Supported versions'"
+            "check the installed SGLang against docs/install.md, 'Supported versions'"
         )
     return Layers(
         plan.layer_ids, plan.layers_to_capture, plan.drafter_layer_ids,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
 
 if TYPE_CHECKING:
@@ -63,9 +63,12 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
 def check_done_files(
     disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
 ) -> list[int]:
-    """Before a rerun trusts them: every done shard's file in this node's directory is there, of the size
-    the manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending
-    again (the clean-up removes what is left of it) and is written again; returns those shards."""
+    """Before a rerun trusts them: every done shard's file in this node's directory is of the size the
+    manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending again
+    (the clean-up removes what is left of it) and is written again; returns those shards.
+
+    A file that is gone is recorded as consumed, as the running job's rescan records a file a trainer
+    deleted: writing it again would hand the trainer its samples twice (``shards=[i]`` rewrites one)."""
     records = [
         record for record in manifest.in_state(DONE)
         if record.location == LOCAL and (record.node == node or (not record.node and holds_unnamed))
@@ -75,8 +78,11 @@ def check_done_files(
     for record in records:
         size, sha256 = facts.get(record.file, (None, ""))
         if size is None:
-            problem = "missing"
-        elif size != record.bytes:
+            logger.warning("shard %d: %s is gone; recorded as consumed (rerun with shards=[%d] to write it again)",
+                           record.index, disk.directory / record.file, record.index)
+            manifest.update(record.index, location=CONSUMED)
+            continue
+        if size != record.bytes:
             problem = f"{size} bytes, the manifest recorded {record.bytes}"
         elif checksum and sha256 != record.sha256:
             problem = "its sha256 is not the one the manifest recorded"
@@ -107,10 +113,7 @@ def clean_output_dir(
     }
     for name in disk.clean(keep):
         logger.info("removing %s from %s (not recorded as done there)", name, disk.directory)
-    for index, record in manifest.shards.items():
-        if index in rerun:
-            manifest.shards[index] = ShardRecord(index, record.start, record.stop, attempts=record.attempts)
-    manifest.save()
+    manifest.start_over(rerun)
 
 
 def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:

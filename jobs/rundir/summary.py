@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jobs.config import JobConfig
 from jobs.inputs.dataset import InvalidRow
+from storage.atomic import replace_atomically
 from storage.manifest import DONE, FAILED, SINK, Manifest
 from storage.nonfinite import KEPT, SKIPPED
 
@@ -45,14 +45,8 @@ def _now() -> str:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically (temp, fsync, rename): a reader sees the old file or the new one."""
-    temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w") as file:
-        json.dump(payload, file, indent=2)
-        file.write("\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temp, path)
+    """Write atomically: a reader sees the old file or the new one."""
+    replace_atomically(path, json.dumps(payload, indent=2) + "\n")
 
 
 def manifest_totals(manifest: Manifest) -> dict[str, Any]:
@@ -102,9 +96,7 @@ def write_invalid_rows(output_dir: Path, invalid: Sequence[InvalidRow]) -> None:
     """Every row left out under data.on_invalid=skip (file, file_row, sample_id, reason), atomically."""
     if not invalid:
         return
-    temp = output_dir / (INVALID_ROWS_FILE + ".tmp")
-    temp.write_text("".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
-    temp.replace(output_dir / INVALID_ROWS_FILE)
+    replace_atomically(output_dir / INVALID_ROWS_FILE, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
 
 
 class RunSummary:

@@ -1,0 +1,200 @@
+"""Every outcome tells the truth: refusals before Ray with exit 2 (or 3) naming the key, reruns that check
+what they trust, a changed input caught, signals during a Ray call, upload failures that are not "complete".
+
+Commands run as real processes where the exit code, the lack of a Ray start or what is left on disk is the
+point; the rest through the job's own ``run``/``main`` on the session's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.driver.job import run
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.inputs.demo import build_tiny_model
+from jobs.rundir.lock import LOCK_FILE
+from jobs.rundir.summary import read_summary
+from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_every_sample_once, job_config, python_env
+
+RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
+
+
+def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=python_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def base_args(model: Path, data: Path, out: Path) -> list[str]:
+    return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
+            "output.min_free_bytes=0", "data.shard_size=8"]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("deepseek") / "model", arch="deepseek_v3", q_lora_rank=None)
+
+
+@pytest.mark.parametrize("case", [
+    "output_dir_unwritable", "output_dir_inside_data", "min_free_above_disk", "negative_shard",
+    "nan_wait", "inf_interval", "sink_unwritable", "unreadable_input",
+])
+def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dataset, tmp_path, case):
+    out, data = tmp_path / "out", demo_dataset
+    extra: list[str] = []
+    code, key = EXIT_BAD_INPUT, ""
+    if case == "output_dir_unwritable":
+        (tmp_path / "a-file").write_text("")
+        out, key = tmp_path / "a-file" / "out", "output.dir"
+    elif case == "output_dir_inside_data":
+        data = tmp_path / "data"
+        data.mkdir()
+        shutil.copy2(demo_dataset, data / "part-0.parquet")
+        out, key = data / "run", "is inside data.path"
+    elif case == "min_free_above_disk":
+        extra, code, key = ["output.min_free_bytes=1PB"], EXIT_BUDGET_EXHAUSTED, "output.min_free_bytes"
+    elif case == "negative_shard":
+        extra, key = ["shards=[-1]"], "shards=[-1]"
+    elif case == "nan_wait":
+        extra, key = ["output.budget_wait_s=nan"], "output.budget_wait_s=nan: must be a finite number"
+    elif case == "inf_interval":
+        extra, key = ["progress.interval_s=inf"], "progress.interval_s=inf: must be a finite number"
+    elif case == "sink_unwritable":
+        (tmp_path / "a-file").write_text("")
+        extra, key = [f"output.sink=file://{tmp_path}/a-file/sink"], "output.sink="
+    elif case == "unreadable_input":
+        data = tmp_path / "data"
+        data.mkdir()
+        shutil.copy2(demo_dataset, data / "part-0.parquet")
+        (data / "part-1.parquet").write_bytes(b"PAR1 this is not a parquet file")
+        key = f"{data / 'part-1.parquet'}: cannot be read as parquet"
+    args = base_args(llama_fp32, data, out)
+    args = [a for a in args if not a.startswith("output.min_free_bytes")] + (
+        [] if case == "min_free_above_disk" else ["output.min_free_bytes=0"]) + extra
+    started = time.monotonic()
+    result = extract(*args)
+    assert result.returncode == code, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and key in errors[0], result.stderr[-3000:]
+    assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+    assert not (out / MANIFEST_FILE).exists() and not (out / LOCK_FILE).exists()
+    print(f"{case}: exit {result.returncode} after {time.monotonic() - started:.1f} s: {errors[0][:160]}")
+
+
+def test_layers_sglang_cannot_capture_are_refused_before_ray(deepseek, demo_dataset, tmp_path):
+    """deepseek_v2 adds +1 only when the first id is 1: no drafter ids make it capture [0, 2, 4]. The job
+    used to load the model on every node first and end as a fault (exit 4)."""
+    out = tmp_path / "out"
+    result = extract(*base_args(deepseek, demo_dataset, out), "extract.layers=[0,2,4]")
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: extract.layers=[0, 2, 4]: no drafter layer ids"), errors
+    assert not any(text in result.stderr for text in RAY_STARTED)
+    assert not (out / MANIFEST_FILE).exists()
+
+
+def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp_path):
+    out = tmp_path / "out"
+    result = extract(*base_args(llama_fp32, demo_dataset, out), "ray.address=127.0.0.1:1")
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    assert not (out / LOCK_FILE).exists() and not (out / MANIFEST_FILE).exists()
+
+
+def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """Truncated or replaced files: the rerun used to say "nothing to do" without a look. A deleted file is
+    consumed (as a trainer deletes them), said so and recorded; ``shards=[i]`` writes it again."""
+    out = tmp_path / "out"
+    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0")
+    first = run(config)
+    assert first["shards_done"] == 5
+    files = sorted(out.glob("shard-*.parquet"))
+    untouched = {path.name: path.stat().st_mtime_ns for path in files[3:]}
+    with open(files[0], "r+b") as handle:  # truncated
+        handle.truncate(files[0].stat().st_size // 2)
+    files[1].unlink()  # deleted
+    data = bytearray(files[2].read_bytes())  # same size, other content: only the checksum sees it
+    data[len(data) // 2] ^= 0xFF
+    files[2].write_bytes(bytes(data))
+
+    rerun = run(config)  # sizes only (the default): shard 0 again; shard 1's file gone: consumed, as a trainer does
+    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 1
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert {i: r["attempts"] for i, r in records.items()} == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
+    assert records[1]["location"] == CONSUMED and records[1]["state"] == DONE
+
+    checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
+                          "output.resume_check=sha256")
+    again = run(checksum)  # with checksums: shard 2 too
+    assert again["this_run"]["shards_selected"] == 1
+    assert {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}[2] == 2
+    assert {path.name: path.stat().st_mtime_ns for path in files[3:]} == untouched
+    assert run(checksum)["outcome"] == "nothing_to_do"
+    assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
+                          "shards=[1]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
+    assert_every_sample_once(out, demo_dataset)
+
+
+def test_an_input_file_changed_in_place_is_noticed(tmp_path):
+    """Same size, other tokens: only the size was checked, and the states of the new tokens were written."""
+    path = tmp_path / "tokens.parquet"
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 100, 16).tolist() for _ in range(8)]
+
+    def write(rows: list[list[int]]) -> None:  # fixed-width pages: a changed token keeps the file's size
+        pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path, row_group_size=4,
+                       compression="none", use_dictionary=False, write_statistics=False)
+
+    write(rows)
+    dataset = open_tokenized_dataset(str(path), vocab_size=100, max_length=64)
+    assert dataset.rows(0, 4)[0][0].tolist() == rows[0]
+    size = path.stat().st_size
+    rows[6][3] = (rows[6][3] + 1) % 100
+    write(rows)
+    assert path.stat().st_size == size
+    with pytest.raises(ValueError, match=r"tokens.parquet changed while the job ran \(the tokens of the rows from "
+                                         r"sample id 4 on are not the ones checked"):
+        dataset.rows(4, 8)
+
+
+def test_sigterm_during_the_model_load_ends_interrupted(llama_fp32, demo_dataset, tmp_path):
+    """The driver waits inside a Ray call while the extractor loads: the signal used to surface as
+    ``SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set``, exit 4."""
+    out = tmp_path / "out"
+    job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *base_args(llama_fp32, demo_dataset, out)],
+                           cwd=REPO_ROOT, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and read_summary(out) is None:  # written once Ray runs, before the load
+        time.sleep(0.2)
+    assert read_summary(out) is not None, job.communicate(timeout=60)[1][-3000:]
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == EXIT_SIGNAL_BASE + signal.SIGTERM, stderr[-3000:]
+    assert "SystemError" not in stderr, stderr[-3000:]
+    assert not any(line.startswith("Traceback") for line in stderr.splitlines()), stderr[-3000:]  # the driver's own
+    summary = read_summary(out)
+    assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 143)
+    assert not (out / LOCK_FILE).exists()
+    assert all(r["state"] != DONE for r in read_manifest(out)["shards"])
+
+
+def test_every_done_shard_of_a_run_that_exits_0_is_there_once(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    summary = run(job_config(llama_fp32, demo_dataset, tmp_path / "out", "data.shard_size=3",
+                             "output.min_free_bytes=0"))
+    records = read_manifest(tmp_path / "out")["shards"]
+    assert summary["exit_code"] == 0 and summary["shards_done"] == len(records) == 7
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*.parquet")) == sorted(r["file"] for r in records)
+    assert json.loads((tmp_path / "out" / ".summary.json").read_text())["outcome"] == "complete"
+    assert_every_sample_once(tmp_path / "out", demo_dataset)
