@@ -4,10 +4,15 @@
 # (omegaconf + antlr4 wheels for the machine's python 3.12):
 #   bash benchmarks/gpu.sh throughput --shape llama8b --samples 384 --memory-dir /dev/shm --fp8 --set extract.last_hidden_state=none
 #   bash benchmarks/gpu.sh tp_compare --shape small --tp-size 2
+#   bash benchmarks/gpu.sh acceptance --work /root/acceptance --gguf /root/acccache/SmolLM2-135M-Instruct.Q4_1.gguf
+#     (after benchmarks/acceptance_carry.sh's folders, which also bring omegaconf: no .whl needed)
 # Each run's full log and JSON go to $OUT; the output shows the machine and the result table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/root/sglsite:$PWD RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+if [ "${1:-}" = acceptance ] && [ ! -f /root/sglsite/.acceptance-installed ]; then
+  echo "stage SpecForge and SmolLM2 first: bash benchmarks/acceptance_carry.sh prepare prints the calls"; exit 1
+fi
 [ -d /root/sglsite/omegaconf ] || python3 -m pip install -q --no-index --no-deps --target /root/sglsite .whl/*.whl
 out=${OUT:-/tmp/eagle3-bench}
 mkdir -p "$out"
