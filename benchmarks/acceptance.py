@@ -341,10 +341,10 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
 
 
 def specforge_pythonpath() -> str:
-    """The directory SpecForge 0.2.0 imports from: where it is installed (the GPU machine's staged site),
-    else a cache holding its wheel unpacked, made once (``pip download --no-deps``; the wheel is pure
-    Python). It is never installed into the project's environment: its metadata pins sglang 0.5.14,
-    torch 2.11.0 and transformers 5.8.1, which must not replace ours (its training path needs none of them)."""
+    """The directory SpecForge 0.2.0 imports from: where it is installed (the CPU lock installs it with
+    --no-deps; the GPU machine's staged site), else a cache holding its wheel unpacked, made once (``pip
+    download --no-deps``; the wheel is pure Python). Never with its dependencies: its metadata pins sglang
+    0.5.14, torch 2.11.0 and transformers 5.8.1, which must not replace ours (its training path needs none of them)."""
     if (spec := importlib.util.find_spec("specforge")) is not None and spec.origin:
         return str(Path(spec.origin).parent.parent)
     site = SPECFORGE_CACHE.expanduser()

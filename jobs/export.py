@@ -1,30 +1,33 @@
 """``python -m jobs.export output.dir=RUN to=specforge|speculators dest=DIR`` (or ``eagle3-export``).
 
-The command around ``training.export``: parse, export, print. Exit codes: 0 done, 2 bad
-config or input (nothing written), 4 an error while writing (rerun: it resumes), 130/143
-stopped by a signal (rerun: it resumes).
+The command around ``training.export``: parse, export, print. With ``consume=true`` it holds
+the run's lock (``.job.lock``, as a running extraction does) for the whole export: the export
+then writes the run's manifest, and no job may write it or the shards meanwhile. Exit codes: 0
+done, 2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5
+a job holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Sequence
 
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import parse_command
 from jobs.errors import EXIT_OK
+from jobs.rundir.lock import OutputLock
 from training.export import ExportConfig, prepare, write
 
 logger = logging.getLogger("jobs.export")
-
 
 
 def load_config(argv: Sequence[str]) -> ExportConfig:
     return parse_command(
         "jobs.export",
         "Export a run's hidden states in the layout SpecForge or speculators trains from. Exit codes: 0 done, "
-        "2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 130/143 stopped "
-        "by a signal (rerun: it resumes).",
+        "2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job holds the "
+        "run (consume=true), 130/143 stopped by a signal (rerun: it resumes).",
         ExportConfig, argv,
     )[0]
 
@@ -33,11 +36,13 @@ def final_message(report: dict[str, Any]) -> str:
     if report["already_complete"]:
         return (f"nothing to do: {report['dest']} holds the complete {report['format']} export "
                 f"({report['samples']} samples)")
+    consumed = (f"; {report['consumed']} shards consumed ({report['freed_bytes'] / 1e6:.1f} MB freed)"
+                if report["consumed"] else "")
     return (
         f"exported {report['samples']} samples to {report['dest']} ({report['format']}, {report['states']} states): "
         f"{report['written']} written, {report['skipped']} already there; {report['bytes'] / 1e6:.1f} MB in "
         f"{report['seconds']:.1f} s ({report['samples_per_second']} samples/s, {report['mb_per_second']} MB/s), "
-        f"peak RSS {report['peak_rss_mb']:.0f} MB"
+        f"peak RSS {report['peak_rss_mb']:.0f} MB{consumed}"
     )
 
 
@@ -49,11 +54,14 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _export(argv: Sequence[str]) -> int:
-    job = prepare(load_config(argv))  # a ValueError here is a refusal: nothing written yet
-    try:
-        report = write(job)
-    except ValueError as error:  # once writing, an error is a fault (exit 4: a rerun resumes), not a refusal
-        raise RuntimeError(str(error)) from error
+    config = load_config(argv)
+    run_directory = config.run_directory() if config.consume else None
+    with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
+        job = prepare(config)  # a ValueError here is a refusal: nothing written yet
+        try:
+            report = write(job)
+        except ValueError as error:  # once writing, an error is a fault (exit 4: a rerun resumes), not a refusal
+            raise RuntimeError(str(error)) from error
     print(final_message(report))
     return EXIT_OK
 

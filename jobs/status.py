@@ -38,12 +38,14 @@ from storage.manifest import (
     read_manifest,
 )
 from storage.nonfinite import KEPT, SKIPPED
+from storage.token_freq import TOKEN_FREQ_FILE
 from storage.writer import SHARD_GLOB, TEMP_GLOB
 
 # Files the job writes beside the shards, and the temp names they pass through.
 JOB_FILES = frozenset(
     name
-    for base in (MANIFEST_FILE, MANIFEST_JOURNAL_FILE, SUMMARY_FILE, DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE)
+    for base in (MANIFEST_FILE, MANIFEST_JOURNAL_FILE, SUMMARY_FILE, DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE,
+                 TOKEN_FREQ_FILE)
     for name in (base, base + ".tmp")
 ) | {LOCK_FILE, CLAIM_FILE}
 
@@ -162,7 +164,9 @@ def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], d
     lines = [f"on local disk: {format_bytes(local)} of budget {format_bytes(budget)} ({share}; {source})"]
     lines.append(f"in the sink:   {format_bytes(in_sink)}")
     if consumed:
-        lines.append(f"consumed:      {consumed} shards deleted from output.dir by someone else")
+        exports = sorted({s.get("consumed_into", "") for s in done if s["location"] == CONSUMED} - {""})
+        by = f"by exports into {', '.join(exports)}" if exports else "by someone else"
+        lines.append(f"consumed:      {consumed} shards deleted from output.dir {by}")
     return lines
 
 

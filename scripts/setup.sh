@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the project needs, once, into a virtualenv outside the checkout, and prints
-# its python. Re-running it after a lock file changes reinstalls; otherwise it returns at once.
+# Installs what the project needs, once, into a virtualenv outside the checkout, then the project
+# itself (editable: the venv gets the eagle3-* commands, running this checkout's code), and prints
+# its python. Re-running it after a lock file or pyproject.toml changes, or from another checkout,
+# reinstalls what changed; otherwise it returns at once.
 #   bash scripts/setup.sh                 the main environment (SGLang 0.5.23, CPU)
 #   bash scripts/setup.sh sglang-0.5.17   SGLang 0.5.17 overlaid on the main environment
 #   EAGLE3_VENV  where the main virtualenv lives (default ~/.venvs/eagle3-extract)
@@ -29,7 +31,20 @@ install_locked() {  # venv lock [fallback-site-packages]
   touch "$stamp"
 }
 
+install_project() {  # venv: this checkout, editable, without its dependencies (the lock holds them)
+  local venv=$1
+  local stamp="$venv/.project-$({ echo "$root"; cat "$root/pyproject.toml"; } | sha256sum | cut -c1-16)"
+  [ -f "$stamp" ] && [ -x "$venv/bin/eagle3-extract" ] && return
+  echo "setup: installing the project from $root into $venv (editable)" >&2
+  # --no-build-isolation: setuptools comes from the lock, so nothing is downloaded.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+  rm -f "$venv"/.project-*
+  touch "$stamp"
+}
+
 install_locked "$main_venv" "$root/requirements/cpu-lock.txt"
+install_project "$main_venv"
 case "$overlay" in
   "") echo "$main_venv/bin/python" ;;
   sglang-0.5.17)

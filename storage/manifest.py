@@ -3,12 +3,14 @@
 One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
 tokens, bytes, sha256 and where the file is now (local, in the sink, or
-consumed: deleted locally by someone else), and the samples whose states held
+consumed: deleted locally, by ``jobs.export consume=true`` once its samples were
+exported and verified, ``consumed_into`` then naming the export, or by someone
+else), and the samples whose states held
 NaN/Inf, left out or kept (``storage.nonfinite``). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
 
-Only the driver writes it. An update appends one JSON line to the journal
+Only the driver writes it, and ``jobs.export consume=true`` (holding the run's lock, as the driver does). An update appends one JSON line to the journal
 (``MANIFEST_JOURNAL_FILE``) and fsyncs it, so its cost does not grow with the
 number of shards. Now and then (every ``max(COMPACT_MIN_UPDATES, shards)``
 updates, at open and at close) the state is compacted into the snapshot
@@ -62,6 +64,9 @@ class ShardRecord:
     """Samples whose states held NaN/Inf: {sample_id, action (skipped | kept), reason} (``storage.nonfinite``)."""
     node: str = ""
     """Name of the node whose local directory holds a done shard's file (data parallel across nodes)."""
+    consumed_into: str = ""
+    """A consumed shard's samples are there: ``<format>:<dest>`` of the export that verified them, then deleted the
+    file (``jobs.export consume=true``); empty when someone else deleted it."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}

@@ -92,15 +92,28 @@ def list_run_files(run: str, storage_options: Mapping[str, Any] | None = None) -
 
 
 def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
-    shards = read_manifest(output_dir)["shards"]
-    files: list[tuple[str, str]] = []
-    left_out: dict[str, int] = {}
-    for record in shards:
+    readable, left_out = manifest_shards(output_dir)
+    files = [(url, record["sha256"]) for record, url in readable]
+    if not files:
+        exported = sorted({record["consumed_into"] for record in left_out if record.get("consumed_into")})
+        if exported:
+            raise ValueError(f"{output_dir}: every done shard was consumed by an export (into {', '.join(exported)}); "
+                             "read the export there")
+        raise ValueError(f"{output_dir}: the manifest lists no done shard yet; nothing to read")
+    return files, left_out_note(output_dir, len(files), len(files) + len(left_out), left_out)
+
+
+def manifest_shards(output_dir: Path) -> tuple[list[tuple[dict[str, Any], str]], list[dict[str, Any]]]:
+    """The manifest's records of a run: (record, url) of every done shard whose file is there to read (in
+    output.dir, or at its sink_url), and the records of the others (not done, or consumed). ValueError when a
+    done shard's local file is missing."""
+    readable: list[tuple[dict[str, Any], str]] = []
+    left_out: list[dict[str, Any]] = []
+    for record in read_manifest(output_dir)["shards"]:
         if record["state"] != DONE or record["location"] == CONSUMED:
-            why = record["state"] if record["state"] != DONE else "consumed (deleted from output.dir by someone else)"
-            left_out[why] = left_out.get(why, 0) + 1
+            left_out.append(record)
         elif record["location"] == SINK:
-            files.append((record["sink_url"], record["sha256"]))
+            readable.append((record, record["sink_url"]))
         else:
             path = output_dir / record["file"]
             if not path.is_file():
@@ -109,14 +122,27 @@ def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
                     f"{path}: shard {record['index']} is done in {output_dir / MANIFEST_FILE} but its file is not "
                     f"here{node}; copy it back, or read the run where its files are"
                 )
-            files.append((str(path), record["sha256"]))
-    if not files:
-        raise ValueError(f"{output_dir}: the manifest lists no done shard yet; nothing to read")
-    note = ""
-    if left_out:
-        counts = ", ".join(f"{count} {state}" for state, count in sorted(left_out.items()))
-        note = f"{output_dir}: {len(files)} of {len(shards)} shards are read; left out: {counts}"
-    return files, note
+            readable.append((record, str(path)))
+    return readable, left_out
+
+
+def left_out_note(output_dir: Path, read: int, total: int, left_out: Sequence[Mapping[str, Any]]) -> str:
+    """What a reader of the run leaves out, and why (empty when nothing is)."""
+    reasons: dict[str, int] = {}
+    for record in left_out:
+        why = record["state"] if record["state"] != DONE else consumed_why(record)
+        reasons[why] = reasons.get(why, 0) + 1
+    if not reasons:
+        return ""
+    counts = ", ".join(f"{count} {state}" for state, count in sorted(reasons.items()))
+    return f"{output_dir}: {read} of {total} shards are read; left out: {counts}"
+
+
+def consumed_why(record: Mapping[str, Any]) -> str:
+    """Where a consumed shard's samples went, as a note says it."""
+    if record.get("consumed_into"):
+        return f"consumed into {record['consumed_into']} (exported, then deleted from output.dir)"
+    return "consumed (deleted from output.dir by someone else)"
 
 
 def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:
@@ -174,6 +200,12 @@ class RunIndex:
             if note:
                 notes.append(note)
                 logger.warning("%s", note)
+        return cls.from_files(listed, storage_options, notes)
+
+    @classmethod
+    def from_files(cls, listed: Sequence[tuple[str, int, str]], storage_options: Mapping[str, Any] | None = None,
+                   notes: Sequence[str] = ()) -> "RunIndex":
+        """The index over shard files already listed, as (url, run number, sha256 or "")."""
         with concurrent.futures.ThreadPoolExecutor(min(FOOTER_THREADS, len(listed))) as pool:
             footers = list(pool.map(lambda item: read_footer(*item, storage_options), listed))
         metadata = _common_metadata(footers)

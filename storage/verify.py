@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from storage import schema
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
-from storage.run_index import open_parquet
+from storage.run_index import consumed_why, open_parquet
 from storage.schema import ShardMetadata, build_schema, metadata_from_schema
 from storage.sink import remote_sha256
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name
@@ -133,8 +133,8 @@ def verify_run(
         report.notes += _nonfinite_notes(record)
         if record["location"] == CONSUMED:
             report.notes.append(
-                f"shard {record['index']}: consumed (deleted from output.dir by someone else); its "
-                f"{record['rows']} rows count as the manifest recorded them, its file cannot be checked"
+                f"shard {record['index']}: {consumed_why(record)}; its {record['rows']} rows count as the manifest "
+                "recorded them, its file cannot be checked here"
             )
             continue
         url = record["sink_url"] if record["location"] == SINK else str(_home(record, node_directories, output_dir) / record["file"])
@@ -369,12 +369,17 @@ def _stray_files(output_dir: Path, records: list[dict]) -> list[Problem]:
     """Temp files and shard files the manifest does not vouch for: a reader of the directory would see
     the second kind as data."""
     recorded = {r["file"] for r in records if r["state"] == DONE and r["location"] == LOCAL}
+    exported = {r["file"]: r["consumed_into"] for r in records if r["location"] == CONSUMED and r.get("consumed_into")}
     problems = [
         Problem(str(path), "a temp file: a shard being written, or one a stopped run left",
                 "if no job runs on output.dir, delete it (the next run removes it too)")
         for path in sorted(output_dir.glob(TEMP_GLOB))
     ]
     problems += [
+        Problem(str(path), f"consumed into {exported[path.name]}, but still here (that export stopped before deleting "
+                "it): Parquet readers of output.dir read it as data",
+                "its samples are in that export: delete it, or rerun that export's command (it deletes it)")
+        if path.name in exported else
         Problem(str(path), "a shard file the manifest does not list as done here: Parquet readers of output.dir "
                 "read it as data", "delete it, or rerun the job's command (it removes such files)")
         for path in sorted(output_dir.glob(SHARD_GLOB)) if path.name not in recorded

@@ -1,6 +1,7 @@
 """What the tests share: the environment of the commands they start, a small job config, extractor actors,
-HF reference states, checks of a run's output, tools to damage files or sample a directory, and
-SmolLM2-135M-Instruct (real trained weights) with its extraction runs, each made once per test session.
+HF reference states, checks of a run's output, tools to damage files or sample a directory, the trainers'
+own loaders, a process that holds a run's lock, and SmolLM2-135M-Instruct (real trained weights) with its
+extraction runs, each made once per test session.
 
 Test modules import from here and from ``tests.conftest`` only, never from one another."""
 
@@ -32,6 +33,7 @@ from jobs.actors.extractor import fetch_batch, start_extractor
 from jobs.config import load_config
 from storage import ShardReader, ShardWriter
 from tests.conftest import REPO_ROOT
+from training import peer_formats
 
 
 def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1, **overrides) -> EngineSpec:
@@ -298,6 +300,55 @@ def flip_middle(path, nbytes=4096) -> None:
     middle = len(data) // 2 - nbytes // 2
     data[middle : middle + nbytes] = bytes(b ^ 0xFF for b in data[middle : middle + nbytes])
     path.write_bytes(bytes(data))
+
+
+# -- the trainers' own loaders (speculators 0.9.0, SpecForge 0.2.0), and bit-for-bit equality ---------------
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Raw bits, so that equality is bit for bit (NaN-safe, -0 vs 0 told apart)."""
+    return tensor.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def specforge_files(directory: Path) -> list[str]:
+    """SpecForge 0.2.0's trainer lists its offline features with list_feature_files: every .ckpt / .ckpt.gz
+    below the directory, as absolute paths sorted as strings (the order it trains in)."""
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    return list_feature_files(str(directory))
+
+
+def specforge_item(path: str, max_len: int) -> dict:
+    """SpecForge 0.2.0's item for one file: its feature store's load_feature_file (torch.load, weights_only=False,
+    mmap), then the EAGLE-3 normalizer (normalize_offline_sample: what OfflineEagle3Dataset.process_data did)."""
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    return normalize_offline_sample(load_feature_file(path), max_len)
+
+
+def speculators_dataset(dest: Path, fp8: bool = False, **kwargs):
+    """speculators 0.9.0's own dataset over an export: ArrowDataset reading hidden_states/hs_{i}.safetensors through
+    its FileTransfer (fp8 files: FP8Transfer, which dequantizes them to bf16), never asking vLLM for a missing file."""
+    from hs_connectors.transfer import FileTransfer, FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    transfer = (FP8Transfer if fp8 else FileTransfer)(Path(dest) / "hidden_states")
+    return ArrowDataset(peer_formats.SPECFORGE_MAX_LEN, str(dest), transfer=transfer, on_missing="raise", **kwargs)
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from jobs.rundir.lock import OutputLock
+with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+"""A process that holds the output.dir lock of its argument until killed: ``python -c LOCK_HOLDER.format(root=...)``."""
 
 
 # -- SmolLM2-135M-Instruct: real trained weights, each extraction run once per test session -------

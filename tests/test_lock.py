@@ -9,7 +9,6 @@ import logging
 import multiprocessing
 import subprocess
 import sys
-import textwrap
 
 import psutil
 import pytest
@@ -19,21 +18,13 @@ from jobs.errors import EXIT_LOCKED, OutputLocked
 from jobs.rundir.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
 from jobs.status import job_state
 from tests.conftest import REPO_ROOT
-
-HOLDER = textwrap.dedent("""
-    import sys, time
-    sys.path.insert(0, {root!r})
-    from jobs.rundir.lock import OutputLock
-    with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
-        print("held", flush=True)
-        time.sleep(600)
-""")
+from tests.helpers import LOCK_HOLDER
 
 
 @pytest.fixture
 def holder(tmp_path):
     """Another process that holds tmp_path's lock until killed."""
-    process = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(REPO_ROOT)), str(tmp_path)],
+    process = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(root=str(REPO_ROOT)), str(tmp_path)],
                                stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline().strip() == "held"
     yield process

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import tomllib
 from pathlib import Path
 
@@ -76,20 +77,53 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     assert str(venv) in where
 
 
+def test_the_setup_script_gives_the_venv_the_commands_and_reruns_at_once(tmp_path):
+    """scripts/setup.sh (the README's two commands run it first) installs this checkout, editable, into the venv
+    the tests run in: eagle3-extract --help works from anywhere and runs this checkout's code; a rerun returns at
+    once without installing anything."""
+    venv = Path(sys.prefix)
+    assert list(venv.glob(".installed-*")), f"the tests run in {venv}, which scripts/setup.sh did not make"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "EAGLE3_VENV": str(venv)}
+    setup = ["bash", str(REPO_ROOT / "scripts" / "setup.sh")]
+    for stamp in venv.glob(".project-*"):
+        stamp.unlink()  # as on a machine where the project was never installed: setup.sh installs it (seconds)
+    first = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=300)
+    assert f"setup: installing the project from {REPO_ROOT} into {venv} (editable)" in first.stderr, first.stderr
+    started = time.monotonic()
+    again = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert time.monotonic() - started < 5 and again.stderr == "", again.stderr
+    assert again.stdout.strip() == str(venv / "bin" / "python")
+    env.update(PATH=f"{venv / 'bin'}:/usr/bin:/bin", RAY_AUTH_MODE="disabled")
+    ran = subprocess.run(["eagle3-extract", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0 and "usage: eagle3-extract " in ran.stdout, ran.stderr[-2000:]
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(REPO_ROOT / "jobs" / "__init__.py")
+
+
+def _listed(name: str) -> list[str]:
+    return [line.strip() for line in (REPO_ROOT / "requirements" / name).read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
 def test_pip_check_reports_only_what_the_lock_leaves_out():
     """SGLang is installed --no-deps; pip check lists its CUDA-side requirements (each one named in
-    requirements/sglang-left-out.txt) and must find nothing else wrong."""
-    left_out = {
-        line.strip().lower() for line in (REPO_ROOT / "requirements" / "sglang-left-out.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
+    requirements/sglang-left-out.txt), and of the two trainers installed --no-deps for their loaders exactly the
+    lines requirements/peers-left-out.txt holds, and must find nothing else wrong."""
+    left_out = {line.lower() for line in _listed("sglang-left-out.txt")}
+    peers = set(_listed("peers-left-out.txt"))
     result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
-    reported = set()
+    reported, peers_reported = set(), set()
     for line in result.stdout.splitlines():
+        if line.strip() in peers:
+            peers_reported.add(line.strip())
+            continue
         match = PIP_CHECK_LINE.fullmatch(line.strip())
         assert match and match.group(1) == "sglang", f"pip check: {line}"
         reported.add(match.group(3).lower())
     assert reported == left_out
+    assert peers_reported == peers
 
 
 def test_cluster_yaml_is_valid_and_safe():

@@ -22,7 +22,16 @@ from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
 from storage.manifest import DONE, SINK, Manifest, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import HIDDEN, imported_by, job_config
+from tests.helpers import (
+    HIDDEN,
+    bits,
+    imported_by,
+    job_config,
+    same,
+    specforge_files,
+    specforge_item,
+    speculators_dataset,
+)
 from training import peer_formats
 from training.dataset import HiddenStatesDataset, collate
 from training.destination import Destination
@@ -64,62 +73,8 @@ def shard_samples(run_dir: Path, raw_fp8: bool = False) -> dict:
     return samples
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Raw bits, so that equality is bit for bit (NaN-safe, -0 vs 0 told apart)."""
-    return tensor.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
 def export(run_dir, to: str, dest, *extra: str) -> int:
     return export_job.main([f"output.dir={run_dir}", f"to={to}", f"dest={dest}", *extra])
-
-
-# -- how the trainers read their files (their code, restated: training/peer_formats.py cites it) ------
-
-def specforge_files(directory: Path) -> list[str]:
-    """specforge/data/preprocessing.py list_local_files: *.ckpt / *.ckpt.gz below the directory, sorted."""
-    found = [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
-    return sorted(name for name in found if name.endswith((".ckpt", ".ckpt.gz")))
-
-
-def specforge_item(path: str, max_len: int) -> dict:
-    """OfflineEagle3Dataset._open_file + process_data."""
-    data = torch.load(path, weights_only=False, mmap=True)
-    loss_mask = data["loss_mask"][:max_len][None, :]
-    loss_mask[0, -1] = 0
-    return {
-        "attention_mask": torch.ones_like(loss_mask, dtype=torch.long),
-        "loss_mask": loss_mask,
-        "target": data["hidden_state"].squeeze(0)[:max_len][None, :],
-        "hidden_state": data["aux_hidden_state"].squeeze(0)[:max_len][None, :],
-        "input_ids": data["input_ids"][:max_len][None, :],
-    }
-
-
-def speculators_item(dest: Path, rows, index: int) -> dict:
-    """speculators/train/data.py: ArrowDataset._get_raw_data (FileTransfer: safetensors load_file of
-    hidden_states/hs_{i}.safetensors) + BaseDataset.__getitem__ (hidden_states_dtype bf16). fp8 files are
-    dequantized first, as its FP8Transfer does (fp8.to(dtype) * scale.to(dtype))."""
-    from safetensors.torch import load_file
-
-    loaded = load_file(dest / "hidden_states" / f"hs_{index}.safetensors")
-    if "hidden_states_scales" in loaded:
-        loaded["hidden_states"] = loaded["hidden_states"].to(torch.bfloat16) * loaded.pop("hidden_states_scales").to(torch.bfloat16)
-    assert torch.equal(loaded["token_ids"], rows[index]["input_ids"])
-    data = {
-        "hidden_states": loaded["hidden_states"][:, :-1].flatten(1),
-        "input_ids": loaded["token_ids"],
-        "verifier_last_hidden_states": loaded["hidden_states"][:, -1],
-        "loss_mask": rows[index]["loss_mask"],
-    }
-    data = {k: v.to(torch.bfloat16) if "hidden_states" in k else v for k, v in data.items()}
-    seq_len = data["input_ids"].shape[0]
-    data["lengths"] = torch.tensor([seq_len], dtype=torch.long)
-    data["position_ids"] = torch.arange(seq_len, dtype=torch.long)
-    return data
 
 
 # -- the dataset ------------------------------------------------------------------------------------
@@ -225,11 +180,14 @@ def test_specforge_export_round_trip_and_resume(runs, tmp_path, capsys):
         assert same(data["hidden_state"][0], sample.last_hidden_state)  # post-norm, nothing shifted
         assert same(data["aux_hidden_state"][0], sample.aux_hidden_states)
         assert data["input_ids"].tolist() == sample.input_ids.tolist() and data["loss_mask"].tolist() == sample.loss_mask.tolist()
-    # the dataset's SpecForge view equals SpecForge's own dataset over the files, with max_len cutting samples
+    # the dataset's SpecForge view is SpecForge's own items over the files, in its order (paths sorted as strings:
+    # data_10 before data_2), with max_len cutting samples
     view = HiddenStatesDataset(runs["post"], view="specforge", max_len=40)
-    for index in range(len(view)):
-        mine, sample_id = view[index], view.sample(index).sample_id
-        theirs = specforge_item(str(dest / f"rows_0-2000/data_{sample_id}.ckpt"), 40)
+    assert [view.sample(index).sample_id for index in range(len(view))][:4] == [0, 1, 10, 11]
+    assert len(view) == len(files)
+    for index, path in enumerate(files):
+        mine, theirs = view[index], specforge_item(path, 40)
+        assert path.endswith(f"/data_{view.sample(index).sample_id}.ckpt")
         assert list(mine) == list(theirs)
         assert all(same(mine[key], theirs[key]) for key in theirs), index
 
@@ -262,6 +220,8 @@ def test_speculators_export_round_trip(runs, tmp_path):
     from safetensors.torch import load_file
 
     view = HiddenStatesDataset(runs["pre"], view="speculators")
+    theirs_dataset = speculators_dataset(dest)
+    assert len(theirs_dataset) == len(view) and theirs_dataset.approx_lengths == view.approx_lengths
     counts: dict[int, int] = {}
     for row, sample_id in enumerate(order):
         sample = expected[sample_id]
@@ -274,7 +234,7 @@ def test_speculators_export_round_trip(runs, tmp_path):
         assert same(tensors["hidden_states"][:, LAYERS], sample.last_hidden_state)  # pre-norm final state
         assert rows[row]["seq_len"] == length and rows[row]["loss_mask"].dtype == torch.int64
         assert rows[row]["loss_mask"].tolist() == sample.loss_mask.tolist()
-        mine, theirs = view[row], speculators_item(dest, rows, row)
+        mine, theirs = view[row], theirs_dataset[row]
         assert list(mine) == list(theirs)
         assert all(same(mine[key], theirs[key]) for key in theirs), row
         for token in sample.input_ids[sample.loss_mask == 1].tolist():
@@ -282,16 +242,62 @@ def test_speculators_export_round_trip(runs, tmp_path):
     assert torch.load(dest / "token_freq.pt") == counts
 
 
+def test_speculators_own_dataloader_runs_on_the_dataset(runs, tmp_path, monkeypatch):
+    """docs/training.md's block (speculators' _setup_dataloader over the dataset, one line changed) runs; and
+    speculators' loader gives the same batches over the dataset as over jobs.export's files, for both splits,
+    bit for bit; token_freq.pt is what speculators' own count of the exported dataset gives."""
+    import datasets
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import _setup_dataloader
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    monkeypatch.chdir(tmp_path)
+    text = (REPO_ROOT / "docs" / "training.md").read_text()
+    block = re.search(r"<!-- speculators example.*?-->\s*```python\n(.*?)```", text, re.DOTALL)
+    assert block, "docs/training.md's speculators example block is missing"
+    namespace = {"RUN": str(runs["pre"])}
+    exec(compile(block.group(1), "docs/training.md (speculators example)", "exec"), namespace)
+    batch = namespace["batch"]
+    assert batch["hidden_states"].shape == (1, 8192, LAYERS * HIDDEN) and batch["hidden_states"].dtype == torch.bfloat16
+    assert len(namespace["train"]) == int(0.9 * (SAMPLES - 1)) and len(namespace["val"]) == (SAMPLES - 1) - 18
+
+    dest = tmp_path / "speculators"
+    assert export(runs["pre"], "speculators", dest) == 0
+    for split in ("train", "val"):
+        mine = HiddenStatesDataset(runs["pre"], view="speculators", train_ratio=0.75, split=split)
+        theirs = speculators_dataset(dest, train_ratio=0.75, split=split)
+        assert len(mine) == len(theirs) == (15 if split == "train" else 5)
+        assert mine.approx_lengths == theirs.approx_lengths
+        loaders = [_setup_dataloader(dataset, 160, HIDDEN, num_workers=0, num_target_layers=LAYERS,
+                                     preprocess=shift_batch, seed=3) for dataset in (mine, theirs)]
+        mine_batches, their_batches = (list(loader) for loader in loaders)
+        assert len(mine_batches) == len(their_batches) > 1
+        for a, b in zip(mine_batches, their_batches):
+            assert list(a) == list(b)
+            assert all(same(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    # the split is the order's first int(len * ratio) items, the rest for val, as speculators' ArrowDataset cuts it
+    train = HiddenStatesDataset(runs["pre"], view="speculators", train_ratio=0.75)
+    val = HiddenStatesDataset(runs["pre"], view="speculators", train_ratio=0.75, split="val")
+    assert [train.sample(i).sample_id for i in range(len(train))] + [val.sample(i).sample_id for i in range(len(val))] \
+        == sorted(shard_samples(runs["pre"]))
+
+    save_token_frequency_distribution(datasets.load_from_disk(str(dest)), tmp_path / "theirs.pt")
+    counted = torch.load(tmp_path / "theirs.pt")
+    assert torch.load(dest / "token_freq.pt") == counted == namespace["train"].token_freq()
+    assert torch.load(tmp_path / "token_freq.pt") == counted  # what the block saved
+    with pytest.raises(ValueError, match="leaves no validation items"):
+        HiddenStatesDataset(runs["pre"], view="speculators", split="val")
+
+
 def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
     monkeypatch.setattr(peer_formats, "QUANTIZE_CHUNK_TOKENS", 7)  # samples quantized 7 tokens at a time
     dest = tmp_path / "fp8"
     assert export(runs["fp8"], "speculators", dest) == 0  # fp8 run: fp8 by default
     raw = shard_samples(runs["fp8"], raw_fp8=True)
-    import datasets
     from safetensors.torch import load_file
 
-    rows = datasets.load_from_disk(str(dest))
     view = HiddenStatesDataset(runs["fp8"], view="speculators")
+    theirs_dataset = speculators_dataset(dest, fp8=True)
     for row, sample_id in enumerate(sorted(raw)):
         sample, length = raw[sample_id], len(raw[sample_id].input_ids)
         tensors = load_file(dest / "hidden_states" / f"hs_{row}.safetensors")
@@ -312,7 +318,7 @@ def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
         # everything else: a second rounding, within fp8's error of the first
         error = (values.float() * scales - stored).norm() / stored.norm()
         assert error < 0.05, (row, error)
-        theirs, mine = speculators_item(dest, rows, row), view[row]
+        theirs, mine = theirs_dataset[row], view[row]
         assert (theirs["hidden_states"].float() - mine["hidden_states"].float()).norm() / mine["hidden_states"].float().norm() < 0.05
 
     model_dtype = tmp_path / "dequantized"

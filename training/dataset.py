@@ -3,8 +3,9 @@
 >>> dataset = HiddenStatesDataset("out")                        # or "s3://bucket/run1", or a list of runs
 >>> loader = DataLoader(dataset, batch_size=8, collate_fn=collate, num_workers=4,
 ...                     sampler=DistributedSampler(dataset))    # shards by rank
->>> HiddenStatesDataset("out", view="specforge")   # exactly SpecForge's OfflineEagle3Dataset items
->>> HiddenStatesDataset("out", view="speculators") # exactly speculators' ArrowDataset items
+>>> HiddenStatesDataset("out", view="specforge")   # SpecForge's items, in the order its loader reads them
+>>> HiddenStatesDataset("out", view="speculators", train_ratio=0.9, split="train")  # speculators' ArrowDataset
+>>> # speculators' own loader over it: its _setup_dataloader reads approx_lengths and hidden_states_dtype
 
 Any sample is two bisects away (file, then row group, from an index built once from the
 files' footers, ``storage.run_index``); reading it decodes its row group only, from a
@@ -22,18 +23,23 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
+from storage import schema
 from storage.reader import Sample, sample_from_table
 from storage.run_index import RunIndex, open_parquet
 from storage.schema import ShardMetadata
+from storage.token_freq import TokenCounter, read_token_freq
 from training import peer_formats
 
 SAMPLE = "sample"
 VIEWS = (SAMPLE, peer_formats.SPECFORGE, peer_formats.SPECULATORS)
+TRAIN, VAL = "train", "val"
 
 
 def sample_item(sample: Sample) -> dict[str, Any]:
@@ -58,10 +64,18 @@ def sample_item(sample: Sample) -> dict[str, Any]:
 class HiddenStatesDataset(Dataset):
     """Samples of one or more runs (``output.dir`` paths or URLs of shard files), in run, file and row order.
 
-    ``view`` picks the item: ``sample`` (``sample_item``), ``specforge`` (SpecForge's
-    ``OfflineEagle3Dataset`` item, cut to ``max_len``; needs a post-norm run) or ``speculators``
+    ``view`` picks the item: ``sample`` (``sample_item``), ``specforge`` (SpecForge's offline
+    item, ``normalize_offline_sample``, cut to ``max_len``; needs a post-norm run) or ``speculators``
     (speculators' ``ArrowDataset`` item, states cast to ``hidden_states_dtype``; needs a pre-norm
     run). ``storage_options`` go to fsspec for URLs (a sink's endpoint and keys).
+
+    Order: ``sample`` and ``speculators`` keep the files' order, which in a run of the job is by
+    sample id (speculators' rows, as ``jobs.export`` numbers them); ``specforge`` goes as
+    SpecForge's loader does over an export of the run: it sorts the files' paths as strings
+    (``rows_0-2000/data_10.ckpt`` before ``data_2.ckpt``), within each run. ``train_ratio`` and
+    ``split`` cut that order as speculators' ``ArrowDataset`` does: ``train`` is the first
+    ``int(len * train_ratio)`` items, ``val`` the rest, the same items on every rank and every run.
+    ``approx_lengths`` (tokens per item, in order) is what speculators' batch sampler packs by.
     """
 
     def __init__(
@@ -72,10 +86,19 @@ class HiddenStatesDataset(Dataset):
         raw_fp8: bool = False,
         max_len: int = peer_formats.SPECFORGE_MAX_LEN,
         hidden_states_dtype: torch.dtype = torch.bfloat16,
+        train_ratio: float = 1.0,
+        split: str = TRAIN,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if view not in VIEWS:
             raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
+        if not 0.0 < train_ratio <= 1.0:
+            raise ValueError(f"train_ratio={train_ratio}: the share of the items in the train split, in (0, 1]")
+        if split not in (TRAIN, VAL):
+            raise ValueError(f"split={split!r}: use {TRAIN} or {VAL}")
+        if split == VAL and train_ratio == 1.0:
+            raise ValueError("split='val' with train_ratio=1.0 leaves no validation items; pass e.g. train_ratio=0.9")
+        self.runs = [os.fspath(runs)] if isinstance(runs, (str, os.PathLike)) else [os.fspath(r) for r in runs]
         self.index = RunIndex.build(runs, storage_options)
         self.view = view
         self.raw_fp8 = raw_fp8
@@ -92,25 +115,79 @@ class HiddenStatesDataset(Dataset):
         self._files: dict[int, pq.ParquetFile] = {}
         self._cached: tuple[int, int, pa.Table] | None = None
         self._opened_by = os.getpid()
+        order = self._specforge_order() if view == peer_formats.SPECFORGE else range(len(self.index))
+        cut = int(len(order) * train_ratio)  # speculators' ArrowDataset: one expression for both splits
+        self._positions: range | np.ndarray = order[:cut] if split == TRAIN else order[cut:]
+        """Item i is the index's sample ``_positions[i]``."""
+        if len(self._positions) == 0:
+            raise ValueError(f"the {split} split is empty: {len(order)} samples, train_ratio={train_ratio}")
+        self._lengths: list[int] | None = None
 
     @property
     def metadata(self) -> ShardMetadata:
         return self.index.metadata
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self._positions)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self._item(self.sample(index))
 
     def sample(self, index: int) -> Sample:
-        """The ``Sample`` at global index ``index`` (model dtype; raw fp8 with ``raw_fp8``)."""
-        file, group, row = self.index.locate(int(index))
+        """The ``Sample`` of item ``index`` (model dtype; raw fp8 with ``raw_fp8``)."""
+        file, group, row = self.index.locate(self._position(index))
         return sample_from_table(self._row_group(file, group), row, self.metadata, self.raw_fp8)
 
     def run_of(self, index: int) -> int:
-        """Which of the runs given (its position in the list) holds sample ``index``."""
-        return self.index.files[self.index.locate(int(index))[0]].run
+        """Which of the runs given (its position in the list) holds item ``index``."""
+        return self.index.files[self.index.locate(self._position(index))[0]].run
+
+    @property
+    def approx_lengths(self) -> list[int]:
+        """Tokens of each item, in order (read once from the files' token columns): speculators' batch sampler
+        (``MultipackDistributedBatchSamplerV2``) packs batches by them."""
+        if self._lengths is None:
+            lengths = np.concatenate([self._file_column(file, schema.INPUT_IDS, pc.list_value_length)
+                                      for file in range(len(self.index.files))])
+            self._lengths = lengths[np.asarray(self._positions)].tolist()
+        return self._lengths
+
+    def token_freq(self) -> dict[int, int]:
+        """{token id: count over loss-masked tokens} of the runs, as speculators' ``token_freq.pt`` holds it (save
+        it with ``torch.save`` for its ``--token-freq-path``): a single run's ``.token_freq.pt`` when the run has one
+        (written once it was complete: it still counts shards consumed since), else counted from the files read
+        here. Over every item of the runs, whatever the split (as speculators counts its whole dataset)."""
+        if len(self.runs) == 1 and os.path.isdir(self.runs[0]):
+            stored = read_token_freq(self.runs[0])
+            if stored is not None:
+                return stored
+        counter = TokenCounter()
+        for file in range(len(self.index.files)):
+            ids = self._file_column(file, schema.INPUT_IDS, lambda column: column)
+            counter.add(ids, self._file_column(file, schema.LOSS_MASK, lambda column: column))
+        return counter.counts()
+
+    def _position(self, index: int) -> int:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"item {index} out of range (0..{len(self) - 1})")
+        return int(self._positions[int(index)])
+
+    def _file_column(self, file: int, name: str, transform: Callable[[pa.ChunkedArray], Any]) -> Any:
+        """One column of a file, in its row order, through ``transform``."""
+        parquet = open_parquet(self.index.files[file].url, self.storage_options)
+        try:
+            return transform(parquet.read(columns=[name]).column(0))
+        finally:
+            parquet.close()
+
+    def _specforge_order(self) -> np.ndarray:
+        """The index's samples in the order SpecForge's loader reads an export of them: each run's file paths
+        (``rows_{g}-{g+2000}/data_{id}.ckpt``) sorted as strings (its ``list_local_files``: ``sorted`` paths)."""
+        ids = [self._file_column(file, schema.SAMPLE_ID, lambda column: column.to_numpy())
+               for file in range(len(self.index.files))]
+        keys = [(shard.run, peer_formats.specforge_path(int(sample_id)))
+                for shard, file_ids in zip(self.index.files, ids) for sample_id in file_ids]
+        return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
 
     def _row_group(self, file: int, group: int) -> pa.Table:
         if self._opened_by != os.getpid():  # a forked DataLoader worker: its own handles, not the parent's sockets

@@ -9,18 +9,24 @@ the file is uploaded to its final name directly: a rename there is a copy.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
-from typing import Any, BinaryIO, Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from storage.atomic import fsync_path
 
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
 """Object stores where an object becomes visible only when its upload is complete."""
+DIGEST_CHUNK = 8 << 20
+"""Bytes read at a time when a file is hashed back."""
 
 
 class Destination:
@@ -83,6 +89,54 @@ class Destination:
             return set()
         prefix = self.root.rstrip("/") + "/"
         return {path[len(prefix):] for path in self.fs.find(base) if path.startswith(prefix)}
+
+    def file_sizes(self, under: str = "") -> dict[str, int]:
+        """Relative path -> size of every file below ``under`` (all of the destination when empty)."""
+        base = self.path(under).rstrip("/") if under else self.root
+        if not self.fs.exists(base):
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        found = self.fs.find(base, detail=True)
+        return {path[len(prefix):]: int(info["size"]) for path, info in found.items() if path.startswith(prefix)}
+
+    def digest(self, relpath: str) -> tuple[int, str]:
+        """Size and sha256 of ``relpath`` as the storage holds it. A local file's pages are first dropped from the
+        page cache (it was fsynced, so they are clean): the bytes then come from the disk, not from memory."""
+        sha = hashlib.sha256()
+        size = 0
+        if self.local:
+            with open(self.path(relpath), "rb", buffering=0) as file:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                while chunk := file.read(DIGEST_CHUNK):
+                    sha.update(chunk)
+                    size += len(chunk)
+            return size, sha.hexdigest()
+        with self.fs.open(self.path(relpath), "rb") as file:
+            while chunk := file.read(DIGEST_CHUNK):
+                sha.update(chunk)
+                size += len(chunk)
+        return size, sha.hexdigest()
+
+    def read_bytes(self, relpath: str) -> bytes:
+        with self.fs.open(self.path(relpath), "rb") as file:
+            return file.read()
+
+    def sync_directories(self, relpaths: Iterable[str]) -> None:
+        """Make the names of files written here durable (local: fsync their directories up to the root), so that
+        a crash cannot lose a file whose source is deleted next. Object stores: an upload that returned is durable."""
+        if not self.local:
+            return
+        directories = {self.root}
+        for relpath in relpaths:
+            parts = relpath.split("/")[:-1]
+            directories.update(self.path("/".join(parts[:depth])) for depth in range(1, len(parts) + 1))
+        for directory in sorted(directories, key=len, reverse=True):
+            fsync_path(Path(directory))
+
+    def remove(self, relpath: str) -> None:
+        """Delete a file or directory the caller wrote here (its own bookkeeping), if it is there."""
+        if self.fs.exists(self.path(relpath)):
+            self.fs.rm(self.path(relpath), recursive=True)
 
     def remove_temps(self, under: str = "") -> int:
         """Delete temp files a stopped run left below ``under``; returns how many."""

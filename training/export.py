@@ -7,12 +7,20 @@ speculators' preprocessed dataset (``save_to_disk``: ``input_ids``, ``loss_mask`
 
 What the format needs is checked before anything is written: the final state the trainer
 reads (post-norm for SpecForge, pre-norm for speculators), a complete run, bit-exact states
-when ``exact=true``. Then it streams: one row group of one shard at a time, at most
-``2 * threads`` samples being written, each file whole or absent (``training.destination``).
-``.export_state.json`` in ``dest`` records what is being exported; a rerun of the same
-export skips the files already there, and an export of anything else into that ``dest`` is
-refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while
-writing (rerun: it resumes), 130/143 stopped by a signal (rerun: it resumes).
+when ``exact=true``, room for the files on a local ``dest``. Then it goes a shard at a time:
+one row group of the shard read at a time, at most ``2 * threads`` samples being written,
+each file whole or absent (``training.destination``); speculators' rows of the shard go to a
+small hidden file beside them (``.export-rows/``), from which the dataset is made at the end.
+With ``consume=true`` each of the run's local shard files is deleted once its files are
+written, durable and verified against it (``training.consume``), so that the export needs
+one shard's worth of space beyond the run instead of a second copy.
+
+``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
+metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips
+the files already there (with ``consume=true`` it reads them back first and rewrites any that
+differ), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
+bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job
+holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
@@ -41,16 +50,32 @@ import torch
 
 from common.checks import check_int, check_seconds
 from storage import schema
+from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE
 from storage.reader import Sample, sample_from_table
-from storage.run_index import RunIndex, open_parquet
+from storage.run_index import (
+    RunIndex,
+    is_local,
+    left_out_note,
+    list_run_files,
+    local_path,
+    manifest_shards,
+    open_parquet,
+)
+from storage.schema import ShardMetadata
+from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
+from training.consume import ShardConsumer, check_space
 from training.destination import Destination, is_temp
 from training.peer_formats import SPECFORGE, SPECULATORS
 
 logger = logging.getLogger("jobs.export")
 
 STATE_FILE = ".export_state.json"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+"""2: the state lists every shard (file, rows, sha256, sample ids), so that shards consumed since still count."""
+ROWS_DIR = ".export-rows"
+"""speculators: each shard's dataset rows (input_ids, loss_mask, seq_len) as an Arrow file, until the dataset is
+written from them at the end (with consume=true the shards they come from are gone by then)."""
 INFLIGHT_STATE_BYTES = 512 * 1024 * 1024
 """States of the samples being written at once (each task holds about twice its sample's states: the
 file's tensors and their bytes); a sample larger than this is written alone."""
@@ -75,6 +100,11 @@ class ExportConfig:
     top, the states under hidden_states/."""
     dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """fsspec options for dest (e.g. client_kwargs for an S3 endpoint)."""
+    consume: bool = False
+    """Delete each of the run's local shard files as soon as its samples are exported: after its files are written,
+    fsynced and verified against it (sizes and sha256 read back, its first and last sample loaded as the trainer loads
+    them). The export then needs one shard's worth of space beyond the run, not a second copy. The run's manifest
+    records each shard as consumed into dest. Needs the run's output.dir, and no job running on it."""
     fp8: Optional[bool] = None
     """speculators: true writes its fp8 variant (float8_e4m3fn, one float32 scale per token), false the model dtype.
     Unset: fp8 when the run stored fp8, else the model dtype."""
@@ -102,6 +132,13 @@ class ExportConfig:
         check_int("threads", self.threads, 1)
         check_seconds("progress_interval_s", self.progress_interval_s, positive=True)
 
+    def run_directory(self) -> Optional[Path]:
+        """The run's output.dir when it is a local directory with a manifest, else None."""
+        if not is_local(self.output.dir, self.output.sink_options):
+            return None
+        directory = Path(local_path(self.output.dir))
+        return directory if (directory / MANIFEST_FILE).is_file() else None
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportPlan:
@@ -115,13 +152,13 @@ class ExportPlan:
     notes: tuple[str, ...] = ()
 
 
-def plan_export(config: ExportConfig, index: RunIndex) -> ExportPlan:
+def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[str]) -> ExportPlan:
     """What will be written, or a ValueError naming what the run lacks and the setting to rerun with."""
-    meta, run = index.metadata, config.output.dir
+    run = config.output.dir
     peer_formats.check_final_state(config.to, meta, run)
-    if index.notes and not config.allow_partial:
+    if left_out and not config.allow_partial:
         raise ValueError(
-            f"{'; '.join(index.notes)}. Finish the run first (rerun its jobs.extract command; shards=failed reruns "
+            f"{'; '.join(left_out)}. Finish the run first (rerun its jobs.extract command; shards=failed reruns "
             "failed shards), or pass allow_partial=true to export the done shards only"
         )
     notes: list[str] = []
@@ -146,31 +183,98 @@ def plan_export(config: ExportConfig, index: RunIndex) -> ExportPlan:
 
 
 @dataclasses.dataclass
+class ExportShard:
+    """One shard file of the run, as the export sees it."""
+
+    name: str
+    """Its file name (shard-00007.parquet): what the export state knows it by."""
+    rows: int
+    sha256: str
+    """As the run's manifest recorded it (empty for a run listed without a manifest)."""
+    ids: np.ndarray
+    """Its sample ids, sorted: speculators' row i is the i-th sample id over the shards in order."""
+    first_row: int = 0
+    """speculators: the dataset row of its first sample."""
+    url: str = ""
+    """Where its file is read from; empty once it is consumed."""
+    index: Optional[int] = None
+    """Its record in the run's manifest (None without one)."""
+    location: str = ""
+    """local | sink | consumed, as the manifest says (empty without a manifest)."""
+    bytes: int = 0
+    tokens: int = 0
+
+    @property
+    def consumed(self) -> bool:
+        return self.location == CONSUMED
+
+    def record(self) -> dict[str, Any]:
+        """What the export state keeps of it."""
+        return {"file": self.name, "rows": self.rows, "sha256": self.sha256, "sample_ids": id_ranges([self.ids])}
+
+
+@dataclasses.dataclass
 class PreparedExport:
     """Everything checked, nothing written but the export state in ``dest``."""
 
     config: ExportConfig
-    index: RunIndex
+    metadata: ShardMetadata
     plan: ExportPlan
-    ids_per_file: list[np.ndarray]
-    """Each shard's sample ids, sorted: speculators' row i is the i-th sample id over the files in order."""
+    shards: list[ExportShard]
+    """In order: by first sample id (speculators' rows follow it)."""
     dest: Destination
+    key: str
+    """How the run's manifest names this export in a consumed shard's ``consumed_into``."""
     state: dict[str, Any]
 
     @property
     def samples(self) -> int:
-        return sum(len(ids) for ids in self.ids_per_file)
+        return sum(shard.rows for shard in self.shards)
+
+    def path(self, shard: ExportShard, sample_id: int) -> str:
+        """The file a sample of ``shard`` goes to."""
+        if self.plan.trainer == SPECFORGE:
+            return peer_formats.specforge_path(sample_id)
+        return peer_formats.speculators_path(shard.first_row + int(np.searchsorted(shard.ids, sample_id)))
+
+    def paths(self, shard: ExportShard, rows: bool = True) -> list[str]:
+        """Every file the export writes for ``shard``: its samples', and (speculators, with ``rows``) its rows file,
+        which lives until the dataset is written."""
+        paths = [self.path(shard, int(sample_id)) for sample_id in shard.ids]
+        return paths + [rows_file(shard)] if rows and self.plan.trainer == SPECULATORS else paths
+
+    def file_tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
+        """The tensors of the sample's file, as the trainer's loader gets them back."""
+        if self.plan.trainer == SPECFORGE:
+            return peer_formats.specforge_file(sample)
+        return peer_formats.speculators_file(sample, self.metadata.hidden_size, self.plan.fp8)
+
+
+def rows_file(shard: ExportShard) -> str:
+    return f"{ROWS_DIR}/{shard.name.removesuffix('.parquet')}.arrow"
+
+
+def export_key(trainer: str, dest: Destination) -> str:
+    """``<format>:<dest>`` (a local dest as an absolute path): what a consumed shard's record names."""
+    return f"{trainer}:{os.path.abspath(dest.root) if dest.local else dest.url.rstrip('/')}"
 
 
 def prepare(config: ExportConfig) -> PreparedExport:
-    """Read the run's footers and sample ids, check the format can take it and ``dest`` is this export's;
+    """Read the run's footers and sample ids, check the format can take it, ``dest`` is this export's and has room;
     raises ValueError (naming what to change) before anything is written."""
-    index = RunIndex.build(config.output.dir, config.output.sink_options)
-    plan = plan_export(config, index)
-    ids_per_file = [_sorted_sample_ids(file.url, config.output.sink_options) for file in index.files]
     dest = Destination(config.dest, config.dest_options)
-    state = _claim(dest, _identity(plan, index, ids_per_file))
-    return PreparedExport(config, index, plan, ids_per_file, dest, state)
+    key = export_key(config.to, dest)
+    readable, consumed, left_out = _list_run(config, key)
+    stored = dest.read_json(STATE_FILE)
+    options = config.output.sink_options
+    index = RunIndex.from_files([(url, 0, sha) for url, sha, _ in readable], options) if readable else None
+    metadata = index.metadata if index is not None else _stored_metadata(stored, config)
+    plan = plan_export(config, metadata, left_out)
+    shards = _shards(index, readable, consumed, stored, config, dest)
+    job = PreparedExport(config, metadata, plan, shards, dest, key, state={})
+    check_space(job)
+    job.state = _claim(dest, _identity(plan, metadata, shards))
+    return job
 
 
 def _require(*modules: str) -> None:
@@ -180,70 +284,92 @@ def _require(*modules: str) -> None:
 
 
 def export(config: ExportConfig) -> dict[str, Any]:
-    """Check, then write every file not there yet; returns the report (samples, bytes, seconds, rates, peak RSS)."""
+    """Check, then write every file not there yet; returns the report (samples, bytes, seconds, rates, peak RSS).
+    With ``consume``, the caller holds the run's lock (``jobs.export`` does: ``jobs.rundir.lock.OutputLock``)."""
     return write(prepare(config))
 
 
-def write(job: PreparedExport) -> dict[str, Any]:
-    """Write the files ``dest`` does not hold yet, a row group at a time, then (speculators) the dataset."""
-    started = time.perf_counter()
-    config, plan, dest = job.config, job.plan, job.dest
-    for note in plan.notes:
-        logger.info("%s", note)
-    report = {"dest": config.dest, "format": plan.trainer, "states": plan.states, "samples": job.samples,
-              "written": 0, "skipped": 0, "bytes": 0}
-    if job.state.get("complete"):
-        report["skipped"] = job.samples
-        return _finish(report, started, already_complete=True)
-    removed = dest.remove_temps()
-    if removed:
-        logger.info("removed %d temp files a stopped export left in %s", removed, config.dest)
-    stream = _SampleStream(job.index, job.ids_per_file, plan, config.output.sink_options)
-    present = dest.files(peer_formats.SPECULATORS_HIDDEN_STATES_DIR if plan.trainer == SPECULATORS else "")
-    with _Progress(job.samples, config.progress_interval_s) as progress, _Writers(config.threads) as writers:
-        for samples, skipped in stream.row_groups(present):
-            report["skipped"] += skipped
-            progress.update(skipped, 0)
-            for path, sample in samples:
-                writers.submit(lambda path=path, sample=sample: _write_sample(dest, plan, job.index, path, sample),
-                               on_done=lambda size: (progress.update(1, size), _add(report, size)),
-                               state_bytes=_state_bytes(sample))
-        writers.drain()
-    if plan.trainer == SPECULATORS:
-        report["bytes"] += _write_speculators_dataset(dest, job.index, job.ids_per_file, config.output.sink_options)
-    dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
-    return _finish(report, started)
+# -- what the run holds, and what the export holds of it --------------------------------------------
+
+def _list_run(config: ExportConfig, key: str) -> tuple[list[tuple[str, str, Optional[dict]]], list[dict], list[str]]:
+    """The shard files to read (url, sha256, manifest record), the records of shards consumed into this export,
+    and a note on what is left out (not done, or consumed elsewhere)."""
+    directory = config.run_directory()
+    if directory is None:
+        if config.consume:
+            raise ValueError(
+                f"consume=true deletes shard files of a run and records it in the run's manifest, but "
+                f"{config.output.dir} is not a local output.dir with a {MANIFEST_FILE}; name the run's output.dir, "
+                "or drop consume"
+            )
+        files, _ = list_run_files(config.output.dir, config.output.sink_options)
+        return [(url, sha, None) for url, sha in files], [], []
+    found, left_out = manifest_shards(directory)
+    consumed = [r for r in left_out if r["state"] == DONE and r["location"] == CONSUMED and r["consumed_into"] == key]
+    others = [r for r in left_out if r not in consumed]
+    if not found and not consumed:
+        raise ValueError(f"{directory}: the manifest lists no done shard to export; "
+                         + (left_out_note(directory, 0, len(left_out), left_out) or "nothing to read"))
+    note = left_out_note(directory, len(found) + len(consumed), len(found) + len(left_out), others)
+    if note:
+        logger.warning("%s", note)
+    return [(url, record["sha256"], record) for record, url in found], consumed, [note] if note else []
 
 
-def _add(report: dict[str, Any], size: int) -> None:
-    report["written"] += 1
-    report["bytes"] += size
+def _stored_metadata(stored: Optional[dict[str, Any]], config: ExportConfig) -> ShardMetadata:
+    """Every shard left is consumed into this export: the run's metadata is what its state recorded."""
+    if stored is None:
+        raise ValueError(f"{config.output.dir}: every shard is consumed into dest={config.dest}, which has no "
+                         f"{STATE_FILE}: the export there was removed; its samples are gone from the run too")
+    return ShardMetadata(**stored["run"])
 
 
-def _finish(report: dict[str, Any], started: float, already_complete: bool = False) -> dict[str, Any]:
-    seconds = time.perf_counter() - started
-    report.update(
-        already_complete=already_complete,
-        seconds=round(seconds, 3),
-        samples_per_second=round(report["written"] / seconds, 1) if seconds > 0 else 0.0,
-        mb_per_second=round(report["bytes"] / 1e6 / seconds, 1) if seconds > 0 else 0.0,
-        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    )
-    return report
+def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Optional[dict]]], consumed: Sequence[dict],
+            stored: Optional[dict[str, Any]], config: ExportConfig, dest: Destination) -> list[ExportShard]:
+    records = {url: record for url, _, record in readable}
+    shards = []
+    for file in index.files if index is not None else []:
+        record = records[file.url] or {}
+        ids, tokens = _ids_and_tokens(file.url, config.output.sink_options)
+        shards.append(ExportShard(
+            name=record.get("file") or file.url.rsplit("/", 1)[-1], rows=file.rows, sha256=file.sha256, ids=ids,
+            url=file.url, index=record.get("index"), location=record.get("location", ""),
+            bytes=record.get("bytes", 0), tokens=tokens,
+        ))
+    known = {shard["file"]: shard for shard in (stored or {}).get("shards", [])}
+    for record in consumed:
+        if record["file"] not in known:
+            raise ValueError(
+                f"{config.output.dir}: shard {record['index']} ({record['file']}) was consumed into {dest.url}, but "
+                f"{dest.url}/{STATE_FILE} does not list it: that dest was replaced since; the shard's samples are "
+                f"there or nowhere. Rerun the extraction with shards=[{record['index']}] to write them again"
+            )
+        mine = known[record["file"]]
+        shards.append(ExportShard(
+            name=record["file"], rows=mine["rows"], sha256=mine["sha256"], ids=_ids_from_ranges(mine["sample_ids"]),
+            index=record["index"], location=CONSUMED, bytes=record["bytes"], tokens=record["tokens"],
+        ))
+    shards.sort(key=lambda shard: (int(shard.ids[0]) if len(shard.ids) else -1, shard.name))
+    row = 0
+    for shard in shards:
+        shard.first_row, row = row, row + shard.rows
+    return shards
 
 
-# -- what is exported, and where each sample goes -----------------------------------------------------
-
-def _sorted_sample_ids(url: str, storage_options: dict[str, Any]) -> np.ndarray:
+def _ids_and_tokens(url: str, storage_options: dict[str, Any]) -> tuple[np.ndarray, int]:
+    """A shard file's sample ids, sorted, and its tokens (the input_ids values, from the footer)."""
     parquet = open_parquet(url, storage_options)
     try:
-        return np.sort(parquet.read(columns=[schema.SAMPLE_ID]).column(0).to_numpy())
+        footer = parquet.metadata
+        leaf = [footer.schema.column(i).path for i in range(footer.num_columns)].index(f"{schema.INPUT_IDS}.list.element")
+        tokens = sum(footer.row_group(g).column(leaf).num_values for g in range(footer.num_row_groups))
+        return np.sort(parquet.read(columns=[schema.SAMPLE_ID]).column(0).to_numpy()), int(tokens)
     finally:
         parquet.close()
 
 
-def _id_ranges(ids_per_file: Sequence[np.ndarray]) -> list[list[int]]:
-    """The exported sample ids in order, as [start, stop) runs: speculators' row i is the i-th of them."""
+def id_ranges(ids_per_file: Sequence[np.ndarray]) -> list[list[int]]:
+    """Sample ids in order, as [start, stop) runs: speculators' row i is the i-th of them."""
     ranges: list[list[int]] = []
     for ids in ids_per_file:
         for sample_id in ids.tolist():
@@ -254,20 +380,23 @@ def _id_ranges(ids_per_file: Sequence[np.ndarray]) -> list[list[int]]:
     return ranges
 
 
-def _identity(plan: ExportPlan, index: RunIndex, ids_per_file: Sequence[np.ndarray]) -> dict[str, Any]:
-    """What a resumed export must match: format, states, the run's metadata and its shard files."""
-    shards = [[file.url.rsplit("/", 1)[-1], file.rows, file.sha256] for file in index.files]
+def _ids_from_ranges(ranges: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in ranges] or [np.zeros(0, np.int64)])
+
+
+def _identity(plan: ExportPlan, metadata: ShardMetadata, shards: Sequence[ExportShard]) -> dict[str, Any]:
+    """What a resumed export must match: format, states, the run's metadata and its shard files (as JSON reads back)."""
     identity = {
         "export_version": EXPORT_VERSION,
         "format": plan.trainer,
         "states": plan.states,
-        "run": {field.name: getattr(index.metadata, field.name) for field in dataclasses.fields(index.metadata)},
-        "shards": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
-        "samples": int(sum(len(ids) for ids in ids_per_file)),
+        "run": dataclasses.asdict(metadata),
+        "shards": [shard.record() for shard in shards],
+        "samples": int(sum(shard.rows for shard in shards)),
     }
     if plan.trainer == SPECULATORS:  # hs_{i} names rows, not sample ids: the order is part of what was written
-        identity["sample_ids"] = _id_ranges(ids_per_file)
-    return identity
+        identity["sample_ids"] = id_ranges([shard.ids for shard in shards])
+    return json.loads(json.dumps(identity))
 
 
 def _claim(dest: Destination, identity: dict[str, Any]) -> dict[str, Any]:
@@ -292,41 +421,139 @@ def _claim(dest: Destination, identity: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-class _SampleStream:
-    """The run's samples a row group at a time, each with the file it goes to."""
+# -- writing --------------------------------------------------------------------------------------
 
-    def __init__(self, index: RunIndex, ids_per_file: Sequence[np.ndarray], plan: ExportPlan,
-                 storage_options: dict[str, Any]) -> None:
-        self.index, self.ids_per_file, self.plan, self.options = index, ids_per_file, plan, storage_options
+@dataclasses.dataclass(frozen=True)
+class Put:
+    """One file of the export, as it is now in ``dest``."""
 
-    def row_groups(self, present: set[str]) -> Iterator[tuple[list[tuple[str, Sample]], int]]:
-        """Per row group: the (path, sample) pairs whose files are not in ``present``, and how many are.
-        A row group whose files are all there is not read beyond its sample ids."""
-        row_offset = 0
-        for number, file in enumerate(self.index.files):
-            ids = self.ids_per_file[number]
-            parquet = open_parquet(file.url, self.options)
-            try:
-                for group in range(parquet.num_row_groups):
-                    group_ids = parquet.read_row_group(group, columns=[schema.SAMPLE_ID]).column(0).to_numpy()
-                    paths = [self._path(int(sample_id), row_offset + int(np.searchsorted(ids, sample_id)))
-                             for sample_id in group_ids]
-                    missing = [row for row, path in enumerate(paths) if path not in present]
-                    if not missing:
-                        yield [], len(paths)
-                        continue
-                    table = parquet.read_row_group(group)
-                    meta, raw = self.index.metadata, self.plan.read_raw
-                    yield [(paths[row], sample_from_table(table, row, meta, raw)) for row in missing], \
-                        len(paths) - len(missing)
-            finally:
-                parquet.close()
-            row_offset += len(ids)
+    path: str
+    size: int
+    sha256: str
+    """Of the bytes made from the run's shard (consume only: what the file is verified against)."""
+    wrote: bool
+    """Written now; False: it was there with exactly these bytes (read back and compared)."""
 
-    def _path(self, sample_id: int, row: int) -> str:
-        if self.plan.trainer == SPECFORGE:
-            return peer_formats.specforge_path(sample_id)
-        return peer_formats.speculators_path(row)
+
+def write(job: PreparedExport) -> dict[str, Any]:
+    """Write the files ``dest`` does not hold yet, a shard at a time (consuming each with ``consume``), then
+    (speculators) the dataset."""
+    started = time.perf_counter()
+    config, plan, dest = job.config, job.plan, job.dest
+    for note in plan.notes:
+        logger.info("%s", note)
+    report = {"dest": config.dest, "format": plan.trainer, "states": plan.states, "samples": job.samples,
+              "written": 0, "skipped": 0, "bytes": 0, "consumed": 0, "freed_bytes": 0}
+    was_complete = bool(job.state.get("complete"))
+    if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
+        dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
+        report["skipped"] = job.samples
+        return _finish(report, started, already_complete=True)
+    removed = dest.remove_temps()
+    if removed:
+        logger.info("removed %d temp files a stopped export left in %s", removed, config.dest)
+    present = dest.file_sizes()
+    with _Progress(job.samples, config.progress_interval_s) as progress, _Writers(config.threads) as writers, \
+            ShardConsumer(job, present, report) as consumer:
+        for shard in job.shards:
+            if shard.consumed:
+                consumer.finish_consumed(shard, rows=not was_complete)
+                report["skipped"] += shard.rows
+                progress.update(shard.rows, 0)
+                continue
+            puts, ends = _export_shard(job, shard, present, writers, progress, report, rows=not was_complete)
+            if config.consume and shard.location == LOCAL:
+                consumer.consume(shard, puts, ends)
+    if plan.trainer == SPECULATORS and not was_complete:
+        report["bytes"] += _write_speculators_dataset(job)
+    dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
+    dest.remove(ROWS_DIR)  # the dataset holds them now (removed after the state says so: a rerun needs them till then)
+    return _finish(report, started)
+
+
+def _export_shard(job: PreparedExport, shard: ExportShard, present: dict[str, int], writers: "_Writers",
+                  progress: "_Progress", report: dict[str, Any], rows: bool) -> tuple[list[Put], list[Sample]]:
+    """Write the shard's files (with ``consume``: every one, those there already read back and rewritten if they
+    differ; else the missing ones); returns what each file is now, and copies of the first and last samples read
+    (with ``consume``: the shard's first and last, which its verification loads back)."""
+    check = present if job.config.consume else None
+    puts: list[Put] = []
+    ends: list[Sample] = []
+
+    def done(put: Put) -> None:
+        puts.append(put)
+        report["written" if put.wrote else "skipped"] += 1
+        report["bytes"] += put.size if put.wrote else 0
+        progress.update(1, put.size if put.wrote else 0)
+
+    skip = (lambda path: False) if check is not None else (lambda path: path in present)
+    for samples, skipped, last_group in _shard_samples(job, shard, skip):
+        report["skipped"] += skipped
+        progress.update(skipped, 0)
+        for path, sample in samples:
+            writers.submit(lambda path=path, sample=sample: _put(job.dest, path, _file_bytes(job, sample), check),
+                           on_done=done, state_bytes=_state_bytes(sample))
+        if check is not None and samples:  # every row is read: the first group's first, the last group's last
+            # Copies: a sample is a view on its row group, which is let go once its files are written.
+            ends += ([_copy(samples[0][1])] if not ends else []) + ([_copy(samples[-1][1])] if last_group else [])
+    writers.drain()
+    if job.plan.trainer == SPECULATORS and rows and (check is not None or rows_file(shard) not in present):
+        put = _put(job.dest, rows_file(shard), _rows_bytes(shard, job.config.output.sink_options), check)
+        report["bytes"] += put.size if put.wrote else 0
+        puts.append(put)
+    return puts, ends
+
+
+def _copy(sample: Sample) -> Sample:
+    return dataclasses.replace(sample, **{field.name: getattr(sample, field.name).clone()
+                                          for field in dataclasses.fields(sample)
+                                          if isinstance(getattr(sample, field.name), torch.Tensor)})
+
+
+def _shard_samples(job: PreparedExport, shard: ExportShard,
+                   skip: Callable[[str], bool]) -> Iterator[tuple[list[tuple[str, Sample]], int, bool]]:
+    """Per row group of the shard: the (path, sample) pairs whose files are not skipped, how many are, and whether
+    it is the shard's last group. A row group whose files are all skipped is not read beyond its sample ids."""
+    parquet = open_parquet(shard.url, job.config.output.sink_options)
+    try:
+        for group in range(parquet.num_row_groups):
+            last_group = group == parquet.num_row_groups - 1
+            group_ids = parquet.read_row_group(group, columns=[schema.SAMPLE_ID]).column(0).to_numpy()
+            paths = [job.path(shard, int(sample_id)) for sample_id in group_ids]
+            wanted = [row for row, path in enumerate(paths) if not skip(path)]
+            if not wanted:
+                yield [], len(paths), last_group
+                continue
+            table = parquet.read_row_group(group)
+            yield [(paths[row], sample_from_table(table, row, job.metadata, job.plan.read_raw)) for row in wanted], \
+                len(paths) - len(wanted), last_group
+    finally:
+        parquet.close()
+
+
+def _file_bytes(job: PreparedExport, sample: Sample) -> bytes | memoryview:
+    tensors = job.file_tensors(sample)
+    if job.plan.trainer == SPECFORGE:
+        buffer = io.BytesIO()
+        torch.save(tensors, buffer)
+        return buffer.getbuffer()
+    from safetensors.torch import save as safetensors_bytes
+
+    return safetensors_bytes(tensors)
+
+
+def _put(dest: Destination, path: str, data: bytes | memoryview, present: Optional[dict[str, int]]) -> Put:
+    """Write ``data`` to ``path``; with ``present`` (consume: the file is verified later, against the sha256 of
+    ``data``), a file already there is read back and kept only if it holds exactly ``data``."""
+    sha256 = hashlib.sha256(data).hexdigest() if present is not None else ""
+    size = len(data)
+    if present is not None and path in present:
+        if present[path] == size and dest.digest(path) == (size, sha256):
+            return Put(path, size, sha256, wrote=False)
+        logger.warning("%s/%s: not the bytes the run's shard gives (changed since it was written); writing it again",
+                       dest.url, path)
+    dest.write_bytes(path, data)
+    return Put(path, size, sha256, wrote=True)
 
 
 def _state_bytes(sample: Sample) -> int:
@@ -334,50 +561,19 @@ def _state_bytes(sample: Sample) -> int:
     return sum(t.numel() * t.element_size() for t in states if t is not None)
 
 
-def _write_sample(dest: Destination, plan: ExportPlan, index: RunIndex, path: str, sample: Sample) -> int:
-    if plan.trainer == SPECFORGE:
-        payload = peer_formats.specforge_file(sample)
-        return dest.write(path, lambda file: torch.save(payload, file))
-    from safetensors.torch import save as safetensors_bytes
-
-    tensors = peer_formats.speculators_file(sample, index.metadata.hidden_size, plan.fp8)
-    return dest.write_bytes(path, safetensors_bytes(tensors))
+def _finish(report: dict[str, Any], started: float, already_complete: bool = False) -> dict[str, Any]:
+    seconds = time.perf_counter() - started
+    report.update(
+        already_complete=already_complete,
+        seconds=round(seconds, 3),
+        samples_per_second=round(report["written"] / seconds, 1) if seconds > 0 else 0.0,
+        mb_per_second=round(report["bytes"] / 1e6 / seconds, 1) if seconds > 0 else 0.0,
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+    return report
 
 
 # -- speculators' preprocessed dataset --------------------------------------------------------------
-
-def _write_speculators_dataset(dest: Destination, index: RunIndex, ids_per_file: Sequence[np.ndarray],
-                               storage_options: dict[str, Any]) -> int:
-    """``save_to_disk`` of input_ids, loss_mask, seq_len in hs_{i} order (torch format, as speculators'
-    prepare_data leaves it), and ``token_freq.pt``; streamed through a local Arrow file. Returns bytes written."""
-    import datasets
-    from datasets.arrow_writer import ArrowWriter
-
-    list_type = getattr(datasets, "List", None) or datasets.Sequence  # List since datasets 4
-    int64_list = list_type(datasets.Value("int64"))
-    features = datasets.Features({"input_ids": int64_list, "loss_mask": int64_list, "seq_len": datasets.Value("int64")})
-    frequencies = np.zeros(0, dtype=np.int64)
-    scratch = tempfile.mkdtemp(prefix="eagle3-export-")
-    try:
-        arrow_path = os.path.join(scratch, "rows.arrow")
-        with ArrowWriter(features=features, path=arrow_path) as writer:
-            for file in index.files:
-                columns = _token_columns(file.url, storage_options)
-                writer.write_table(columns.cast(features.arrow_schema))
-                frequencies = _count_tokens(columns, frequencies)
-            writer.finalize()
-        rows = datasets.Dataset.from_file(arrow_path).with_format("torch")
-        if len(rows) != sum(len(ids) for ids in ids_per_file):
-            raise RuntimeError(f"{len(rows)} dataset rows for {sum(len(i) for i in ids_per_file)} exported samples")
-        rows.save_to_disk(dest.url, storage_options=dict(dest.fs.storage_options))
-        counts = {int(token): int(frequencies[token]) for token in np.flatnonzero(frequencies)}
-        buffer = io.BytesIO()
-        torch.save(counts, buffer)
-        size = dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, buffer.getvalue())
-        return size + os.path.getsize(arrow_path)  # save_to_disk writes the same Arrow data
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
 
 def _token_columns(url: str, storage_options: dict[str, Any]) -> pa.Table:
     """input_ids, loss_mask (int64 lists) and seq_len of one shard, rows in sample-id order."""
@@ -394,15 +590,47 @@ def _token_columns(url: str, storage_options: dict[str, Any]) -> pa.Table:
     })
 
 
-def _count_tokens(columns: pa.Table, counts: np.ndarray) -> np.ndarray:
-    """Add the shard's loss-masked tokens to ``counts`` (indexed by token id), as speculators' token_freq.pt counts."""
-    ids = pc.list_flatten(columns.column("input_ids")).to_numpy()
-    mask = pc.list_flatten(columns.column("loss_mask")).to_numpy()
-    found = np.bincount(ids[mask == 1], minlength=len(counts))
-    if len(found) > len(counts):
-        counts = np.concatenate([counts, np.zeros(len(found) - len(counts), dtype=np.int64)])
-    counts[: len(found)] += found
-    return counts
+def _rows_bytes(shard: ExportShard, storage_options: dict[str, Any]) -> bytes:
+    """The shard's dataset rows as an Arrow IPC file (the same bytes for the same rows: a rerun can compare them)."""
+    table = _token_columns(shard.url, storage_options)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _write_speculators_dataset(job: PreparedExport) -> int:
+    """``save_to_disk`` of input_ids, loss_mask, seq_len in hs_{i} order (torch format, as speculators'
+    prepare_data leaves it), and ``token_freq.pt``, from the shards' rows files, through a local Arrow file.
+    Returns bytes written."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    dest = job.dest
+    list_type = getattr(datasets, "List", None) or datasets.Sequence  # List since datasets 4
+    int64_list = list_type(datasets.Value("int64"))
+    features = datasets.Features({"input_ids": int64_list, "loss_mask": int64_list, "seq_len": datasets.Value("int64")})
+    counter = TokenCounter()
+    scratch = tempfile.mkdtemp(prefix="eagle3-export-")
+    try:
+        arrow_path = os.path.join(scratch, "rows.arrow")
+        with ArrowWriter(features=features, path=arrow_path) as writer:
+            for shard in job.shards:
+                table = pa.ipc.open_file(pa.py_buffer(dest.read_bytes(rows_file(shard)))).read_all()
+                if table.num_rows != shard.rows:
+                    raise RuntimeError(f"{dest.url}/{rows_file(shard)} holds {table.num_rows} rows, {shard.name} "
+                                       f"{shard.rows}: delete it and rerun the export")
+                writer.write_table(table.cast(features.arrow_schema))
+                counter.add(table.column("input_ids"), table.column("loss_mask"))
+            writer.finalize()
+        rows = datasets.Dataset.from_file(arrow_path).with_format("torch")
+        if len(rows) != job.samples:
+            raise RuntimeError(f"{len(rows)} dataset rows for {job.samples} exported samples")
+        rows.save_to_disk(dest.url, storage_options=dict(dest.fs.storage_options))
+        size = dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
+        return size + os.path.getsize(arrow_path)  # save_to_disk writes the same Arrow data
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # -- writing threads and progress -----------------------------------------------------------------

@@ -16,7 +16,10 @@ SpecForge (sgl-project/SpecForge)
   ``specforge/algorithms/eagle3/data.py`` ``normalize_offline_sample``: ``aux_hidden_state`` and
   ``hidden_state`` squeezed and cut to ``max_len``, ``input_ids`` and ``loss_mask`` cut to
   ``max_len``, every tensor given a leading batch dimension of 1, the last ``loss_mask`` entry set
-  to 0, ``attention_mask`` ones (int64).
+  to 0, ``attention_mask`` ones (int64). SpecForge 0.2.0's trainer lists the files with
+  ``specforge/runtime/data_plane/offline_reader.py`` ``list_feature_files`` (absolute paths, sorted
+  as strings: the order ``training.dataset``'s SpecForge view keeps) and loads each with
+  ``feature_store.load_feature_file``; the tests run those two and ``normalize_offline_sample``.
 
 speculators (vllm-project/speculators)
   files: ``scripts/data_generation_offline.py`` writes ``<preprocessed>/hidden_states/hs_{i}.safetensors``
