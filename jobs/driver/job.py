@@ -63,6 +63,7 @@ from jobs.rundir.summary import (
     write_invalid_rows,
 )
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
+from storage.token_freq import maybe_write_token_freq
 
 logger = logging.getLogger("jobs.extract")
 
@@ -153,9 +154,13 @@ def _extract(
                 raise stop from None
             raise
         write_drafter_config(output_dir, _drafter_config(config, result.engine))
-        return summary.finish(manifest, outcome, code, message, result)
+        final = summary.finish(manifest, outcome, code, message, result)
     finally:
         manifest.close()
+    # speculators' reduced draft vocabulary comes from the trained tokens' counts: counted now, from the
+    # token columns alone, while every shard is still there (once the run is complete).
+    maybe_write_token_freq(output_dir)
+    return final
 
 
 def _check_files_here(manifest: Manifest, output_dir: Path, checksum: bool) -> Optional[str]:
