@@ -1,0 +1,365 @@
+"""The prepare run: conversations in, tokenized parts and the side record out, shard by shard.
+
+Rows stream through in shards of ``output.shard_size`` conversations (shard k holds conversation
+ids [k*size, (k+1)*size)); the run holds one shard's rows and tokens at a time, whatever the size
+of the input. Every row is accounted for: kept, invalid (failing the run, or skipped and listed),
+or too long (truncated, or dropped and listed).
+
+With ``regenerate=true`` a first pass has the target answer the shards not answered yet
+(``jobs.conversations.regenerate``), and the tokenizing pass reads those answers instead of the
+input's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from extractor.checkpoint import read_checkpoint_info
+from extractor.generator import GeneratorSpec
+from jobs.conversations import output as out_dir
+from jobs.conversations.config import PrepareConfig
+from jobs.conversations.progress import Progress
+from jobs.conversations.reader import ConversationRow, count_rows, read_conversations
+from jobs.conversations.regenerate import TemplateSpec, regenerated_rows, start_regenerator
+from jobs.conversations.template import ChatTemplate, Encoded
+from jobs.input_files import InputFile, resolve_files
+
+logger = logging.getLogger(__name__)
+
+ENCODE_BATCH = 512
+"""Conversations rendered and tokenized at once (bounds the renderings held in memory)."""
+INVALID, TOO_LONG = "invalid", "too_long"
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What the run reads before it touches output.path."""
+
+    config: PrepareConfig
+    chat: ChatTemplate
+    fs: Any
+    files: list[InputFile]
+    total: int
+    max_length: int
+    out: Path
+
+    @property
+    def shards(self) -> int:
+        return math.ceil(self.total / self.config.output.shard_size)
+
+    def regeneration_content(self) -> Optional[dict[str, Any]]:
+        """Everything that changes the regenerated answers: a resume must match it exactly."""
+        config = self.config
+        if not config.regenerate:
+            return None
+        generation = dataclasses.asdict(config.generation)
+        return {**self._input_content(), "model.path": config.model.path, "model.dtype": config.model.dtype,
+                **{f"generation.{key}": value for key, value in generation.items()}}
+
+    def content(self) -> dict[str, Any]:
+        """Everything that changes the parts' contents."""
+        return {**self._input_content(), "data.max_length": self.max_length, "data.on_too_long": self.config.data.on_too_long,
+                "regenerate": self.regeneration_content()}
+
+    def _input_content(self) -> dict[str, Any]:
+        data = self.config.data
+        return {
+            "input.files": [[file.name, file.size] for file in self.files],
+            "data.format": data.format, "data.other_roles": data.other_roles,
+            "output.shard_size": self.config.output.shard_size,
+            "tokenizer_sha256": self.chat.tokenizer_sha256, "chat_template_sha256": self.chat.template_sha256,
+            "stop_token_ids": sorted(self.chat.stop_ids),
+        }
+
+
+def read_inputs(config: PrepareConfig) -> Inputs:
+    """Tokenizer, template, the input files and their row count, all checked; nothing is written."""
+    model = config.model
+    chat = ChatTemplate.load(model.path, model.chat_template, model.trust_remote_code, model.stop_tokens)
+    context = read_checkpoint_info(model.path).max_position_embeddings
+    max_length = config.data.max_length or context
+    if max_length > context:
+        raise ValueError(f"data.max_length={max_length} exceeds the model's max_position_embeddings {context}: "
+                         "jobs.extract would refuse such rows; use at most that, or 0 for it")
+    fs, files = resolve_files(config.data.path, config.data.storage_options)
+    total = sum(count_rows(fs, file) for file in files)
+    if total == 0:
+        raise ValueError(f"data.path={config.data.path}: the files hold no rows")
+    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path))
+
+
+# -- shards -------------------------------------------------------------------------------------
+
+
+def shards_of(rows: Iterator[ConversationRow], size: int) -> Iterator[tuple[int, list[ConversationRow]]]:
+    """Consecutive rows, ``size`` at a time, with the shard's index."""
+    shard: list[ConversationRow] = []
+    for row in rows:
+        shard.append(row)
+        if len(shard) == size:
+            yield row.conversation_id // size, shard
+            shard = []
+    if shard:
+        yield shard[0].conversation_id // size, shard
+
+
+def input_rows(inputs: Inputs, regenerate: bool) -> Iterator[ConversationRow]:
+    data = inputs.config.data
+    return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate)
+
+
+def refuse(row: ConversationRow, reason: str, out: Path) -> ValueError:
+    """The message of a bad row under data.on_invalid=fail (exit 2)."""
+    return ValueError(
+        f"{row.source.describe()} (conversation_id {row.conversation_id}): {reason} -- data.on_invalid=skip leaves "
+        f"such rows out and lists them in {out / out_dir.SKIPPED_FILE}"
+    )
+
+
+# -- tokenizing ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Totals:
+    """The run's counts, and a histogram of kept lengths (bounded by max_length, not by the row count)."""
+
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    assistant_turns: int = 0
+    tokens: int = 0
+    masked_tokens: int = 0
+    lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    def add(self, rows: Sequence[Encoded]) -> None:
+        lengths = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=len(rows))
+        if len(lengths):
+            counts = np.bincount(lengths)
+            if len(counts) > len(self.lengths):
+                self.lengths = np.pad(self.lengths, (0, len(counts) - len(self.lengths)))
+            self.lengths[: len(counts)] += counts
+        self.kept += len(rows)
+        self.tokens += int(lengths.sum())
+        self.masked_tokens += sum(row.loss_mask.count(1) for row in rows)
+        self.assistant_turns += sum(row.assistant_turns for row in rows)
+
+    def length_stats(self) -> dict[str, Any]:
+        if not self.kept:
+            return {}
+        cumulative = np.cumsum(self.lengths)
+        quantile = {f"p{q}": int(np.searchsorted(cumulative, math.ceil(self.kept * q / 100))) for q in (50, 90, 99)}
+        present = np.flatnonzero(self.lengths)
+        return {"min": int(present[0]), "max": int(present[-1]), "mean": round(self.tokens / self.kept, 2), **quantile}
+
+
+def _truncate(row: Encoded, max_length: int) -> Encoded:
+    return Encoded(row.input_ids[:max_length], row.loss_mask[:max_length], row.assistant_turns)
+
+
+def tokenize_shard(inputs: Inputs, rows: list[ConversationRow], skipped: out_dir.SkippedRows,
+                   totals: Totals) -> tuple[list[int], list[Encoded]]:
+    """A shard's kept conversations (ids and encodings); bad rows fail the run or are listed as skipped."""
+    config, max_length = inputs.config, inputs.max_length
+    fail = config.data.on_invalid == "fail"
+    valid = [row for row in rows if row.messages is not None]
+    encoded: dict[int, Any] = {}
+    for start in range(0, len(valid), ENCODE_BATCH):
+        batch = valid[start : start + ENCODE_BATCH]
+        encoded.update(zip((row.conversation_id for row in batch), inputs.chat.encode([row.messages for row in batch])))
+    kept_ids: list[int] = []
+    kept: list[Encoded] = []
+    for row in rows:
+        result = encoded.get(row.conversation_id, row.reason)
+        if isinstance(result, str):
+            if fail:
+                raise refuse(row, result, inputs.out)
+            skipped.add(row.conversation_id, row.source, INVALID, result)
+            continue
+        if len(result.input_ids) > max_length:
+            why = f"{len(result.input_ids)} tokens, more than data.max_length={max_length}"
+            if config.data.on_too_long == "drop":
+                skipped.add(row.conversation_id, row.source, TOO_LONG, why + " (data.on_too_long=drop)")
+                continue
+            result = _truncate(result, max_length)
+            if 1 not in result.loss_mask:
+                skipped.add(row.conversation_id, row.source, TOO_LONG, why + ": no assistant token is left in the "
+                            "first max_length tokens")
+                continue
+            totals.truncated += 1
+        kept_ids.append(row.conversation_id)
+        kept.append(result)
+    totals.conversations += len(rows)
+    totals.add(kept)
+    return kept_ids, kept
+
+
+def tokenize_all(inputs: Inputs, shard_rows: Iterator[tuple[int, list[ConversationRow]]],
+                 content_hash: str) -> tuple[Totals, out_dir.SkippedRows, list[dict[str, Any]]]:
+    """Every shard into a part under its temp name; published by the caller once all are written."""
+    out = inputs.out
+    skipped = out_dir.SkippedRows(out)
+    totals = Totals()
+    parts: list[dict[str, Any]] = []
+    progress = Progress("tokenize", inputs.total, inputs.config.progress.interval_s)
+    try:
+        for shard, rows in shard_rows:
+            ids, kept = tokenize_shard(inputs, rows, skipped, totals)
+            progress.update(len(rows))
+            if not kept:
+                continue  # no part for a shard whose every row was left out
+            meta = {"content_sha256": content_hash, "shard": shard, "conversations": len(rows), "kept": len(kept)}
+            out_dir.write_part(out, shard, ids, kept, meta)
+            parts.append({"file": out_dir.part_name(shard), "shard": shard, "rows": len(kept),
+                          "tokens": sum(len(row.input_ids) for row in kept)})
+    except BaseException:
+        skipped.discard()
+        for part in parts:
+            out_dir.temp_path(out / part["file"]).unlink(missing_ok=True)
+        raise
+    finally:
+        progress.close()
+    return totals, skipped, parts
+
+
+# -- regenerating -------------------------------------------------------------------------------
+
+
+def check_before_regenerating(inputs: Inputs, todo: set[int]) -> None:
+    """Under data.on_invalid=fail, a bad input row fails the run before any model is loaded."""
+    if inputs.config.data.on_invalid != "fail":
+        return
+    for row in input_rows(inputs, regenerate=True):
+        if row.reason is not None and row.conversation_id // inputs.config.output.shard_size in todo:
+            raise refuse(row, row.reason, inputs.out)
+
+
+def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
+    """Answers for the shards in ``todo``, each published as soon as it is answered; returns the stats."""
+    from jobs.cluster import ray_session
+    from jobs.pipeline import resolve_device
+
+    config = inputs.config
+    model = config.model
+    done_before = (inputs.shards - len(todo)) * config.output.shard_size
+    stats = {"shards": 0, "answers": 0, "generated_tokens": 0, "seconds": 0.0, "cut_at_max_new_tokens": 0}
+    started = time.perf_counter()
+    with ray_session(config.ray.address):
+        import ray
+
+        device = resolve_device(model.device, model.tp_size)
+        spec = GeneratorSpec(
+            model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
+            attention_backend=model.attention_backend, mem_fraction_static=model.mem_fraction_static,
+            max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
+            seed=config.generation.seed,
+        )
+        template = TemplateSpec(model.path, model.chat_template, model.trust_remote_code, tuple(model.stop_tokens))
+        actor = start_regenerator(spec, template, config.generation.sampling_params(),
+                                  config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings)
+        stats["sglang_version"] = ray.get(actor.sglang_version.remote())
+        logger.info("regenerating %d of %d shards on %s (tp %d)", len(todo), inputs.shards, device, model.tp_size)
+        progress = Progress("regenerate", inputs.total, config.progress.interval_s, already=min(done_before, inputs.total))
+        pending: Optional[tuple[int, list[ConversationRow], Any]] = None
+        try:
+            for shard, rows in shards_of(input_rows(inputs, regenerate=True), config.output.shard_size):
+                if shard not in todo:
+                    continue
+                valid = [(row.conversation_id, row.messages) for row in rows if row.messages is not None]
+                submitted = (shard, rows, actor.regenerate.remote(valid))
+                if pending is not None:  # one shard generates while the one before is published
+                    _publish_answers(inputs, *pending, stats, progress)
+                pending = submitted
+            if pending is not None:
+                _publish_answers(inputs, *pending, stats, progress)
+        finally:
+            progress.close()
+            try:
+                ray.get(actor.close.remote(), timeout=60)
+            except Exception as error:  # the engine is going away with the actor either way
+                logger.warning("closing the SGLang engine: %s", error)
+            ray.kill(actor)
+    stats["wall_seconds"] = round(time.perf_counter() - started, 1)
+    stats["tokens_per_second"] = round(stats["generated_tokens"] / max(stats["seconds"], 1e-9), 1)
+    return stats
+
+
+def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], ref: Any, stats: dict[str, Any],
+                     progress: Progress) -> None:
+    import ray
+
+    answered, shard_stats = ray.get(ref)
+    by_id = {record["conversation_id"]: record for record in answered}
+    records = []
+    for row in rows:
+        record = by_id.get(row.conversation_id) or {"conversation_id": row.conversation_id, "invalid": row.reason}
+        records.append({**record, "source": dataclasses.asdict(row.source)})
+    out_dir.write_regenerated(inputs.out, shard, records)
+    stats["shards"] += 1
+    for key in ("answers", "generated_tokens", "seconds", "cut_at_max_new_tokens"):
+        stats[key] += shard_stats[key]
+    progress.update(len(rows))
+
+
+def regenerated_shards(inputs: Inputs) -> Iterator[tuple[int, list[ConversationRow]]]:
+    for shard in range(inputs.shards):
+        path = inputs.out / out_dir.REGENERATED_DIR / out_dir.regenerated_name(shard)
+        yield shard, list(regenerated_rows(out_dir.read_regenerated(path)))
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def run(inputs: Inputs, existing: out_dir.Existing) -> dict[str, Any]:
+    """Regenerate (if asked), tokenize, publish; returns the side record (also written as _prepare.json)."""
+    config, out = inputs.config, inputs.out
+    content = inputs.content()
+    content_hash = out_dir.content_sha256(content)
+    record: dict[str, Any] = {
+        "format": out_dir.RECORD_FORMAT, "state": out_dir.RUNNING, "content": content,
+        "regeneration": inputs.regeneration_content(), "started_at": out_dir.now(), "command": " ".join(sys.argv),
+        "model_path": config.model.path, "output_path": str(out), "tokenizer": inputs.chat.describe(),
+        "input": {"path": config.data.path, "files": [dataclasses.asdict(file) for file in inputs.files]},
+    }
+    out_dir.remove_own_temp_files(out)
+    out_dir.write_record(out, record)
+    started = time.perf_counter()
+    if config.regenerate:
+        answered = {int(path.stem.split("-")[1]) for path in out_dir.list_regenerated(out)}
+        todo = set(range(inputs.shards)) - answered
+        if answered:
+            logger.info("%d of %d shards were regenerated by an earlier run: resuming", len(answered), inputs.shards)
+        if todo:
+            check_before_regenerating(inputs, todo)
+            record["regeneration_stats"] = regenerate_all(inputs, todo)
+        shard_rows = regenerated_shards(inputs)
+    else:
+        shard_rows = shards_of(input_rows(inputs, regenerate=False), config.output.shard_size)
+    totals, skipped, parts = tokenize_all(inputs, shard_rows, content_hash)
+    if not parts:
+        skipped.discard()
+        raise ValueError(f"data.path={config.data.path}: no conversation was kept (all {totals.conversations} "
+                         f"left out, e.g. {skipped.first[0]['reason'] if skipped.first else '?'})")
+    out_dir.publish_parts(out, [part["shard"] for part in parts])
+    skipped.publish()
+    seconds = time.perf_counter() - started
+    record.update(
+        state=out_dir.COMPLETE, finished_at=out_dir.now(), seconds=round(seconds, 2),
+        conversations_per_second=round(totals.conversations / max(seconds, 1e-9), 1),
+        counts={"conversations": totals.conversations, "kept": totals.kept, "skipped": skipped.count,
+                "skipped_by_kind": skipped.by_kind, "truncated": totals.truncated,
+                "assistant_turns": totals.assistant_turns},
+        tokens={"total": totals.tokens, "masked": totals.masked_tokens, "lengths": totals.length_stats(),
+                "max_length": inputs.max_length},
+        skipped={"file": out_dir.SKIPPED_FILE if skipped.count else None, "first": skipped.first},
+        parts=parts,
+    )
+    out_dir.write_record(out, record)
+    return record
