@@ -78,8 +78,8 @@ class ChatTemplate:
         chat = cls(tokenizer, template, source, _stop_ids(tokenizer, model_path, stop_tokens))
         probe = chat.encode([PROBE])[0]
         if isinstance(probe, str):
-            raise ValueError(f"the chat template ({source}) cannot give an exact loss mask: a two-turn probe "
-                             f"conversation {probe}")
+            raise ValueError(f"the chat template ({source}) cannot give an exact loss mask (checked on a two-turn "
+                             f"probe conversation): {probe}")
         return chat
 
     # -- identity --------------------------------------------------------------------------------
@@ -255,7 +255,8 @@ class _Plan:
             part = self.ids[request]
             if ids[: len(part)] != part:
                 return (f"the tokenizer merges text across the boundary of {turn}: the tokens of {what} are not "
-                        "a prefix of the whole conversation's tokens, so no exact token mask exists")
+                        "a prefix of the whole conversation's tokens, so no exact token mask exists (a byte-level "
+                        "BPE does this to an answer that starts with whitespace: strip the answers)")
             bounds.append(len(part))
         return bounds[0], bounds[1]
 
