@@ -15,8 +15,9 @@ parts of a run that did not finish, and a failed run leaves no part under its fi
 regenerated shard file is published (temp name, fsync, rename) as soon as its shard is answered: a
 killed run resumes from the shards already answered.
 
-Refused, untouched (exit 2): a non-empty directory without ``_prepare.json`` (not ours), a complete
-prepare of other settings or inputs, regenerated answers of other generation settings. Nothing the
+Refused, untouched (exit 2): a non-empty directory without ``_prepare.json`` (not ours), one that holds
+a file this command did not write (readers would take it for data), a complete prepare of other
+settings or inputs, regenerated answers of other generation settings. Nothing the
 user named is ever deleted; only this command's own temp files and stale parts (recognised by
 their metadata) are replaced.
 """
@@ -144,6 +145,10 @@ def inspect_output(out: Path, content: dict[str, Any], regeneration: Optional[di
             raise ValueError(f"output.path={out} holds {shown} and no {RECORD_FILE}: it is not a jobs.prepare output. "
                              "Choose an empty or new directory; nothing there was touched")
         return Existing(None)
+    foreign = [path.name for path in sorted(out.iterdir()) if not _is_own_entry(path)]
+    if foreign:
+        raise ValueError(f"output.path={out} holds {', '.join(foreign[:5])}, which jobs.prepare did not write: readers "
+                         "of the directory would take it for data. Move it away, or choose another output.path")
     answers = list_regenerated(out)
     if answers and regeneration is not None and record.get("regeneration") != regeneration:
         differs = _differences(record.get("regeneration") or {}, regeneration)
@@ -158,6 +163,15 @@ def inspect_output(out: Path, content: dict[str, Any], regeneration: Optional[di
             "choose another output.path (nothing was touched), or move that one away first"
         )
     return Existing(record)
+
+
+def _is_own_entry(path: Path) -> bool:
+    name = path.name
+    if name in (RECORD_FILE, SKIPPED_FILE, LOCK_FILE) or (name.startswith(".") and name.endswith(".tmp")):
+        return True
+    if name == REGENERATED_DIR:
+        return path.is_dir()
+    return name.startswith("part-") and name.endswith(".parquet") and is_own_part(path)
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -101,8 +101,8 @@ def _jsonl_records(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[t
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue  # JSON Lines' blank lines hold no record (as jobs.input_files counts them)
-            try:
-                record, error = json.loads(line), None
+            try:  # without its line end, the parser's positions are columns of this line
+                record, error = json.loads(line.rstrip(b"\r\n")), None
             except ValueError as why:
                 record, error = None, f"not valid JSON ({why})"
             yield RowSource(file.name, row, line_number), record, error

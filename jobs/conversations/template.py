@@ -256,7 +256,7 @@ class _Plan:
             if ids[: len(part)] != part:
                 return (f"the tokenizer merges text across the boundary of {turn}: the tokens of {what} are not "
                         "a prefix of the whole conversation's tokens, so no exact token mask exists (a byte-level "
-                        "BPE does this to an answer that starts with whitespace: strip the answers)")
+                        "BPE can do this to an answer that starts with whitespace: strip the answers)")
             bounds.append(len(part))
         return bounds[0], bounds[1]
 
