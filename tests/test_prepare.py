@@ -101,7 +101,14 @@ def test_sharegpt_jsonl_becomes_the_parquet_the_extraction_job_reads(caplog, mod
     ids, masks = dataset.rows(0, 30)
     assert [list(x) for x in ids] == table.column("input_ids").to_pylist()
     assert [list(x) for x in masks] == table.column("loss_mask").to_pylist()
+    # the same in two worker processes
+    code, errors = prepare(caplog, model, data, tmp_path / "tokens-2", "output.shard_size=8", "workers=2")
+    assert code == EXIT_OK, errors
+    assert parts_table(tmp_path / "tokens-2") == table
     record = json.loads((out / RECORD_FILE).read_text())
+    assert record == {**json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text()), **{
+        key: record[key] for key in ("output_path", "started_at", "finished_at", "seconds", "conversations_per_second",
+                                     "command")}}
     assert record["state"] == "complete"
     assert record["counts"] == {"conversations": 30, "kept": 30, "skipped": 0, "skipped_by_kind": {}, "truncated": 0,
                                 "assistant_turns": sum(len(r["conversations"]) // 2 for r in rows)}
@@ -286,7 +293,7 @@ def test_output_directory_rules(caplog, model, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [".job.lock", RECORD_FILE, "part-00000.parquet"]
 
 
-def test_the_command_exits_2_naming_the_row(model, tmp_path):
+def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, {"id": 1}])
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
@@ -294,8 +301,10 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path):
                             text=True, timeout=300)
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-2000:]
     assert f"{data} row 1 (line 2) (conversation_id 1): no 'conversations' field" in result.stderr
-    help_text = subprocess.run([sys.executable, "-m", "jobs.prepare", "--help"], cwd=REPO_ROOT, env=env,
-                               capture_output=True, text=True, timeout=300).stdout
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert exited.value.code == 0 and help_text.startswith("usage: ")
     for key in ("model.chat_template", "data.format", "data.other_roles", "data.on_invalid", "data.max_length",
                 "data.on_too_long", "output.path", "output.shard_size", "regenerate", "generation.max_new_tokens",
                 "generation.temperature"):

@@ -7,7 +7,9 @@
   assistant-only loss mask, from prefix renderings of the template (no string search).
 - ``output``: the output directory: part files under temp names published together at the end, the
   side record ``_prepare.json``, the skipped rows, resume and refusal rules.
-- ``pipeline``: the streaming loop over shards of conversations, with the row accounting.
+- ``tokenize``: a shard's conversations into its part, with the row accounting; in worker processes for
+  large inputs.
+- ``pipeline``: the run: inputs checked, the streaming passes over shards, the side record.
 - ``regenerate``: the target answers the prompts again through SGLang, in a Ray actor; resumable
   per shard.
 - ``demo``: a chat tokenizer trained locally for the demo's tiny model, and conversations for it.

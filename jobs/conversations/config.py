@@ -173,6 +173,9 @@ class PrepareConfig:
     model: PrepareModelConfig = dataclasses.field(default_factory=PrepareModelConfig)
     data: ConversationDataConfig = dataclasses.field(default_factory=ConversationDataConfig)
     output: PrepareOutputConfig = dataclasses.field(default_factory=PrepareOutputConfig)
+    workers: int = 0
+    """Processes that render and tokenize shards at once; 0: one per CPU this process may use (at most 16, and
+    one per 20,000 conversations), never more than there are shards. 1: in this process."""
     regenerate: bool = False
     """The target answers every prompt again through SGLang (generation.*), and those answers are tokenized:
     the drafter learns the target's own distribution. Resumable per shard (output.shard_size)."""
@@ -187,6 +190,8 @@ class PrepareConfig:
                 "set both model.path (the checkpoint with the tokenizer) and data.path (the conversations), "
                 "or neither for the demo"
             )
+        if not _is_int(self.workers) or self.workers < 0:
+            raise ValueError(f"workers={self.workers!r}: must be an integer >= 0 (0: one per CPU)")
         if not self.is_demo and not self.output.path:
             raise ValueError("output.path is empty: name the directory the tokenized Parquet goes to")
 

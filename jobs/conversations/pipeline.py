@@ -18,9 +18,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
-
-import numpy as np
+from typing import Any, Iterator, Optional
 
 from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec
@@ -29,15 +27,13 @@ from jobs.conversations.config import PrepareConfig
 from jobs.conversations.progress import Progress
 from jobs.conversations.reader import ConversationRow, count_rows, read_conversations
 from jobs.conversations.regenerate import TemplateSpec, regenerated_rows, start_regenerator
-from jobs.conversations.template import ChatTemplate, Encoded
+from jobs.conversations.template import ChatTemplate
+from jobs.conversations.tokenize import (
+    ShardOutcome, Totals, TokenizeSpec, refuse, resolve_workers, tokenize_shards,
+)
 from jobs.input_files import InputFile, resolve_files
 
 logger = logging.getLogger(__name__)
-
-ENCODE_BATCH = 512
-"""Conversations rendered and tokenized at once (bounds the renderings held in memory)."""
-INVALID, TOO_LONG = "invalid", "too_long"
-
 
 @dataclasses.dataclass
 class Inputs:
@@ -116,113 +112,40 @@ def input_rows(inputs: Inputs, regenerate: bool) -> Iterator[ConversationRow]:
     return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate)
 
 
-def refuse(row: ConversationRow, reason: str, out: Path) -> ValueError:
-    """The message of a bad row under data.on_invalid=fail (exit 2)."""
-    return ValueError(
-        f"{row.source.describe()} (conversation_id {row.conversation_id}): {reason} -- data.on_invalid=skip leaves "
-        f"such rows out and lists them in {out / out_dir.SKIPPED_FILE}"
-    )
-
-
 # -- tokenizing ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Totals:
-    """The run's counts, and a histogram of kept lengths (bounded by max_length, not by the row count)."""
-
-    conversations: int = 0
-    kept: int = 0
-    truncated: int = 0
-    assistant_turns: int = 0
-    tokens: int = 0
-    masked_tokens: int = 0
-    lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, dtype=np.int64))
-
-    def add(self, rows: Sequence[Encoded]) -> None:
-        lengths = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=len(rows))
-        if len(lengths):
-            counts = np.bincount(lengths)
-            if len(counts) > len(self.lengths):
-                self.lengths = np.pad(self.lengths, (0, len(counts) - len(self.lengths)))
-            self.lengths[: len(counts)] += counts
-        self.kept += len(rows)
-        self.tokens += int(lengths.sum())
-        self.masked_tokens += sum(row.loss_mask.count(1) for row in rows)
-        self.assistant_turns += sum(row.assistant_turns for row in rows)
-
-    def length_stats(self) -> dict[str, Any]:
-        if not self.kept:
-            return {}
-        cumulative = np.cumsum(self.lengths)
-        quantile = {f"p{q}": int(np.searchsorted(cumulative, math.ceil(self.kept * q / 100))) for q in (50, 90, 99)}
-        present = np.flatnonzero(self.lengths)
-        return {"min": int(present[0]), "max": int(present[-1]), "mean": round(self.tokens / self.kept, 2), **quantile}
-
-
-def _truncate(row: Encoded, max_length: int) -> Encoded:
-    return Encoded(row.input_ids[:max_length], row.loss_mask[:max_length], row.assistant_turns)
-
-
-def tokenize_shard(inputs: Inputs, rows: list[ConversationRow], skipped: out_dir.SkippedRows,
-                   totals: Totals) -> tuple[list[int], list[Encoded]]:
-    """A shard's kept conversations (ids and encodings); bad rows fail the run or are listed as skipped."""
-    config, max_length = inputs.config, inputs.max_length
-    fail = config.data.on_invalid == "fail"
-    valid = [row for row in rows if row.messages is not None]
-    encoded: dict[int, Any] = {}
-    for start in range(0, len(valid), ENCODE_BATCH):
-        batch = valid[start : start + ENCODE_BATCH]
-        encoded.update(zip((row.conversation_id for row in batch), inputs.chat.encode([row.messages for row in batch])))
-    kept_ids: list[int] = []
-    kept: list[Encoded] = []
-    for row in rows:
-        result = encoded.get(row.conversation_id, row.reason)
-        if isinstance(result, str):
-            if fail:
-                raise refuse(row, result, inputs.out)
-            skipped.add(row.conversation_id, row.source, INVALID, result)
-            continue
-        if len(result.input_ids) > max_length:
-            why = f"{len(result.input_ids)} tokens, more than data.max_length={max_length}"
-            if config.data.on_too_long == "drop":
-                skipped.add(row.conversation_id, row.source, TOO_LONG, why + " (data.on_too_long=drop)")
-                continue
-            result = _truncate(result, max_length)
-            if 1 not in result.loss_mask:
-                skipped.add(row.conversation_id, row.source, TOO_LONG, why + ": no assistant token is left in the "
-                            "first max_length tokens")
-                continue
-            totals.truncated += 1
-        kept_ids.append(row.conversation_id)
-        kept.append(result)
-    totals.conversations += len(rows)
-    totals.add(kept)
-    return kept_ids, kept
 
 
 def tokenize_all(inputs: Inputs, shard_rows: Iterator[tuple[int, list[ConversationRow]]],
                  content_hash: str) -> tuple[Totals, out_dir.SkippedRows, list[dict[str, Any]]]:
     """Every shard into a part under its temp name; published by the caller once all are written."""
-    out = inputs.out
+    config, out = inputs.config, inputs.out
+    model = config.model
+    spec = TokenizeSpec(
+        template=TemplateSpec(model.path, model.chat_template, model.trust_remote_code, tuple(model.stop_tokens)),
+        max_length=inputs.max_length, on_too_long=config.data.on_too_long, fail=config.data.on_invalid == "fail",
+        out=str(out), content_sha256=content_hash,
+    )
+    workers = resolve_workers(config.workers, inputs.shards, inputs.total)
     skipped = out_dir.SkippedRows(out)
     totals = Totals()
     parts: list[dict[str, Any]] = []
-    progress = Progress("tokenize", inputs.total, inputs.config.progress.interval_s)
+    progress = Progress("tokenize", inputs.total, config.progress.interval_s)
+
+    def take(outcome: ShardOutcome) -> None:
+        totals.merge(outcome.totals)
+        for conversation_id, source, kind, reason in outcome.skipped:
+            skipped.add(conversation_id, source, kind, reason)
+        if outcome.part is not None:
+            parts.append(outcome.part)
+        progress.update(outcome.totals.conversations)
+
+    if workers > 1:
+        logger.info("tokenizing %d shards in %d worker processes", inputs.shards, workers)
     try:
-        for shard, rows in shard_rows:
-            ids, kept = tokenize_shard(inputs, rows, skipped, totals)
-            progress.update(len(rows))
-            if not kept:
-                continue  # no part for a shard whose every row was left out
-            meta = {"content_sha256": content_hash, "shard": shard, "conversations": len(rows), "kept": len(kept)}
-            out_dir.write_part(out, shard, ids, kept, meta)
-            parts.append({"file": out_dir.part_name(shard), "shard": shard, "rows": len(kept),
-                          "tokens": sum(len(row.input_ids) for row in kept)})
+        tokenize_shards(spec, inputs.chat, shard_rows, workers, take)
     except BaseException:
         skipped.discard()
-        for part in parts:
-            out_dir.temp_path(out / part["file"]).unlink(missing_ok=True)
+        out_dir.remove_own_temp_files(out)  # parts of this run, and any a worker was writing
         raise
     finally:
         progress.close()
