@@ -116,7 +116,7 @@ def test_answer_starting_with_whitespace(smollm2, llama3):
     assert smollm2.encode([messages])[0] == (
         "the tokenizer merges text across the boundary of assistant turn 1: the tokens of the prompt before assistant "
         "turn 1 are not a prefix of the whole conversation's tokens, so no exact token mask exists (a byte-level BPE "
-        "does this to an answer that starts with whitespace: strip the answers)")
+        "can do this to an answer that starts with whitespace: strip the answers)")
     assert_round_trip(llama3, "llama3", messages)
 
 
