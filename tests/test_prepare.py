@@ -134,7 +134,7 @@ def test_openai_parquet_hf_save_to_disk_and_a_glob(caplog, model, tokenizer, tmp
     # a glob over a ShareGPT and an OpenAI file: each file's schema detected, ids run on across them
     write_jsonl(tmp_path / "g1.jsonl", demo_conversations(2))
     write_jsonl(tmp_path / "g2.jsonl", [{"messages": m} for m in messages[:2]])
-    code, errors = prepare(caplog, model, f"{tmp_path}/g*.jsonl", tmp_path / "out-glob")
+    code, errors = prepare(caplog, model, f"file://{tmp_path}/g*.jsonl", tmp_path / "out-glob")  # an fsspec URL
     assert code == EXIT_OK, errors
     assert parts_table(tmp_path / "out-glob").column("conversation_id").to_pylist() == [0, 1, 2, 3]
     # a format named wrongly: every row says what it lacks
@@ -309,3 +309,13 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
                 "data.on_too_long", "output.path", "output.shard_size", "regenerate", "generation.max_new_tokens",
                 "generation.temperature"):
         assert f"  {key} = " in help_text, key
+
+
+def test_the_demo_starts_from_conversations(caplog, tmp_path, capsys):
+    with own_signal_handlers():
+        assert main([f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=12"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    model, tokens = tmp_path / "demo" / "model-llama-chatml", tmp_path / "demo" / "tokens"
+    assert f"12 of 12 conversations in {tokens} (1 parts)" in printed
+    assert f"next: python -m jobs.extract model.path={model} data.path={tokens} output.dir=" in printed
+    assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12

@@ -11,7 +11,6 @@ input's size.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
@@ -190,23 +189,23 @@ def tokenize_shards(spec: TokenizeSpec, chat: ChatTemplate, shards: Iterable[tup
         for shard, rows in shards:
             handle(tokenizer(shard, rows))
         return
-    pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-        initargs=(spec,),
-    )
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec,))
     try:
         for outcome in _in_order(pool, shards, workers * IN_FLIGHT_PER_WORKER):
             handle(outcome)
+    except BaseException:
+        pool.terminate()  # a failed or stopped run: the shards under way are not worth waiting for
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.close()
+        pool.join()
 
 
-def _in_order(pool: concurrent.futures.Executor, shards: Iterable[tuple[int, list[ConversationRow]]],
-              window: int) -> Iterator[ShardOutcome]:
-    pending: collections.deque[concurrent.futures.Future] = collections.deque()
+def _in_order(pool: Any, shards: Iterable[tuple[int, list[ConversationRow]]], window: int) -> Iterator[ShardOutcome]:
+    pending: collections.deque[Any] = collections.deque()
     for shard, rows in shards:
-        pending.append(pool.submit(_tokenize_in_worker, shard, rows))
+        pending.append(pool.apply_async(_tokenize_in_worker, (shard, rows)))
         if len(pending) >= window:
-            yield pending.popleft().result()
+            yield pending.popleft().get()
     while pending:
-        yield pending.popleft().result()
+        yield pending.popleft().get()
