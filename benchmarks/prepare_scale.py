@@ -5,7 +5,8 @@
 Writes ``--conversations`` ShareGPT rows (one to three exchanges of a few words, a third with a system
 prompt; streamed to a JSONL file, never all in memory), runs ``python -m jobs.prepare`` on them as a
 user would (default tokenizer: SmolLM2-135M-Instruct's, ``benchmarks.smollm2.checkpoint_dir()``) and
-samples the command's resident memory every 0.2 s. Prints conversations/s of the tokenizing pass and of
+samples the memory of the command and its worker processes every second (RSS, and USS: what each process holds
+alone, shared library pages not counted once per process). Prints conversations/s of the tokenizing pass and of
 the whole command, tokens/s, and peak RSS; ``--out`` keeps them as JSON.
 """
 
@@ -25,7 +26,7 @@ import psutil
 from jobs.conversations.demo import demo_conversations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SAMPLE_S = 0.2
+SAMPLE_S = 1.0
 WRITE_BATCH = 10_000
 
 
@@ -38,8 +39,8 @@ def write_conversations(path: Path, count: int) -> int:
     return path.stat().st_size
 
 
-def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[int, float, int, str]:
-    """(exit code, seconds, peak RSS of the command and its children in bytes, stderr tail)."""
+def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[int, float, dict[str, int], str]:
+    """(exit code, seconds, peak RSS and USS of the command and its worker processes in bytes, log tail)."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     log = out.with_suffix(".log")
     started = time.perf_counter()
@@ -48,12 +49,14 @@ def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[i
                                     f"output.path={out}", *extra], cwd=REPO_ROOT, env=env, stdout=handle,
                                    stderr=subprocess.STDOUT)
         watched = psutil.Process(process.pid)
-        peak = 0
+        peak = {"rss": 0, "uss": 0}
         while process.poll() is None:
             try:
-                peak = max(peak, sum(p.memory_info().rss for p in [watched, *watched.children(recursive=True)]))
-            except psutil.NoSuchProcess:
-                pass
+                memory = [p.memory_full_info() for p in [watched, *watched.children(recursive=True)]]
+            except psutil.Error:  # a process ended between the listing and the reading
+                continue
+            for kind in peak:  # RSS counts shared library pages once per process; USS is each one's own memory
+                peak[kind] = max(peak[kind], sum(getattr(m, kind) for m in memory))
             time.sleep(SAMPLE_S)
     return process.returncode, time.perf_counter() - started, peak, log.read_text()[-3000:]
 
@@ -91,14 +94,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         "tokenize_seconds": record["seconds"], "tokenize_conversations_per_s": record["conversations_per_second"],
         "tokens_per_s": round(record["tokens"]["total"] / max(record["seconds"], 1e-9), 1),
         "command_seconds": round(seconds, 2), "command_conversations_per_s": round(record["counts"]["conversations"] / seconds, 1),
-        "peak_rss_bytes": peak, "cpus": len(os.sched_getaffinity(0)), "tokenizer": record["tokenizer"]["class"],
+        "peak_rss_bytes": peak["rss"], "peak_uss_bytes": peak["uss"], "workers": record.get("workers"), "cpus": len(os.sched_getaffinity(0)), "tokenizer": record["tokenizer"]["class"],
         "model": str(model),
     }
     print(f"{results['conversations']:,} conversations ({results['input_bytes'] / 1e6:.0f} MB of JSONL) -> "
           f"{results['tokens']:,} tokens in {results['parts']} parts")
     print(f"tokenizing pass: {results['tokenize_seconds']:.1f} s, {results['tokenize_conversations_per_s']:,.0f} "
           f"conversations/s, {results['tokens_per_s']:,.0f} tokens/s")
-    print(f"whole command: {results['command_seconds']:.1f} s; peak RSS {peak / 2**20:.0f} MiB")
+    print(f"whole command: {results['command_seconds']:.1f} s; peak RSS {peak['rss'] / 2**20:.0f} MiB, "
+          f"USS {peak['uss'] / 2**20:.0f} MiB (with its workers)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -108,7 +108,8 @@ def test_sharegpt_jsonl_becomes_the_parquet_the_extraction_job_reads(caplog, mod
     record = json.loads((out / RECORD_FILE).read_text())
     assert record == {**json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text()), **{
         key: record[key] for key in ("output_path", "started_at", "finished_at", "seconds", "conversations_per_second",
-                                     "command")}}
+                                     "command", "workers")}}
+    assert (record["workers"], json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text())["workers"]) == (1, 2)
     assert record["state"] == "complete"
     assert record["counts"] == {"conversations": 30, "kept": 30, "skipped": 0, "skipped_by_kind": {}, "truncated": 0,
                                 "assistant_turns": sum(len(r["conversations"]) // 2 for r in rows)}
@@ -319,3 +320,17 @@ def test_the_demo_starts_from_conversations(caplog, tmp_path, capsys):
     assert f"12 of 12 conversations in {tokens} (1 parts)" in printed
     assert f"next: python -m jobs.extract model.path={model} data.path={tokens} output.dir=" in printed
     assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12
+
+
+def test_scale_benchmark_smoke(model, tmp_path):
+    """benchmarks.prepare_scale end to end on a few thousand conversations (no rate is asserted)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.prepare_scale", "--conversations", "1000", "--model", str(model),
+         "--work-dir", str(tmp_path), "--out", str(tmp_path / "results.json"), "--set", "output.shard_size=500"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["conversations"] == results["kept"] == 1000 and results["parts"] == 2
+    assert results["tokenize_conversations_per_s"] > 0 and results["peak_rss_bytes"] >= results["peak_uss_bytes"] > 0
+    assert "peak RSS" in result.stdout

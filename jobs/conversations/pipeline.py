@@ -115,17 +115,14 @@ def input_rows(inputs: Inputs, regenerate: bool) -> Iterator[ConversationRow]:
 # -- tokenizing ---------------------------------------------------------------------------------
 
 
-def tokenize_all(inputs: Inputs, shard_rows: Iterator[tuple[int, list[ConversationRow]]],
-                 content_hash: str) -> tuple[Totals, out_dir.SkippedRows, list[dict[str, Any]]]:
+def tokenize_all(inputs: Inputs, shard_rows: Iterator[tuple[int, list[ConversationRow]]], content_hash: str,
+                 workers: int) -> tuple[Totals, out_dir.SkippedRows, list[dict[str, Any]]]:
     """Every shard into a part under its temp name; published by the caller once all are written."""
     config, out = inputs.config, inputs.out
-    model = config.model
     spec = TokenizeSpec(
-        template=TemplateSpec(model.path, model.chat_template, model.trust_remote_code, tuple(model.stop_tokens)),
         max_length=inputs.max_length, on_too_long=config.data.on_too_long, fail=config.data.on_invalid == "fail",
         out=str(out), content_sha256=content_hash,
     )
-    workers = resolve_workers(config.workers, inputs.shards, inputs.total)
     skipped = out_dir.SkippedRows(out)
     totals = Totals()
     parts: list[dict[str, Any]] = []
@@ -265,7 +262,8 @@ def run(inputs: Inputs, existing: out_dir.Existing) -> dict[str, Any]:
         shard_rows = regenerated_shards(inputs)
     else:
         shard_rows = shards_of(input_rows(inputs, regenerate=False), config.output.shard_size)
-    totals, skipped, parts = tokenize_all(inputs, shard_rows, content_hash)
+    workers = resolve_workers(config.workers, inputs.shards, inputs.total)
+    totals, skipped, parts = tokenize_all(inputs, shard_rows, content_hash, workers)
     if not parts:
         skipped.discard()
         raise ValueError(f"data.path={config.data.path}: no conversation was kept (all {totals.conversations} "
@@ -274,7 +272,7 @@ def run(inputs: Inputs, existing: out_dir.Existing) -> dict[str, Any]:
     skipped.publish()
     seconds = time.perf_counter() - started
     record.update(
-        state=out_dir.COMPLETE, finished_at=out_dir.now(), seconds=round(seconds, 2),
+        state=out_dir.COMPLETE, finished_at=out_dir.now(), seconds=round(seconds, 2), workers=workers,
         conversations_per_second=round(totals.conversations / max(seconds, 1e-9), 1),
         counts={"conversations": totals.conversations, "kept": totals.kept, "skipped": skipped.count,
                 "skipped_by_kind": skipped.by_kind, "truncated": totals.truncated,

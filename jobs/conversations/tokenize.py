@@ -2,9 +2,10 @@
 
 Rendering (Jinja, Python) and the prefix tokenizations the exact mask needs cost about a
 millisecond of CPU per short conversation, so shards go to ``workers`` spawned processes, each
-holding its own tokenizer and writing its shards' parts under their temp names. The driver takes
-the outcomes back in shard order (so skipped rows are listed, and the first bad row fails the run,
-in input order) with at most two shards per worker in flight: memory stays bounded whatever the
+writing its shards' parts under their temp names. A worker gets the driver's tokenizer pickled (no
+checkpoint to load, and none of the torch import AutoTokenizer brings). The driver takes the
+outcomes back in shard order (so skipped rows are listed, and the first bad row fails the run, in
+input order) with at most two shards per worker in flight: memory stays bounded whatever the
 input's size.
 """
 
@@ -22,7 +23,6 @@ import numpy as np
 
 from jobs.conversations import output as out_dir
 from jobs.conversations.reader import ConversationRow, RowSource
-from jobs.conversations.regenerate import TemplateSpec
 from jobs.conversations.template import ChatTemplate, Encoded
 
 ENCODE_BATCH = 512
@@ -89,7 +89,6 @@ class ShardOutcome:
 class TokenizeSpec:
     """How every worker tokenizes (picklable)."""
 
-    template: TemplateSpec
     max_length: int
     on_too_long: str
     fail: bool
@@ -165,13 +164,10 @@ def resolve_workers(requested: int, shards: int, rows: int) -> int:
 _worker: Optional[ShardTokenizer] = None
 
 
-def _start_worker(spec: TokenizeSpec) -> None:
+def _start_worker(spec: TokenizeSpec, chat: ChatTemplate) -> None:
     global _worker
     # One process per core already: the tokenizer's own thread pool would only oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    template = spec.template
-    chat = ChatTemplate.load(template.model_path, template.chat_template, template.trust_remote_code,
-                             template.stop_tokens)
     _worker = ShardTokenizer(spec, chat)
 
 
@@ -189,7 +185,9 @@ def tokenize_shards(spec: TokenizeSpec, chat: ChatTemplate, shards: Iterable[tup
         for shard, rows in shards:
             handle(tokenizer(shard, rows))
         return
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec,))
+    # The driver's tokenizer, pickled: a worker unpickles it without importing what AutoTokenizer imports
+    # (torch among it: about 100 MiB a worker instead of 850 with SmolLM2's tokenizer).
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec, chat))
     try:
         for outcome in _in_order(pool, shards, workers * IN_FLIGHT_PER_WORKER):
             handle(outcome)
