@@ -83,7 +83,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
         if existing.complete:
             return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
-        return run(inputs, existing)
+        return run(inputs)
 
 
 def final_message(record: dict[str, Any]) -> str:

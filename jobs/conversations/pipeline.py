@@ -1,8 +1,8 @@
 """The prepare run: conversations in, tokenized parts and the side record out, shard by shard.
 
 Rows stream through in shards of ``output.shard_size`` conversations (shard k holds conversation
-ids [k*size, (k+1)*size)); the run holds one shard's rows and tokens at a time, whatever the size
-of the input. Every row is accounted for: kept, invalid (failing the run, or skipped and listed),
+ids [k*size, (k+1)*size)); the run holds a few shards' rows and tokens at a time (one, or two per
+tokenizer worker), whatever the size of the input. Every row is accounted for: kept, invalid (failing the run, or skipped and listed),
 or too long (truncated, or dropped and listed).
 
 With ``regenerate=true`` a first pass has the target answer the shards not answered yet
@@ -34,6 +34,7 @@ from jobs.conversations.tokenize import (
 from jobs.input_files import InputFile, resolve_files
 
 logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Inputs:
@@ -184,11 +185,11 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
         template = TemplateSpec(model.path, model.chat_template, model.trust_remote_code, tuple(model.stop_tokens))
         actor = start_regenerator(spec, template, config.generation.sampling_params(),
                                   config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings)
-        stats["sglang_version"] = ray.get(actor.sglang_version.remote())
-        logger.info("regenerating %d of %d shards on %s (tp %d)", len(todo), inputs.shards, device, model.tp_size)
         progress = Progress("regenerate", inputs.total, config.progress.interval_s, already=min(done_before, inputs.total))
         pending: Optional[tuple[int, list[ConversationRow], Any]] = None
         try:
+            stats["sglang_version"] = ray.get(actor.sglang_version.remote())  # the engine is up
+            logger.info("regenerating %d of %d shards on %s (tp %d)", len(todo), inputs.shards, device, model.tp_size)
             for shard, rows in shards_of(input_rows(inputs, regenerate=True), config.output.shard_size):
                 if shard not in todo:
                     continue
@@ -237,7 +238,7 @@ def regenerated_shards(inputs: Inputs) -> Iterator[tuple[int, list[ConversationR
 # -- the run ------------------------------------------------------------------------------------
 
 
-def run(inputs: Inputs, existing: out_dir.Existing) -> dict[str, Any]:
+def run(inputs: Inputs) -> dict[str, Any]:
     """Regenerate (if asked), tokenize, publish; returns the side record (also written as _prepare.json)."""
     config, out = inputs.config, inputs.out
     content = inputs.content()

@@ -1,7 +1,7 @@
-"""Conversations -> tokens -> states with the real engines: the extraction job reads what jobs.prepare wrote
-(SGLang's ModelRunner), and regeneration (sglang.Engine in a Ray actor, on CPU) survives a kill and resumes
-from the shards it had answered. The model is the demo's tiny random Llama with a ChatML tokenizer of its
-vocabulary (jobs.conversations.demo): its answers are noise, the mechanics are real."""
+"""Regeneration through the real engine: sglang.Engine in a Ray actor, on CPU, answers the prompts again; a
+prepare killed after its first published shard resumes from the shards it had answered. The model is the demo's
+tiny random Llama with a ChatML tokenizer of its vocabulary (jobs.conversations.demo): its answers are noise,
+the mechanics are real (benchmarks.regenerate shows SmolLM2's)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations, write_conversations
+from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations
 from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR
 from jobs.errors import EXIT_OK, EXIT_SIGNAL_BASE
-from jobs.extract import run as extract
 from tests.conftest import REPO_ROOT
-from tests.test_job import job_config, read_all
 
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
@@ -44,26 +42,6 @@ def start_prepare(model: Path, data: Path, out: Path, log: Path, *overrides: str
 
 def parts_table(out: Path) -> pa.Table:
     return pa.concat_tables(pq.read_table(path) for path in sorted(out.glob("part-*.parquet")))
-
-
-def test_prepared_conversations_extract_to_states(ray_cluster, model, tmp_path):
-    from jobs.prepare import prepare
-    from jobs.conversations.config import PrepareConfig
-    from jobs.config import build_config
-
-    data = write_conversations(tmp_path / "chat.jsonl", 20, seed=5)
-    tokens = tmp_path / "tokens"
-    prepare(build_config(PrepareConfig, None, [f"model.path={model}", f"data.path={data}", f"output.path={tokens}",
-                                                "output.shard_size=8"], prog="test"))
-    summary = extract(job_config(model, tokens, tmp_path / "states", "model.dtype=float32"))
-    assert summary["samples"] == 20
-    prepared = parts_table(tokens)
-    samples = read_all(tmp_path / "states")
-    assert sorted(samples) == list(range(20))  # sample id = row across the parts = conversation_id here
-    for sample_id, sample in samples.items():
-        assert sample.input_ids.tolist() == prepared.column("input_ids")[sample_id].as_py()
-        assert sample.loss_mask.tolist() == prepared.column("loss_mask")[sample_id].as_py()
-        assert sample.aux_hidden_states.shape[0] == len(sample.input_ids)
 
 
 def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
