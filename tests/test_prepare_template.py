@@ -193,3 +193,21 @@ def test_no_chat_template_names_the_key(tmp_path):
     (Path(directory) / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match=r"has no chat template; name a Jinja template file with model.chat_template"):
         ChatTemplate.load(str(directory))
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """As Qwen3's template reads enable_thinking: model.chat_template_kwargs are the template's variables."""
+    template = tmp_path / "variable.jinja"
+    template.write_text(
+        "{{ '<|im_start|>system\n' + (house_rules or 'No rules.') + '<|im_end|>\n' }}{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    chat = ChatTemplate.load(str(checkpoint_dir()), str(template), template_kwargs={"house_rules": "Be kind."})
+    messages = [user("Hi"), assistant("Hello.")]
+    encoded = chat.encode([messages])[0]
+    tokenizer = chat.tokenizer
+    assert encoded.input_ids == tokenizer.apply_chat_template(messages, chat_template=template.read_text(),
+                                                              house_rules="Be kind.")["input_ids"]
+    assert tokenizer.decode(encoded.input_ids).startswith("<|im_start|>system\nBe kind.<|im_end|>")
+    assert [tokenizer.decode(encoded.input_ids[a:b]) for a, b in masked_runs(encoded)] == ["Hello.<|im_end|>"]
+    assert chat.describe()["chat_template_kwargs"] == {"house_rules": "Be kind."}

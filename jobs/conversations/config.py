@@ -32,6 +32,9 @@ class PrepareModelConfig:
     chat_template: str = ""
     """A Jinja chat-template file to render with instead of the checkpoint's own (the file SGLang is given with
     --chat-template when it serves, if any). Empty: the tokenizer's template."""
+    chat_template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra variables for the chat template, as apply_chat_template's keyword arguments and SGLang's
+    --chat-template-kwargs take them (e.g. {enable_thinking: false} for Qwen3's)."""
     trust_remote_code: bool = False
     """Let the tokenizer (and with regenerate=true the model) run code shipped with the checkpoint, as
     Kimi-K2.5's tiktoken tokenizer needs. Off: never."""

@@ -26,7 +26,7 @@ from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.progress import Progress
 from jobs.conversations.reader import ConversationRow, count_rows, read_conversations
-from jobs.conversations.regenerate import TemplateSpec, regenerated_rows, start_regenerator
+from jobs.conversations.regenerate import regenerated_rows, start_regenerator
 from jobs.conversations.template import ChatTemplate
 from jobs.conversations.tokenize import (
     ShardOutcome, Totals, TokenizeSpec, refuse, resolve_workers, tokenize_shards,
@@ -73,6 +73,7 @@ class Inputs:
             "data.format": data.format, "data.other_roles": data.other_roles,
             "output.shard_size": self.config.output.shard_size,
             "tokenizer_sha256": self.chat.tokenizer_sha256, "chat_template_sha256": self.chat.template_sha256,
+            "model.chat_template_kwargs": self.chat.template_kwargs,
             "stop_token_ids": sorted(self.chat.stop_ids),
         }
 
@@ -80,7 +81,8 @@ class Inputs:
 def read_inputs(config: PrepareConfig) -> Inputs:
     """Tokenizer, template, the input files and their row count, all checked; nothing is written."""
     model = config.model
-    chat = ChatTemplate.load(model.path, model.chat_template, model.trust_remote_code, model.stop_tokens)
+    chat = ChatTemplate.load(model.path, model.chat_template, model.trust_remote_code, model.stop_tokens,
+                             model.chat_template_kwargs)
     context = read_checkpoint_info(model.path).max_position_embeddings
     max_length = config.data.max_length or context
     if max_length > context:
@@ -182,8 +184,7 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
             max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
             seed=config.generation.seed,
         )
-        template = TemplateSpec(model.path, model.chat_template, model.trust_remote_code, tuple(model.stop_tokens))
-        actor = start_regenerator(spec, template, config.generation.sampling_params(),
+        actor = start_regenerator(spec, inputs.chat, config.generation.sampling_params(),
                                   config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings)
         progress = Progress("regenerate", inputs.total, config.progress.interval_s, already=min(done_before, inputs.total))
         pending: Optional[tuple[int, list[ConversationRow], Any]] = None

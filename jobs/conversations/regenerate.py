@@ -30,16 +30,6 @@ AFTER_REGENERATION = "after regeneration: "
 """Starts the reason of a row that became invalid through its regenerated answers."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TemplateSpec:
-    """How the actor loads the very tokenizer and template the driver renders with."""
-
-    model_path: str
-    chat_template: str
-    trust_remote_code: bool
-    stop_tokens: tuple[str, ...]
-
-
 @dataclasses.dataclass
 class _Conversation:
     """One conversation being answered: the turns copied so far and where it stands in the original."""
@@ -71,13 +61,12 @@ class _Conversation:
 class Regenerator:
     """The actor's body: the chat template and an ``extractor.generator.Generator``."""
 
-    def __init__(self, spec: GeneratorSpec, template: TemplateSpec, sampling: dict[str, Any], max_new_tokens: int,
+    def __init__(self, spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
                  context_length: int) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         from extractor.generator import Generator
 
-        self.chat = ChatTemplate.load(template.model_path, template.chat_template, template.trust_remote_code,
-                                      template.stop_tokens)
+        self.chat = chat  # the driver's own, pickled: prompts render exactly as step 1 renders them
         self.sampling = dict(sampling, stop_token_ids=sorted(self.chat.stop_ids))
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
@@ -136,7 +125,7 @@ class Regenerator:
         self.generator.close()
 
 
-def start_regenerator(spec: GeneratorSpec, template: TemplateSpec, sampling: dict[str, Any], max_new_tokens: int,
+def start_regenerator(spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
                       context_length: int) -> Any:
     """The regeneration actor: the model's tp_size GPUs on CUDA (SGLang's engine runs its ranks itself)."""
     import ray
@@ -144,7 +133,7 @@ def start_regenerator(spec: GeneratorSpec, template: TemplateSpec, sampling: dic
     return (
         ray.remote(Regenerator)
         .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS)
-        .remote(spec, template, sampling, max_new_tokens, context_length)
+        .remote(spec, chat, sampling, max_new_tokens, context_length)
     )
 
 

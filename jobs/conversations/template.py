@@ -50,16 +50,19 @@ class Encoded:
 class ChatTemplate:
     """A tokenizer and the chat template it renders conversations with."""
 
-    def __init__(self, tokenizer: Any, template: str, template_source: str, stop_ids: dict[int, str]) -> None:
+    def __init__(self, tokenizer: Any, template: str, template_source: str, stop_ids: dict[int, str],
+                 template_kwargs: Optional[dict[str, Any]] = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.template_source = template_source
         self.stop_ids = stop_ids
         """Stop token id -> its text."""
+        self.template_kwargs = dict(template_kwargs or {})
+        """Extra variables the template reads (apply_chat_template's **kwargs), e.g. enable_thinking."""
 
     @classmethod
     def load(cls, model_path: str, template_file: str = "", trust_remote_code: bool = False,
-             stop_tokens: Sequence[str] = ()) -> "ChatTemplate":
+             stop_tokens: Sequence[str] = (), template_kwargs: Optional[dict[str, Any]] = None) -> "ChatTemplate":
         """The tokenizer of ``model_path`` with its template (or ``template_file``), checked on a probe
         conversation; raises ValueError naming what is missing and the key that fixes it."""
         tokenizer = _load_tokenizer(model_path, trust_remote_code)
@@ -75,7 +78,7 @@ class ChatTemplate:
                 f"model.path={model_path}: the tokenizer has no chat template; name a Jinja template file with "
                 "model.chat_template=FILE (the one the server renders prompts with)"
             )
-        chat = cls(tokenizer, template, source, _stop_ids(tokenizer, model_path, stop_tokens))
+        chat = cls(tokenizer, template, source, _stop_ids(tokenizer, model_path, stop_tokens), template_kwargs)
         probe = chat.encode([PROBE])[0]
         if isinstance(probe, str):
             raise ValueError(f"the chat template ({source}) cannot give an exact loss mask (checked on a two-turn "
@@ -106,6 +109,7 @@ class ChatTemplate:
             "tokenizer_sha256": self.tokenizer_sha256,
             "chat_template": self.template_source,
             "chat_template_sha256": self.template_sha256,
+            "chat_template_kwargs": self.template_kwargs,
             "stop_tokens": {text: token_id for token_id, text in sorted(self.stop_ids.items())},
         }
 
@@ -130,7 +134,7 @@ class ChatTemplate:
         # A list of conversations is one batched call (the template compiled once, as transformers caches it).
         return self.tokenizer.apply_chat_template(
             list(conversations), chat_template=self.template, add_generation_prompt=add_generation_prompt,
-            tokenize=False,
+            tokenize=False, **self.template_kwargs,
         )
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
