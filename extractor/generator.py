@@ -46,7 +46,9 @@ class GeneratorSpec:
     """cpu | cuda (resolved, never auto)."""
     tp_size: int = 1
     attention_backend: str = ""
-    """Empty: torch_native on CPU, SGLang's own choice on CUDA."""
+    """Empty: torch_native on CPU, flashinfer on CUDA (as the extractor: the GPU stack carries no FA3)."""
+    cuda_graph: bool = True
+    """CUDA: let SGLang capture decode graphs (much faster for small models); off where capture fails."""
     mem_fraction_static: float = 0.8
     max_total_tokens: int = 0
     """KV-cache tokens; 0: SGLang's choice from mem_fraction_static on CUDA, ``CPU_KV_TOKENS`` on CPU."""
@@ -81,8 +83,7 @@ def _engine_args(spec: GeneratorSpec) -> dict[str, Any]:
         args.update(attention_backend=spec.attention_backend or "torch_native", disable_cuda_graph=True,
                     max_total_tokens=spec.max_total_tokens or CPU_KV_TOKENS)
     else:
-        if spec.attention_backend:
-            args["attention_backend"] = spec.attention_backend
+        args.update(attention_backend=spec.attention_backend or "flashinfer", disable_cuda_graph=not spec.cuda_graph)
         if spec.max_total_tokens:
             args["max_total_tokens"] = spec.max_total_tokens
     return args

@@ -48,7 +48,9 @@ class PrepareModelConfig:
     tp_size: int = 1
     """Regeneration: tensor-parallel ranks of the SGLang engine (GPUs of one node on CUDA)."""
     attention_backend: str = ""
-    """Regeneration: SGLang attention backend; empty: torch_native on CPU, SGLang's choice on CUDA."""
+    """Regeneration: SGLang attention backend; empty: torch_native on CPU, flashinfer on CUDA."""
+    cuda_graph: bool = True
+    """Regeneration on CUDA: SGLang captures decode CUDA graphs (faster); false if capture fails on the stack."""
     mem_fraction_static: float = 0.8
     """Regeneration: fraction of GPU memory SGLang may hold for weights + KV cache."""
     max_total_tokens: int = 0

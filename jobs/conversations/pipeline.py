@@ -180,7 +180,8 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
         device = resolve_device(model.device, model.tp_size)
         spec = GeneratorSpec(
             model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
-            attention_backend=model.attention_backend, mem_fraction_static=model.mem_fraction_static,
+            attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
+            mem_fraction_static=model.mem_fraction_static,
             max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
             seed=config.generation.seed,
         )
