@@ -202,12 +202,14 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
                 pending = submitted
             if pending is not None:
                 _publish_answers(inputs, *pending, stats, progress)
-        finally:
-            progress.close()
             try:
-                ray.get(actor.close.remote(), timeout=60)
-            except Exception as error:  # the engine is going away with the actor either way
+                ray.get(actor.close.remote(), timeout=60)  # a clean engine shutdown
+            except Exception as error:  # the engine goes with the actor either way
                 logger.warning("closing the SGLang engine: %s", error)
+        finally:
+            # Also on a failure or a signal: the shard in flight is not waited for (what was published stays),
+            # and the engine's own processes end with the actor's.
+            progress.close()
             ray.kill(actor)
     stats["wall_seconds"] = round(time.perf_counter() - started, 1)
     stats["tokens_per_second"] = round(stats["generated_tokens"] / max(stats["seconds"], 1e-9), 1)
