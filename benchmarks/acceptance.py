@@ -198,11 +198,12 @@ def write_conversations(prompts: Sequence[str], path: Path) -> None:
 
 def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens: int) -> list[str]:
     """The one call of ``jobs.prepare`` with regeneration: the target answers every user turn itself,
-    greedy, and the chat template and the assistant-only loss mask are applied to its answers. Written
-    against issue 20's interface as its branch has it (not merged here yet: check the keys once it is)."""
+    greedy, and the chat template and the assistant-only loss mask are applied to its answers. No decode
+    CUDA graphs: as for the serving step, their capture is one more thing that can fail on the lent stack,
+    and this step's speed is not what is measured."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
             f"output.path={out}", "regenerate=true", "generation.temperature=0",
-            f"generation.max_new_tokens={max_new_tokens}"]
+            f"generation.max_new_tokens={max_new_tokens}", "model.cuda_graph=false"]
 
 
 def prepared_data(out: Path) -> str:

@@ -46,9 +46,8 @@ from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.types import TokenBatch
 from jobs.actors.extractor import start_extractor
-from jobs.cluster.session import ray_session
+from jobs.cluster.session import ray_session, resolve_device
 from jobs.config import load_config
-from jobs.driver.startup import resolve_device
 from jobs.extract import run
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from jobs import errors
 from jobs.check_drafter import CheckDrafterConfig
 from jobs.config import JobConfig, key_docs
+from jobs.conversations.config import PrepareConfig
 from jobs.status import StatusConfig
 from jobs.verify import VerifyConfig
 from training.export import ExportConfig
@@ -40,6 +41,7 @@ class Command:
 
 
 COMMANDS = (
+    Command(("jobs.prepare",), PrepareConfig),
     Command(("jobs.extract", "jobs.plan"), JobConfig),
     Command(("jobs.status",), StatusConfig),
     Command(("jobs.verify",), VerifyConfig),

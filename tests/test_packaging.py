@@ -67,7 +67,8 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     for command, text in (("eagle3-extract", "  model.trust_remote_code = "), ("eagle3-status", "  output.dir = "),
                           ("eagle3-export", "  dest = "), ("eagle3-plan", "  output.disk_budget = "),
                           ("eagle3-verify", "  --deep "),
-                          ("eagle3-check-drafter", "Exit codes: 0 every config captures")):
+                          ("eagle3-check-drafter", "Exit codes: 0 every config captures"),
+                          ("eagle3-prepare", "  data.on_too_long = ")):
         ran = subprocess.run([command, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr[-2000:]
         assert f"usage: {command} " in ran.stdout and text in ran.stdout, ran.stdout

@@ -28,7 +28,7 @@ from jobs.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 # Seconds to reach a named cluster's GCS port before giving up with an explanation.
 JOIN_TIMEOUT_S = 10.0
@@ -74,6 +74,16 @@ def ray_session(address: str) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def resolve_device(requested: str, tp_size: int) -> str:
+    """``model.device`` made concrete for this cluster: ``auto`` is cuda where it has ``tp_size`` GPUs."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if requested == "auto":
+        return "cuda" if gpus >= tp_size else "cpu"
+    if requested == "cuda" and gpus < tp_size:
+        raise ValueError(f"model.device=cuda with model.tp_size={tp_size}, but the Ray cluster has {gpus} GPUs")
+    return requested
 
 
 def _worker_env() -> dict[str, Any]:

@@ -21,12 +21,11 @@ from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups
-from jobs.cluster.session import ray_job_submission_id, ray_session
+from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.config import JobConfig
 from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
-from jobs.driver.startup import resolve_device
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAULT,

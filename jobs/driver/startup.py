@@ -38,13 +38,6 @@ INFLIGHT_BEYOND_WRITERS = 2
 OBJECT_STORE_WARM_EXTRA = 2
 
 
-def resolve_device(requested: str, tp_size: int) -> str:
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if requested == "auto":
-        return "cuda" if gpus >= tp_size else "cpu"
-    if requested == "cuda" and gpus < tp_size:
-        raise ValueError(f"model.device=cuda with model.tp_size={tp_size}, but the Ray cluster has {gpus} GPUs")
-    return requested
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,13 +177,13 @@ def read_segment(fs: fsspec.AbstractFileSystem, file: InputFile, segment: int, s
             "restore it, or start again with a new output.dir"
         )
     if file.format == PARQUET:
-        with _open_parquet(fs, file) as parquet:
+        with open_parquet(fs, file) as parquet:
             return parquet.read_row_group(segment, columns=_present(parquet.schema_arrow))
     if file.format == JSONL:
         with fs.open(file.path, "rb") as handle:
             handle.seek(segment)
             return _parse_jsonl(handle.read(segment_bytes))[0]
-    with _open_arrow(fs, file) as source:
+    with open_arrow(fs, file) as source:
         if file.format == ARROW_FILE:
             reader = ipc.open_file(source)
             return pa.Table.from_batches([reader.get_batch(segment)]).select(_present(reader.schema))
@@ -217,7 +217,7 @@ def check_schema(file: InputFile, schema: pa.Schema) -> None:
 
 
 @contextlib.contextmanager
-def _open_parquet(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[pq.ParquetFile]:
+def open_parquet(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[pq.ParquetFile]:
     """Local files through Arrow's own reader; remote ones through fsspec (range requests)."""
     if isinstance(fs, LocalFileSystem):
         with pq.ParquetFile(file.path) as parquet:
@@ -228,7 +228,7 @@ def _open_parquet(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[pq
 
 
 def _scan_parquet(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[Block]:
-    with _open_parquet(fs, file) as parquet:
+    with open_parquet(fs, file) as parquet:
         check_schema(file, parquet.schema_arrow)
         columns = _present(parquet.schema_arrow)
         for group in range(parquet.num_row_groups):
@@ -239,12 +239,12 @@ def _scan_parquet(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[Bl
 def largest_row_group(fs: fsspec.AbstractFileSystem, file: InputFile) -> int:
     if file.format != PARQUET:
         return 0
-    with _open_parquet(fs, file) as parquet:
+    with open_parquet(fs, file) as parquet:
         metadata = parquet.metadata
         return max((metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)), default=0)
 
 
-def _open_arrow(fs: fsspec.AbstractFileSystem, file: InputFile) -> Any:
+def open_arrow(fs: fsspec.AbstractFileSystem, file: InputFile) -> Any:
     """Local files are memory-mapped: their batches are read without a copy."""
     if isinstance(fs, LocalFileSystem):
         return pa.memory_map(file.path)
@@ -252,7 +252,7 @@ def _open_arrow(fs: fsspec.AbstractFileSystem, file: InputFile) -> Any:
 
 
 def _scan_arrow(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[Block]:
-    with _open_arrow(fs, file) as source:
+    with open_arrow(fs, file) as source:
         if file.format == ARROW_FILE:
             reader = ipc.open_file(source)
             check_schema(file, reader.schema)

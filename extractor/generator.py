@@ -1,0 +1,163 @@
+"""Text generation with ``sglang.Engine``: the target answers prompts again (``jobs.prepare regenerate=true``).
+
+The only SGLang this module touches is the public offline API: ``sglang.Engine(**server_args)``,
+``Engine.generate(input_ids=..., sampling_params=...)`` and ``Engine.shutdown()``. The engine runs
+the model's tensor-parallel ranks in processes it spawns (its scheduler), batches the requests it
+is given (continuous batching, radix cache), and returns token ids: the tokenizer is not loaded
+here (``skip_tokenizer_init``), so the caller renders prompts and decodes answers with the very
+tokenizer and chat template its loss mask comes from.
+
+On CPU (checked with SGLang 0.5.23, torch 2.14.1): ``SGLANG_USE_CPU_ENGINE=1``, the torch_native
+attention backend, and the ``sgl_kernel`` stand-in of ``extractor.cpu_shims``. The scheduler
+processes are spawned (fresh interpreters), so the stand-in reaches them as a package on their
+path (``extractor/cpu_site``), never over a real sgl-kernel.
+
+Importing this module loads neither SGLang nor torch: the driver builds a ``GeneratorSpec`` here
+and the Ray actor builds the ``Generator``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+"""Holds ``sgl_kernel/`` (the CPU stand-in) for the processes the engine spawns."""
+CPU_KV_TOKENS = 32768
+"""KV-cache tokens on CPU when none are named: SGLang would size the pool from free host memory."""
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorSpec:
+    """What the engine is built from (picklable: it crosses into the Ray actor)."""
+
+    model_path: str
+    dtype: str
+    device: str
+    """cpu | cuda (resolved, never auto)."""
+    tp_size: int = 1
+    attention_backend: str = ""
+    """Empty: torch_native on CPU, flashinfer on CUDA (as the extractor: the GPU stack carries no FA3)."""
+    cuda_graph: bool = True
+    """CUDA: let SGLang capture decode graphs (much faster for small models); off where capture fails."""
+    mem_fraction_static: float = 0.8
+    max_total_tokens: int = 0
+    """KV-cache tokens; 0: SGLang's choice from mem_fraction_static on CUDA, ``CPU_KV_TOKENS`` on CPU."""
+    trust_remote_code: bool = False
+    seed: int = 0
+    """SGLang's random_seed: with the same requests in the same order, sampled answers repeat."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One answer: the generated ids without the stop token that ended it, and why it ended."""
+
+    output_ids: list[int]
+    finish_reason: str
+    """stop (a stop token) | length (max_new_tokens) | what else SGLang reports (abort)."""
+
+
+def _engine_args(spec: GeneratorSpec) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        model_path=spec.model_path,
+        dtype=spec.dtype,
+        device=spec.device,
+        tp_size=spec.tp_size,
+        trust_remote_code=spec.trust_remote_code,
+        random_seed=spec.seed,
+        mem_fraction_static=spec.mem_fraction_static,
+        skip_tokenizer_init=True,  # prompts arrive as ids, answers leave as ids
+        host="127.0.0.1",
+        log_level="warning",
+    )
+    if spec.device == "cpu":
+        args.update(attention_backend=spec.attention_backend or "torch_native", disable_cuda_graph=True,
+                    max_total_tokens=spec.max_total_tokens or CPU_KV_TOKENS)
+    else:
+        args.update(attention_backend=spec.attention_backend or "flashinfer", disable_cuda_graph=not spec.cuda_graph)
+        if spec.max_total_tokens:
+            args["max_total_tokens"] = spec.max_total_tokens
+    return args
+
+
+def _has_real_sgl_kernel() -> bool:
+    from extractor.cpu_shims import SHIM_MODULE_NAME
+
+    module = sys.modules.get(SHIM_MODULE_NAME)
+    if module is not None:
+        return getattr(module, "__file__", None) is not None  # the stand-in has no file
+    return importlib.util.find_spec(SHIM_MODULE_NAME) is not None
+
+
+def _prepare_cpu_environment(tp_size: int) -> None:
+    """Before the engine spawns its processes: they inherit this environment."""
+    from extractor.cpu_shims import install_cpu_shims
+
+    if not _has_real_sgl_kernel():
+        # The spawned schedulers import sgl_kernel before any code of ours runs there. multiprocessing
+        # hands a spawned child its parent's sys.path, other children read PYTHONPATH: both get the
+        # stand-in's directory, and the one holding extractor (which the stand-in imports).
+        paths = [str(CPU_SITE), str(CPU_SITE.parent.parent)]
+        sys.path[:0] = [path for path in paths if path not in sys.path]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    install_cpu_shims()  # sets SGLANG_USE_CPU_ENGINE and the no-NCCL path, inherited by the children
+    if tp_size > 1:
+        from extractor.tensor_parallel import cpu_thread_binding
+
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp_size, sorted(os.sched_getaffinity(0))))
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as extractor.tensor_parallel: a compile not worth its time
+
+
+class Generator:
+    """An ``sglang.Engine`` over the model's TP ranks, answering batches of tokenized prompts."""
+
+    def __init__(self, spec: GeneratorSpec) -> None:
+        if spec.device == "cpu":
+            _prepare_cpu_environment(spec.tp_size)
+        from extractor.sglang_compat import quiet_import_noise
+
+        quiet_import_noise()
+        import sglang
+
+        started = time.perf_counter()
+        self.spec = spec
+        self.sglang_version = sglang.__version__
+        self._engine: Optional[Any] = sglang.Engine(**_engine_args(spec))
+        logger.info("SGLang %s engine for %s (%s, tp %d) ready in %.0f s", self.sglang_version, spec.model_path,
+                    spec.device, spec.tp_size, time.perf_counter() - started)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict[str, Any]]) -> list[Completion]:
+        """One answer per prompt, in order. ``sampling_params`` are SGLang's (max_new_tokens, temperature,
+        top_p, top_k, stop_token_ids); the engine schedules all prompts together."""
+        if self._engine is None:
+            raise RuntimeError("the generator was closed")
+        if not prompts:
+            return []
+        outputs = self._engine.generate(input_ids=[list(p) for p in prompts], sampling_params=list(sampling_params))
+        return [_completion(output) for output in outputs]
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+
+def _completion(output: dict[str, Any]) -> Completion:
+    ids = list(output["output_ids"])
+    finish = output["meta_info"].get("finish_reason") or {}
+    reason = str(finish.get("type", "")) if isinstance(finish, dict) else str(finish)
+    # SGLang ends the answer with the token that stopped it (one of ours, or the model's own eos);
+    # the chat template writes the end-of-turn token itself.
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    if reason == FINISH_STOP and ids and ids[-1] == matched:
+        ids.pop()
+    return Completion(output_ids=ids, finish_reason=reason)

@@ -1,0 +1,150 @@
+"""Regeneration: the target answers every prompt of the conversations again, through SGLang.
+
+For each conversation the assistant turns are replaced, in order, by the target's own answers:
+the prompt for an answer is the conversation so far (earlier answers already the target's),
+rendered with the chat template and ``add_generation_prompt=True``, exactly as step 1 will render
+it; a trailing user turn is answered too. Answers are generated in rounds (round r: the r-th answer
+of every conversation of the shard), each round one batch that ``sglang.Engine`` schedules itself.
+
+The engine lives in a Ray actor (``Regenerator``) holding the model's ``tp_size`` GPUs on CUDA, one
+CPU on CPU. The driver sends it a shard's valid conversations, gets the regenerated ones back and
+publishes them as ``_regenerated/part-NNNNN.jsonl`` before the next shard's answers come back
+(one shard is always in flight): a killed run resumes from the next shard not published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import ray
+
+from extractor.generator import FINISH_LENGTH, Generator, GeneratorSpec
+from jobs.conversations.reader import ASSISTANT, OPENAI, USER, ConversationRow, RowSource, check_ending, to_messages
+from jobs.conversations.template import ChatTemplate, Messages
+
+logger = logging.getLogger(__name__)
+
+REGENERATOR_CPUS = 1
+AFTER_REGENERATION = "after regeneration: "
+"""Starts the reason of a row that became invalid through its regenerated answers."""
+
+
+@dataclasses.dataclass
+class _Conversation:
+    """One conversation being answered: the turns copied so far and where it stands in the original."""
+
+    conversation_id: int
+    original: Messages
+    done: Messages = dataclasses.field(default_factory=list)
+    cursor: int = 0
+    answers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    reason: Optional[str] = None
+
+    def next_prompt(self) -> Optional[Messages]:
+        """The conversation before its next answer, or None when every answer is written."""
+        while self.cursor < len(self.original):
+            turn = self.original[self.cursor]
+            self.cursor += 1
+            if turn["role"] == ASSISTANT:
+                return self.done
+            self.done.append(turn)
+        if self.done and self.done[-1]["role"] == USER:  # a trailing question is answered too
+            return self.done
+        return None
+
+    def answer(self, text: str, finish_reason: str, tokens: int) -> None:
+        self.done = [*self.done, {"role": ASSISTANT, "content": text}]
+        self.answers.append({"finish_reason": finish_reason, "tokens": tokens})
+
+
+class Regenerator:
+    """The actor's body: the chat template and an ``extractor.generator.Generator``."""
+
+    def __init__(self, spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
+                 context_length: int) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+        self.chat = chat  # the driver's own, pickled: prompts render exactly as step 1 renders them
+        self.sampling = dict(sampling, stop_token_ids=sorted(self.chat.stop_ids))
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+        self.generator = Generator(spec)
+
+    def sglang_version(self) -> str:
+        return self.generator.sglang_version
+
+    def regenerate(self, conversations: Sequence[tuple[int, Messages]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Each conversation with its answers replaced by the target's (or why it could not be), and the
+        shard's generation stats."""
+        started = time.perf_counter()
+        todo = [_Conversation(conversation_id, messages) for conversation_id, messages in conversations]
+        active = todo
+        generated = rounds = 0
+        while active:
+            prompts = [(conversation, conversation.next_prompt()) for conversation in active]
+            active = [conversation for conversation, prompt in prompts if prompt is not None]
+            if not active:
+                break
+            rounds += 1
+            ids = self.chat.prompt_ids([prompt for _, prompt in prompts if prompt is not None])
+            requests = []
+            for conversation, prompt_ids in zip(active, ids):
+                if isinstance(prompt_ids, str):
+                    conversation.reason = prompt_ids
+                    continue
+                room = min(self.max_new_tokens, self.context_length - len(prompt_ids))
+                if room < 1:
+                    conversation.reason = (f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} "
+                                           f"tokens, leaving no room in the model's context of {self.context_length}")
+                    continue
+                requests.append((conversation, prompt_ids, dict(self.sampling, max_new_tokens=room)))
+            completions = self.generator.generate([r[1] for r in requests], [r[2] for r in requests])
+            for (conversation, _, _), completion in zip(requests, completions):
+                generated += len(completion.output_ids)
+                try:
+                    text = self.chat.decode(completion.output_ids)
+                except Exception as error:  # ids the tokenizer has no text for (a model vocab larger than it)
+                    conversation.reason = f"the tokenizer cannot decode the answer ({type(error).__name__}: {error})"
+                    continue
+                conversation.answer(text, completion.finish_reason, len(completion.output_ids))
+            active = [conversation for conversation in active if conversation.reason is None]
+        records = [
+            {"conversation_id": c.conversation_id, "invalid": AFTER_REGENERATION + c.reason} if c.reason else
+            {"conversation_id": c.conversation_id, "messages": c.done, "answers": c.answers}
+            for c in todo
+        ]
+        seconds = time.perf_counter() - started
+        answers = [a for c in todo for a in c.answers]
+        stats = {"answers": len(answers), "generated_tokens": generated, "seconds": seconds, "rounds": rounds,
+                 "cut_at_max_new_tokens": sum(a["finish_reason"] == FINISH_LENGTH for a in answers)}
+        return records, stats
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def start_regenerator(spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
+                      context_length: int) -> Any:
+    """The regeneration actor: the model's tp_size GPUs on CUDA (SGLang's engine runs its ranks itself)."""
+    return (
+        ray.remote(Regenerator)
+        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS)
+        .remote(spec, chat, sampling, max_new_tokens, context_length)
+    )
+
+
+def regenerated_rows(records: Iterator[dict[str, Any]]) -> Iterator[ConversationRow]:
+    """The rows of a regenerated shard file, checked again as step 1 checks input rows."""
+    for record in records:
+        source = RowSource(**record["source"])
+        if "invalid" in record:
+            yield ConversationRow(record["conversation_id"], source, None, record["invalid"])
+            continue
+        messages, reason = to_messages({"messages": record["messages"]}, OPENAI, other_roles="keep")
+        if reason is None and messages is not None:
+            reason = check_ending(messages, regenerate=False)
+        yield ConversationRow(record["conversation_id"], source, None if reason else messages,
+                              AFTER_REGENERATION + reason if reason else None)

@@ -1,0 +1,127 @@
+"""Entry point: ``python -m jobs.prepare [--config FILE] [key=value ...]`` (or ``eagle3-prepare``).
+
+Conversations (ShareGPT or OpenAI messages; JSONL, Parquet, Arrow) -> the tokenized Parquet
+``jobs.extract`` reads, rendered with the checkpoint's chat template and an exact assistant-only
+loss mask (``jobs.conversations``). With ``regenerate=true`` the target answers the prompts again
+through SGLang first. With neither ``model.path`` nor ``data.path`` it runs the demo: a tiny chat
+model and conversations made locally. Rerunning the same command resumes (or says it is done).
+
+Exit codes (``jobs.errors``): 0 done, 2 bad config or input (the message names the file, row and
+reason), 4 a fault (rerun: it resumes), 5 output.path in use by another prepare, 130/143 stopped by
+a signal (rerun: it resumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from jobs.cli import DETAILED, console_entry, run_command
+from jobs.cluster.session import inside_ray_job, ray_job_submission_id
+from jobs.config import ConfigError, parse_command
+from jobs.conversations import output as out_dir
+from jobs.conversations.config import PrepareConfig
+from jobs.conversations.pipeline import read_inputs, run
+from jobs.errors import EXIT_OK
+from jobs.rundir.lock import OutputLock
+
+logger = logging.getLogger("jobs.prepare")
+
+
+DESCRIPTION = (
+    "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
+    "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
+    "by the target through SGLang. Exit codes: 0 done, 2 bad config or input, 4 fault (rerun: it resumes), "
+    "5 output.path in use, 130/143 stopped by a signal (rerun: it resumes)."
+)
+
+
+def load_config(argv: Sequence[str]) -> PrepareConfig:
+    """Parse ``[--config FILE] [key=value ...]`` into a checked PrepareConfig; raises ConfigError."""
+    return parse_command("jobs.prepare", DESCRIPTION, PrepareConfig, argv)[0]
+
+
+def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
+    """Local paths made absolute once (under ``ray job submit`` relative ones are refused, as by jobs.extract)."""
+    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.path": config.output.path,
+            "model.chat_template": config.model.chat_template}
+    relative = [f"{key}={value}" for key, value in keys.items()
+                if value and "://" not in value and not Path(value).expanduser().is_absolute()]
+    if relative and inside_job:
+        raise ConfigError(f"{', '.join(relative)}: relative paths under `ray job submit` resolve inside Ray's copy of "
+                          "the working dir, which changes on every submit; pass absolute paths")
+
+    def absolute(value: str) -> str:
+        return value if not value or "://" in value else str(Path(value).expanduser().absolute())
+
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=absolute(config.model.path),
+                                  chat_template=absolute(config.model.chat_template)),
+        data=dataclasses.replace(config.data, path=absolute(config.data.path)),
+        output=dataclasses.replace(config.output, path=absolute(config.output.path)),
+    )
+
+
+def prepare(config: PrepareConfig) -> dict[str, Any]:
+    """Read and check everything, then write under output.path's lock; returns the side record."""
+    if config.is_demo:
+        from jobs.conversations.demo import demo_config
+
+        config = demo_config(config)
+    config = resolve_paths(config, inside_ray_job())
+    inputs = read_inputs(config)
+    existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
+    if existing.complete:
+        return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
+    inputs.out.mkdir(parents=True, exist_ok=True)
+    with OutputLock(inputs.out, ray_job_submission_id()):
+        # Under the lock: another prepare may have finished or started writing here meanwhile.
+        existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
+        if existing.complete:
+            return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
+        return run(inputs)
+
+
+def final_message(record: dict[str, Any]) -> str:
+    out = Path(record["output_path"])
+    counts, tokens = record["counts"], record["tokens"]
+    head = "nothing to do: " if record.get("nothing_to_do") else ""
+    lines = [
+        f"\n{head}{counts['kept']} of {counts['conversations']} conversations in {out} "
+        f"({len(record['parts'])} parts): {tokens['total']} tokens, {tokens['masked']} in the loss mask "
+        f"({counts['assistant_turns']} assistant turns), lengths {tokens['lengths']}",
+    ]
+    if counts["skipped"]:
+        lines.append(f"{counts['skipped']} rows left out ({counts['skipped_by_kind']}): {out / out_dir.SKIPPED_FILE}")
+    if counts["truncated"]:
+        lines.append(f"{counts['truncated']} conversations truncated to data.max_length={tokens['max_length']}")
+    regeneration = record.get("regeneration_stats")
+    if regeneration and not record.get("nothing_to_do"):
+        lines.append(f"regenerated {regeneration['answers']} answers ({regeneration['generated_tokens']} tokens, "
+                     f"{regeneration['tokens_per_second']} tokens/s, {regeneration['cut_at_max_new_tokens']} cut at "
+                     f"generation.max_new_tokens) with SGLang {regeneration['sglang_version']}")
+    if not record.get("nothing_to_do"):
+        lines.append(f"{record['conversations_per_second']} conversations/s; side record: {out / out_dir.RECORD_FILE}")
+    lines.append(f"next: python -m jobs.extract model.path={record['model_path']} data.path={out} output.dir=STATES_DIR")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    return run_command(
+        _prepare, argv, level=logging.INFO, fmt=DETAILED,
+        fault_hint="regenerated shards already published are kept. Rerun the same command to resume",
+    )
+
+
+def _prepare(argv: Sequence[str]) -> int:
+    print(final_message(prepare(load_config(argv))))
+    return EXIT_OK
+
+
+cli = console_entry(main)
+
+if __name__ == "__main__":
+    cli()

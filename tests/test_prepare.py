@@ -1,0 +1,319 @@
+"""jobs.prepare as users run it, on real files: formats, the Parquet the extraction job reads, every bad-row
+case with its message and exit code, max_length, the output directory's rules (refusals, resume, nothing
+half-written). The command's own main() runs in this process (one real subprocess checks the exit code);
+the model is the demo's tiny Llama with a ChatML tokenizer trained here (jobs.conversations.demo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations, write_conversations
+from jobs.conversations.output import RECORD_FILE, SKIPPED_FILE
+from jobs.errors import EXIT_BAD_INPUT, EXIT_OK
+from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.prepare import main
+from tests.conftest import REPO_ROOT
+
+SKIP_HINT = "-- data.on_invalid=skip leaves such rows out and lists them in"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_chat_model(tmp_path_factory.mktemp("chat") / "model", CHATML)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model))
+
+
+def prepare(capsys, model: Path, data: Path, out: Path, *overrides: str) -> tuple[int, str]:
+    """Run the command; returns its exit code and what it printed on stderr (a refusal's ``error:`` line)."""
+    capsys.readouterr()
+    code = main([f"model.path={model}", f"data.path={data}", f"output.path={out}", *overrides])
+    return code, capsys.readouterr().err
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def parts_table(out: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(path) for path in sorted(out.glob("part-*.parquet")))
+
+
+def answers_of(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    runs, current = [], []
+    for token, bit in zip(ids, [*mask]):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_sharegpt_jsonl_becomes_the_parquet_the_extraction_job_reads(capsys, model, tokenizer, tmp_path):
+    rows = demo_conversations(30, seed=3)
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "tokens"
+    code, errors = prepare(capsys, model, data, out, "output.shard_size=8")
+    assert code == EXIT_OK, errors
+    assert sorted(p.name for p in out.iterdir()) == [RECORD_FILE] + [f"part-0000{i}.parquet" for i in range(4)]
+    table = parts_table(out)
+    assert table.schema.names == ["conversation_id", "input_ids", "loss_mask"]
+    assert table.column("conversation_id").to_pylist() == list(range(30))
+    for row, ids, mask in zip(rows, table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+        messages = [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+                    for t in row["conversations"]]
+        assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        assert answers_of(tokenizer, ids, mask) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    # what jobs.extract opens and checks, with the model's vocabulary and context
+    dataset = open_tokenized_dataset(str(out), vocab_size=512, max_length=4096)
+    assert len(dataset) == 30 and dataset.invalid == []
+    ids, masks = dataset.rows(0, 30)
+    assert [list(x) for x in ids] == table.column("input_ids").to_pylist()
+    assert [list(x) for x in masks] == table.column("loss_mask").to_pylist()
+    # the same in two worker processes
+    code, errors = prepare(capsys, model, data, tmp_path / "tokens-2", "output.shard_size=8", "workers=2")
+    assert code == EXIT_OK, errors
+    assert parts_table(tmp_path / "tokens-2") == table
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record == {**json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text()), **{
+        key: record[key] for key in ("output_path", "started_at", "finished_at", "seconds", "conversations_per_second",
+                                     "command", "workers")}}
+    assert (record["workers"], json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text())["workers"]) == (1, 2)
+    assert record["state"] == "complete"
+    assert record["counts"] == {"conversations": 30, "kept": 30, "skipped": 0, "skipped_by_kind": {}, "truncated": 0,
+                                "assistant_turns": sum(len(r["conversations"]) // 2 for r in rows)}
+    assert record["tokens"]["total"] == sum(len(x) for x in table.column("input_ids").to_pylist())
+    assert record["tokens"]["masked"] == sum(sum(x) for x in table.column("loss_mask").to_pylist())
+    assert record["tokenizer"]["stop_tokens"] == {"<|im_end|>": 2} and len(record["tokenizer"]["chat_template_sha256"]) == 64
+    assert record["tokens"]["lengths"]["max"] == max(len(x) for x in table.column("input_ids").to_pylist())
+
+
+def test_openai_parquet_hf_save_to_disk_and_a_glob(capsys, model, tokenizer, tmp_path):
+    import datasets
+
+    messages = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+                for i in range(6)]
+    pq.write_table(pa.table({"messages": messages[:3]}), tmp_path / "a.parquet")
+    datasets.Dataset.from_dict({"messages": messages}).save_to_disk(str(tmp_path / "hf"))
+    code, errors = prepare(capsys, model, tmp_path / "a.parquet", tmp_path / "out-parquet")
+    assert code == EXIT_OK, errors
+    code, errors = prepare(capsys, model, tmp_path / "hf", tmp_path / "out-hf")
+    assert code == EXIT_OK, errors
+    assert parts_table(tmp_path / "out-hf").column("input_ids").to_pylist() == [
+        tokenizer.apply_chat_template(m, tokenize=True)["input_ids"] for m in messages]
+    # a glob over a ShareGPT and an OpenAI file: each file's schema detected, ids run on across them
+    write_jsonl(tmp_path / "g1.jsonl", demo_conversations(2))
+    write_jsonl(tmp_path / "g2.jsonl", [{"messages": m} for m in messages[:2]])
+    code, errors = prepare(capsys, model, f"file://{tmp_path}/g*.jsonl", tmp_path / "out-glob")  # an fsspec URL
+    assert code == EXIT_OK, errors
+    assert parts_table(tmp_path / "out-glob").column("conversation_id").to_pylist() == [0, 1, 2, 3]
+    # a format named wrongly: every row says what it lacks
+    code, errors = prepare(capsys, model, tmp_path / "g1.jsonl", tmp_path / "out-named", "data.format=openai")
+    assert code == EXIT_BAD_INPUT
+    assert "g1.jsonl row 0 (line 1) (conversation_id 0): no 'messages' field (its keys: 'id', 'conversations')" in errors
+
+
+GOOD = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+BAD_ROWS = {
+    "not JSON": ('{"conversations": [', "not valid JSON (Expecting value: line 1 column 20 (char 19))"),
+    "missing field": ({"id": 7}, "no 'conversations' field (its keys: 'id'); a sharegpt row holds"),
+    "turns not a list": ({"conversations": "Hi"}, "conversations must be a list of turns, got str"),
+    "missing role": ({"conversations": [{"value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+                     "conversations[0] has no 'from' (its role)"),
+    "unknown role": ({"conversations": [{"from": "narrator", "value": "Once"}, {"from": "gpt", "value": "Upon."}]},
+                     "conversations[0] has the unknown role 'narrator' (known: user/human, assistant/gpt, system, and "
+                     "tool/function/ipython/observation/function_call under data.other_roles)"),
+    "tool role under fail": ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "tool", "value": "{}"},
+                                                {"from": "gpt", "value": "Ok."}]},
+                             "conversations[1] has the role 'tool': data.other_roles=drop leaves such turns out, keep "
+                             "renders them (never in the loss mask)"),
+    "empty turn": ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "  \n"}]},
+                   "conversations[1] (gpt) is empty"),
+    "missing text": ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "Hello."}]},
+                     "conversations[0] (human): has no text"),
+    "ends with the user": ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."},
+                                              {"from": "human", "value": "Bye"}]},
+                           "ends with a user turn, not the assistant's answer (the text the drafter learns from); drop "
+                           "the trailing turn, or use regenerate=true to have the target answer it"),
+    "unrenderable: end token in an answer": (
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello.<|im_end|>"}]},
+        "assistant turn 1 holds the text '<|im_end|>', which the tokenizer reads as the end-of-turn token"),
+    "unrenderable: refused by the template": (
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "human", "value": "Hey"},
+                           {"from": "gpt", "value": "Hello."}]},
+        "the chat template cannot render it: TemplateError: Conversation roles must alternate user/assistant"),
+}
+ALTERNATING = (  # Llama-2/Mistral templates refuse non-alternating roles like this
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def alternating(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "alternating.jinja"
+    path.write_text(ALTERNATING)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_a_bad_row_fails_with_file_row_and_reason(case, capsys, model, alternating, tmp_path):
+    row, reason = BAD_ROWS[case]
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, row, GOOD])
+    out = tmp_path / "out"
+    code, errors = prepare(capsys, model, data, out, f"model.chat_template={alternating}")
+    assert code == EXIT_BAD_INPUT
+    assert f"{data} row 1 (line 2) (conversation_id 1): {reason}" in errors
+    assert f"{SKIP_HINT} {out / SKIPPED_FILE}" in errors
+    # nothing under a final name, no temp file left behind: only the running record
+    assert sorted(p.name for p in out.iterdir()) == [RECORD_FILE]
+    assert json.loads((out / RECORD_FILE).read_text())["state"] == "running"
+
+
+def test_skip_lists_every_bad_row_and_accounts_for_all(capsys, model, alternating, tmp_path):
+    rows = [GOOD]
+    for row, _ in BAD_ROWS.values():
+        rows += [row, GOOD]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "out"
+    code, errors = prepare(capsys, model, data, out, "data.on_invalid=skip", "output.shard_size=5",
+                           f"model.chat_template={alternating}")
+    assert code == EXIT_OK, errors
+    skipped = [json.loads(line) for line in (out / SKIPPED_FILE).read_text().splitlines()]
+    assert [entry["conversation_id"] for entry in skipped] == list(range(1, len(rows), 2))
+    for entry, (_, reason) in zip(skipped, BAD_ROWS.values()):
+        assert reason in entry["reason"] and entry["kind"] == "invalid"
+        assert entry["file"] == str(data) and entry["line"] == entry["file_row"] + 1
+    assert parts_table(out).column("conversation_id").to_pylist() == list(range(0, len(rows), 2))
+    counts = json.loads((out / RECORD_FILE).read_text())["counts"]
+    assert counts["conversations"] == len(rows) == counts["kept"] + counts["skipped"]
+    assert counts["skipped_by_kind"] == {"invalid": len(BAD_ROWS)}
+
+
+def test_other_roles_drop_and_keep(capsys, model, tokenizer, tmp_path):
+    row = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "get()"},
+                             {"from": "observation", "value": "Sunny."}, {"from": "gpt", "value": "It is sunny."}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [row])
+    for policy, roles in (("drop", ["user", "assistant"]), ("keep", ["user", "function_call", "observation", "assistant"])):
+        code, errors = prepare(capsys, model, data, tmp_path / policy, f"data.other_roles={policy}")
+        assert code == EXIT_OK, errors
+        table = parts_table(tmp_path / policy)
+        messages = [{"role": role, "content": text} for role, text in
+                    zip(roles, ["Weather?", "get()", "Sunny."][: len(roles) - 1] + ["It is sunny."])] if policy == "keep" \
+            else [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is sunny."}]
+        ids, mask = table.column("input_ids")[0].as_py(), table.column("loss_mask")[0].as_py()
+        assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        assert answers_of(tokenizer, ids, mask) == ["It is sunny.<|im_end|>"]
+
+
+def test_max_length_truncates_or_drops(capsys, model, tmp_path):
+    long_answer = " ".join(["The capital of France is Paris."] * 12)
+    rows = [GOOD, {"conversations": [{"from": "human", "value": "Tell me."}, {"from": "gpt", "value": long_answer}]},
+            {"conversations": [{"from": "human", "value": " ".join(["Why?"] * 40)}, {"from": "gpt", "value": "Because."}]}]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    code, errors = prepare(capsys, model, data, tmp_path / "truncate", "data.max_length=48")
+    assert code == EXIT_OK, errors
+    table = parts_table(tmp_path / "truncate")
+    assert table.column("conversation_id").to_pylist() == [0, 1]  # the third keeps no answer token in 48
+    lengths = [len(x) for x in table.column("input_ids").to_pylist()]
+    assert lengths[1] == 48 and lengths[0] < 48 and table.column("loss_mask")[1].as_py()[-1] == 1
+    record = json.loads((tmp_path / "truncate" / RECORD_FILE).read_text())
+    assert record["counts"]["truncated"] == 1 and record["counts"]["skipped_by_kind"] == {"too_long": 1}
+    assert "more than data.max_length=48: no assistant token is left" in record["skipped"]["first"][0]["reason"]
+
+    code, errors = prepare(capsys, model, data, tmp_path / "drop", "data.max_length=48", "data.on_too_long=drop")
+    assert code == EXIT_OK, errors
+    assert parts_table(tmp_path / "drop").column("conversation_id").to_pylist() == [0]
+    skipped = [json.loads(line) for line in (tmp_path / "drop" / SKIPPED_FILE).read_text().splitlines()]
+    assert [(s["conversation_id"], s["kind"]) for s in skipped] == [(1, "too_long"), (2, "too_long")]
+    code, errors = prepare(capsys, model, data, tmp_path / "over", "data.max_length=5000")
+    assert code == EXIT_BAD_INPUT and "data.max_length=5000 exceeds the model's max_position_embeddings 4096" in errors
+
+
+def test_output_directory_rules(capsys, model, tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl", 10)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, errors = prepare(capsys, model, data, foreign)
+    assert code == EXIT_BAD_INPUT and "holds notes.txt and no _prepare.json: it is not a jobs.prepare output" in errors
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+    out = tmp_path / "out"
+    assert prepare(capsys, model, data, out)[0] == EXIT_OK
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert prepare(capsys, model, data, out)[0] == EXIT_OK  # complete, same settings: nothing to do
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    code, errors = prepare(capsys, model, data, out, "data.max_length=100")
+    assert code == EXIT_BAD_INPUT
+    assert "holds a complete prepare of other inputs or settings (differs in: data.max_length)" in errors
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+    # a run that was killed: record running, a temp part, a stale part of ours from a larger shard count
+    record = json.loads((out / RECORD_FILE).read_text())
+    (out / RECORD_FILE).write_text(json.dumps({**record, "state": "running"}))
+    (out / "part-00000.parquet").rename(out / "part-00007.parquet")
+    (out / ".part-00003.parquet.tmp").write_bytes(b"half")
+    (out / "part-00009.parquet").write_bytes(b"not ours, not parquet")
+    code, errors = prepare(capsys, model, data, out)
+    assert code == EXIT_BAD_INPUT and "holds part-00009.parquet, which jobs.prepare did not write" in errors
+    (out / "part-00009.parquet").unlink()
+    assert prepare(capsys, model, data, out)[0] == EXIT_OK
+    assert sorted(p.name for p in out.iterdir()) == [RECORD_FILE, "part-00000.parquet"]
+
+
+def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, {"id": 1}])
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
+                             f"output.path={tmp_path / 'out'}"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-2000:]
+    assert f"{data} row 1 (line 2) (conversation_id 1): no 'conversations' field" in result.stderr
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert exited.value.code == 0 and help_text.startswith("usage: ")
+    for key in ("model.chat_template", "data.format", "data.other_roles", "data.on_invalid", "data.max_length",
+                "data.on_too_long", "output.path", "output.shard_size", "regenerate", "generation.max_new_tokens",
+                "generation.temperature"):
+        assert f"  {key} = " in help_text, key
+
+
+def test_the_demo_starts_from_conversations(capsys, tmp_path):
+    assert main([f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=12"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    model, tokens = tmp_path / "demo" / "model-llama-chatml", tmp_path / "demo" / "tokens"
+    assert f"12 of 12 conversations in {tokens} (1 parts)" in printed
+    assert f"next: python -m jobs.extract model.path={model} data.path={tokens} output.dir=" in printed
+    assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12
+
+
+def test_scale_benchmark_smoke(model, tmp_path):
+    """benchmarks.prepare_scale end to end on a few thousand conversations (no rate is asserted)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.prepare_scale", "--conversations", "1000", "--model", str(model),
+         "--work-dir", str(tmp_path), "--out", str(tmp_path / "results.json"), "--set", "output.shard_size=500"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["conversations"] == results["kept"] == 1000 and results["parts"] == 2
+    assert results["tokenize_conversations_per_s"] > 0 and results["peak_rss_bytes"] >= results["peak_uss_bytes"] > 0
+    assert "peak RSS" in result.stdout

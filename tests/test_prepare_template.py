@@ -1,0 +1,213 @@
+"""The loss mask of jobs.prepare, on real tokenizers: SmolLM2-135M-Instruct's (ChatML, from its checkpoint)
+and two trained here with real families' templates (jobs.conversations.demo: ChatML, and Llama-3-Instruct's
+verbatim). Every case checks the round trip: the ids are apply_chat_template's, each run of masked tokens
+decodes to one assistant answer and its end-of-turn token, and the tokens before it are exactly the prompt
+the model answers (apply_chat_template with add_generation_prompt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.smollm2 import checkpoint_dir
+from jobs.conversations.demo import CHATML, LLAMA3, build_chat_tokenizer
+from jobs.conversations.reader import to_messages
+from jobs.conversations.template import ChatTemplate, Encoded
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ChatTemplate:
+    return ChatTemplate.load(str(checkpoint_dir()))
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory) -> ChatTemplate:
+    return ChatTemplate.load(str(build_chat_tokenizer(tmp_path_factory.mktemp("llama3"), LLAMA3)))
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory) -> ChatTemplate:
+    return ChatTemplate.load(str(build_chat_tokenizer(tmp_path_factory.mktemp("chatml"), CHATML)))
+
+
+FAMILIES = ("smollm2", "llama3", "chatml")
+END_TOKEN = {"smollm2": "<|im_end|>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>"}
+
+
+def masked_runs(encoded: Encoded) -> list[tuple[int, int]]:
+    """[start, end) of every run of 1s in the mask."""
+    runs, start = [], None
+    for position, bit in enumerate([*encoded.loss_mask, 0]):
+        if bit and start is None:
+            start = position
+        elif not bit and start is not None:
+            runs.append((start, position))
+            start = None
+    return runs
+
+
+def assert_round_trip(chat: ChatTemplate, family: str, messages: list[dict]) -> Encoded:
+    tokenizer = chat.tokenizer
+    encoded = chat.encode([messages])[0]
+    assert isinstance(encoded, Encoded), encoded
+    assert encoded.input_ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert len(encoded.loss_mask) == len(encoded.input_ids) and set(encoded.loss_mask) <= {0, 1}
+    answers = [(i, m["content"]) for i, m in enumerate(messages) if m["role"] == "assistant"]
+    runs = masked_runs(encoded)
+    # Llama-3's template trims each content; ChatML renders it verbatim.
+    expected = [(text.strip() if family == "llama3" else text) + END_TOKEN[family] for _, text in answers]
+    assert [tokenizer.decode(encoded.input_ids[a:b]) for a, b in runs] == expected
+    for (index, _), (start, _) in zip(answers, runs):
+        prompt = tokenizer.apply_chat_template(messages[:index], add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert encoded.input_ids[:start] == prompt
+    assert encoded.assistant_turns == len(answers)
+    return encoded
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_answer(family, request):
+    chat = request.getfixturevalue(family)
+    encoded = assert_round_trip(chat, family, [user("What is the capital of Peru?"), assistant("The capital of Peru is Lima.")])
+    # nothing after the end token is masked (ChatML's newline, the end of the text)
+    last = max(i for i, bit in enumerate(encoded.loss_mask) if bit)
+    assert chat.tokenizer.convert_ids_to_tokens(encoded.input_ids[last]) == END_TOKEN[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_turn_with_system_prompt(family, request):
+    assert_round_trip(request.getfixturevalue(family), family, [
+        SYSTEM, user("How much is 2 plus 2?"), assistant("2 plus 2 is 4."), user("And 3 plus 3?"), assistant("6."),
+        user("Spell 'river' backwards."), assistant("Backwards, 'river' is 'revir'."),
+    ])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_answer_repeating_the_question_is_masked_where_the_assistant_said_it(family, request):
+    """The same text in the user's turn is not what the mask covers: it is placed by the template, not found."""
+    encoded = assert_round_trip(request.getfixturevalue(family), family,
+                                [user("Say yes."), assistant("Say yes."), user("Say yes."), assistant("Say yes.")])
+    assert len(masked_runs(encoded)) == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unicode_newlines_and_consecutive_answers(family, request):
+    assert_round_trip(request.getfixturevalue(family), family, [
+        user("  Spaces around  "), assistant("Trailing spaces.  "), assistant("Café, naïve, 日本語, 🙂."),
+        user("Line\nbreaks?"), assistant("One\n\ntwo\n"),
+    ])
+
+
+def test_answer_starting_with_whitespace(smollm2, llama3):
+    """After ChatML's "assistant\n" header a byte-level BPE merges the newline with the answer's leading space:
+    the prompt's tokens are no prefix of the conversation's, so no exact mask exists and the row is refused.
+    Llama-3's template trims contents: nothing to merge."""
+    messages = [user("Hi"), assistant("  Hello.")]
+    assert smollm2.encode([messages])[0] == (
+        "the tokenizer merges text across the boundary of assistant turn 1: the tokens of the prompt before assistant "
+        "turn 1 are not a prefix of the whole conversation's tokens, so no exact token mask exists (a byte-level BPE "
+        "can do this to an answer that starts with whitespace: strip the answers)")
+    assert_round_trip(llama3, "llama3", messages)
+
+
+def test_smollm2_default_system_prompt_is_not_masked(smollm2):
+    """SmolLM2's template adds its own system prompt when the conversation has none."""
+    encoded = assert_round_trip(smollm2, "smollm2", [user("Hi"), assistant("Hello!")])
+    text = smollm2.tokenizer.decode(encoded.input_ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert encoded.loss_mask.count(1) == len(smollm2.tokenizer("Hello!<|im_end|>", add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_tool_turn_is_rendered_and_never_masked(family, request):
+    record = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                           {"role": "assistant", "content": "Let me check."},
+                           {"role": "tool", "content": "Oslo: 3 degrees, rain."},
+                           {"role": "assistant", "content": "It is 3 degrees and raining in Oslo."}]}
+    messages, reason = to_messages(record, "openai", other_roles="keep")
+    assert reason is None
+    encoded = assert_round_trip(request.getfixturevalue(family), family, messages)
+    tokenizer = request.getfixturevalue(family).tokenizer
+    assert "Oslo: 3 degrees" in tokenizer.decode(encoded.input_ids)
+    dropped, _ = to_messages(record, "openai", other_roles="drop")
+    assert [m["role"] for m in dropped] == ["user", "assistant", "assistant"]
+
+
+def test_answer_holding_the_end_token_text_is_refused(smollm2):
+    result = smollm2.encode([[user("Hi"), assistant("Hello<|im_end|> there")]])[0]
+    assert result == ("assistant turn 1 holds the text '<|im_end|>', which the tokenizer reads as the end-of-turn "
+                      "token: the model would stop there")
+
+
+def test_template_refusing_a_conversation_makes_that_row_invalid(tmp_path, smollm2):
+    """A template's raise_exception (as Llama-2/Mistral templates refuse non-alternating roles) fails that row only."""
+    template = tmp_path / "alternating.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    chat = ChatTemplate.load(str(checkpoint_dir()), str(template))
+    good, bad = chat.encode([[user("a"), assistant("b")], [user("a"), user("b"), assistant("c")]])
+    assert isinstance(good, Encoded)
+    assert bad == ("the chat template cannot render it: TemplateError: Conversation roles must alternate "
+                   "user/assistant/user/assistant")
+
+
+def test_template_rewriting_earlier_turns_is_refused_at_load(tmp_path):
+    """As Qwen3's template drops earlier answers' reasoning: the prompt is no prefix of the whole conversation."""
+    template = tmp_path / "rewrites.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+        "{% if m['role'] == 'assistant' and not loop.last %}(earlier answer){% else %}{{ m['content'] }}{% endif %}"
+        "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    with pytest.raises(ValueError, match=r"cannot give an exact loss mask \(checked on a two-turn probe conversation\): "
+                                         r"the chat template renders the conversation through assistant turn 1 "
+                                         r"differently once later turns follow"):
+        ChatTemplate.load(str(checkpoint_dir()), str(template))
+
+
+def test_template_without_end_of_turn_token_is_refused_unless_named(tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ':\n' + m['content'] + '\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
+    with pytest.raises(ValueError, match=r"assistant turn 1 renders without an end-of-turn token \(<\|im_end\|>\); "
+                                         r"set model.stop_tokens"):
+        ChatTemplate.load(str(checkpoint_dir()), str(template))
+    with pytest.raises(ValueError, match=r"model.stop_tokens: 'no such token' is not one token"):
+        ChatTemplate.load(str(checkpoint_dir()), str(template), stop_tokens=["no such token"])
+
+
+def test_no_chat_template_names_the_key(tmp_path):
+    directory = build_chat_tokenizer(tmp_path / "tok", CHATML)
+    (Path(directory) / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match=r"has no chat template; name a Jinja template file with model.chat_template"):
+        ChatTemplate.load(str(directory))
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """As Qwen3's template reads enable_thinking: model.chat_template_kwargs are the template's variables."""
+    template = tmp_path / "variable.jinja"
+    template.write_text(
+        "{{ '<|im_start|>system\n' + (house_rules or 'No rules.') + '<|im_end|>\n' }}{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    chat = ChatTemplate.load(str(checkpoint_dir()), str(template), template_kwargs={"house_rules": "Be kind."})
+    messages = [user("Hi"), assistant("Hello.")]
+    encoded = chat.encode([messages])[0]
+    tokenizer = chat.tokenizer
+    assert encoded.input_ids == tokenizer.apply_chat_template(messages, chat_template=template.read_text(),
+                                                              house_rules="Be kind.")["input_ids"]
+    assert tokenizer.decode(encoded.input_ids).startswith("<|im_start|>system\nBe kind.<|im_end|>")
+    assert [tokenizer.decode(encoded.input_ids[a:b]) for a, b in masked_runs(encoded)] == ["Hello.<|im_end|>"]
+    assert chat.describe()["chat_template_kwargs"] == {"house_rules": "Be kind."}
