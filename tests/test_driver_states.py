@@ -280,7 +280,7 @@ def make_run(
     writers: int = 1, sink: bool = False, max_attempts: int = 3, upload_attempts: int = 2, budget_wait_s: float = 0.2,
 ) -> Run:
     directory = tmp_path / "out"
-    directory.mkdir()
+    directory.mkdir(exist_ok=True)  # a rerun: the same directory and manifest
     world = World(directory, **(world_options or {}))
     worlds.append(world)
     dataset = open_tokenized_dataset(str(dataset_path), 100, 4096)
@@ -386,6 +386,19 @@ def test_a_broken_sink_leaves_the_shards_local_after_their_tries(tmp_path, datas
     assert [r.state for r in records] == [DONE] * 4 and [r.location for r in records] == [LOCAL] * 4
     assert all("Read-only file system" in r.error for r in records)
     assert run.shard_files() == [shard_file_name(i) for i in range(4)]
+
+
+def test_a_rerun_with_only_uploads_left_uploads_them(tmp_path, dataset_path, hooks_while_sleeping):
+    """Nothing is left to extract, but the sink lacks every file: the rerun's loop still runs, for the uploads."""
+    first = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True, upload_attempts=1)
+    first.loop.run()
+    first.manifest.close()
+    rerun = make_run(tmp_path, dataset_path, hooks_while_sleeping, sink=True)  # the sink works again
+    rerun.loop.run()
+    records = list(rerun.manifest.shards.values())
+    assert [r.state for r in records] == [DONE] * 4 and [r.location for r in records] == [SINK] * 4
+    assert rerun.world.published == [] and sorted(rerun.world.uploaded) == [shard_file_name(i) for i in range(4)]
+    assert rerun.shard_files() == []  # each deleted locally once it was in the sink
 
 
 def test_a_shard_cut_short_too_often_fails_the_run(tmp_path, dataset_path, hooks_while_sleeping):

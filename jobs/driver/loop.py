@@ -1,6 +1,7 @@
 """The driver's loop over its small owners; it holds no state of its own.
 
-Each turn: report progress, re-scan the directories when due, open the shards
+First the directories are scanned (a rerun's local files that the sink lacks
+are offered for upload). Then each turn: report progress, re-scan the directories when due, open the shards
 that fit (or learn that the run must wait for disk), then send one batch, or
 settle one completion, or, with nothing in flight, wait for disk or for the
 next rescan. The loop ends when every shard is settled, nothing is in flight
@@ -38,6 +39,8 @@ class DriverLoop:
     def run(self) -> None:
         scheduler, work = self._scheduler, self._work
         try:
+            # Before the first turn: a rerun may have nothing to extract, only done files the sink still lacks.
+            self._rescanner.rescan()
             while scheduler.has_work or work or self._uploads.retries:
                 self._progress.tick()
                 self._rescanner.rescan_if_due()
