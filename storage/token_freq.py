@@ -73,16 +73,17 @@ def token_freq_bytes(counts: Mapping[int, int]) -> bytes:
     return buffer.getvalue()
 
 
-def write_token_freq(output_dir: str | os.PathLike) -> Path:
+def write_token_freq(output_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Path:
     """Count the run's tokens and write ``output_dir/.token_freq.pt`` (temp file, fsync, rename); returns its path.
 
-    Call it once the run is complete (every shard done), before anything consumes its shards."""
+    Call it once the run is complete (every shard done), before anything consumes its shards.
+    ``storage_options``: the sink's (output.sink_options), for the shards already uploaded there."""
     path = Path(output_dir) / TOKEN_FREQ_FILE
-    replace_atomically(path, token_freq_bytes(count_tokens(output_dir)))
+    replace_atomically(path, token_freq_bytes(count_tokens(output_dir, storage_options)))
     return path
 
 
-def maybe_write_token_freq(output_dir: str | os.PathLike) -> Path | None:
+def maybe_write_token_freq(output_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Path | None:
     """``write_token_freq`` when the run has no count yet, is complete, nothing of it is consumed yet and every
     local shard file is in ``output_dir`` (not on another node's disk); else None. Safe to call at the end of any
     run; ``jobs.export consume=true`` calls it before it deletes anything, the last moment the count can be made."""
@@ -94,7 +95,7 @@ def maybe_write_token_freq(output_dir: str | os.PathLike) -> Path | None:
             return None
         if record["location"] == LOCAL and not (directory / record["file"]).is_file():
             return None
-    return write_token_freq(directory)
+    return write_token_freq(directory, storage_options)
 
 
 def read_token_freq(output_dir: str | os.PathLike) -> dict[int, int] | None:

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
 import ray
 
@@ -23,6 +24,7 @@ from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
+from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import DiskSampler, job_config, python_env, read_all
@@ -82,8 +84,6 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
     assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE and summary["shards_failed"] == {}
 
     manifest = read_manifest(out)
-    import fsspec
-
     fs, _ = fsspec.core.url_to_fs(sink, **options)
     for record in manifest["shards"]:
         assert record["state"] == DONE and record["location"] == SINK
@@ -96,6 +96,8 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
     for record in manifest["shards"]:
         (local_copy / record["file"]).write_bytes(fs.cat_file(fs._strip_protocol(record["sink_url"])))
     assert_sample_ids_complete(read_all(local_copy))
+    # the token counts for speculators' vocabulary were made at the end, from the shards in the sink
+    assert read_token_freq(out) == count_tokens(local_copy) and sum(read_token_freq(out).values()) > 0
 
 
 def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):

@@ -62,7 +62,7 @@ from jobs.rundir.summary import (
     write_invalid_rows,
 )
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
-from storage.token_freq import maybe_write_token_freq
+from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
 
 logger = logging.getLogger("jobs.extract")
 
@@ -156,10 +156,20 @@ def _extract(
         final = summary.finish(manifest, outcome, code, message, result)
     finally:
         manifest.close()
-    # speculators' reduced draft vocabulary comes from the trained tokens' counts: counted now, from the
-    # token columns alone, while every shard is still there (once the run is complete).
-    maybe_write_token_freq(output_dir)
+    _count_tokens(output_dir, config.output.sink_options)
     return final
+
+
+def _count_tokens(output_dir: Path, sink_options: dict) -> None:
+    """speculators' reduced draft vocabulary comes from the trained tokens' counts: counted now, from the
+    token columns alone, while every shard is still there (once the run is complete). The run's outcome
+    does not hang on it: the shards are whole either way, and the loaders count again without the file."""
+    try:
+        maybe_write_token_freq(output_dir, sink_options)
+    except Exception as error:  # noqa: BLE001 - an extra file; the states are written and recorded
+        logger.warning("the token counts (%s) were not written: %s: %s. HiddenStatesDataset.token_freq() and "
+                       "jobs.export to=speculators count them from the shards", TOKEN_FREQ_FILE, type(error).__name__,
+                       error)
 
 
 def _check_files_here(manifest: Manifest, output_dir: Path, checksum: bool) -> Optional[str]:
