@@ -1,7 +1,7 @@
 """From chat conversations to the tokenized Parquet ``jobs.extract`` reads (the ``jobs.prepare`` command).
 
 - ``config``: the command's config sections, each checking its own keys.
-- ``reader``: conversation rows out of ``data.path`` (the files ``jobs.input_files`` finds), the schema
+- ``reader``: conversation rows out of ``data.path`` (the files ``jobs.inputs.files`` finds), the schema
   (ShareGPT or OpenAI) detected per file or named, each row checked and normalised to messages.
 - ``template``: the checkpoint's tokenizer and chat template; a conversation's ids and its exact
   assistant-only loss mask, from prefix renderings of the template (no string search).

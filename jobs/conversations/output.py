@@ -6,7 +6,7 @@
       _prepare.json             the side record: state, settings, tokenizer and template hashes, counts, lengths
       _skipped_rows.jsonl       every row left out (invalid under data.on_invalid=skip, or too long), with why
       _regenerated/part-00000.jsonl ...   with regenerate=true: the target's answers, one file per shard
-      .job.lock                 held while a prepare runs (jobs.lock)
+      .job.lock                 held while a prepare runs (jobs.rundir.lock)
 
 Names starting with ``_`` or ``.`` are skipped by Parquet dataset readers and by ``jobs.extract``,
 so ``data.path=output.path`` reads the parts only. Parts are written under hidden temp names and
