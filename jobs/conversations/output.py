@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from jobs.conversations.reader import RowSource
 from jobs.conversations.template import Encoded
 from jobs.rundir.lock import LOCK_FILE
+from storage.atomic import fsync_path, write_synced
 
 RECORD_FILE = "_prepare.json"
 SKIPPED_FILE = "_skipped_rows.jsonl"
@@ -81,23 +82,12 @@ def now() -> str:
 # -- atomic files -------------------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
 def write_atomic(path: Path, text: str) -> None:
     """``text`` under ``path``, whole or not at all (temp name, fsync, rename)."""
-    temp = temp_path(path)
-    with open(temp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    temp = temp_path(path)  # hidden, unlike replace_atomically's: readers of output.path skip it
+    write_synced(temp, text.encode())
     os.replace(temp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_record(out: Path, record: dict[str, Any]) -> None:
@@ -230,7 +220,7 @@ def publish_parts(out: Path, shards: Iterable[int]) -> list[str]:
             stale.unlink()
     for name in names:
         os.replace(temp_path(out / name), out / name)
-    _fsync_dir(out)
+    fsync_path(out)
     return names
 
 
