@@ -16,37 +16,33 @@ from tests.helpers import python_env
 
 
 def test_throughput_benchmark_smoke(tmp_path):
+    """Every row of the benchmark runs and reports; fp8 states are left out here (tests/test_job.py stores
+    them; each row is another job's start-up, which is what the suite pays for)."""
     env = python_env()
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--shape", "tiny", "--device", "cpu", "--samples", "8",
          "--tokens-per-sample", "96", "--max-tokens-per-batch", "256", "--shard-size", "2",
-         "--disk-probe-bytes", str(64 << 20), "--consume", "1MB", "--fp8",
+         "--disk-probe-bytes", str(64 << 20), "--consume", "1MB",
          "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for row in ("(a) bare SGLang prefill", "(a2) extractor alone", "(b) full job", "(c) disk sequential write",
-                "writer pool", "(b-fp8) full job, fp8 states", "(d) pipeline capacity, synthetic states, disk",
-                "(d-fp8) pipeline capacity, fp8, disk", "writers' CPU s per GB", "fp8 relative error"):
+                "writer pool", "(d) pipeline capacity, synthetic states, disk", "writers' CPU s per GB"):
         assert row in result.stdout, row
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["tokens"] == 8 * 96
     assert results["bare_prefill_tokens_per_s"] > 0 and results["job_tokens_per_s"] > 0
     assert results["bytes_per_token"] > 4 * 64 * 2  # 3 aux layers + final state, bf16, hidden 64
     rows = results["rows"]
-    assert sorted(rows) == ["b", "b-fp8", "d", "d-fp8"]
+    assert sorted(rows) == ["b", "d"]
     for name, row in rows.items():
         assert row["tokens"] == 8 * 96, name
         assert set(row["stage_seconds"]) == {"put", "wait", "fetch", "encode", "write", "hash", "sync", "commit"}
-    # the synthetic source writes the same layout as the model: same bytes per token per dtype
+    # the synthetic source writes the same layout as the model: same bytes per token
     assert rows["d"]["bytes_per_token"] == pytest.approx(rows["b"]["bytes_per_token"], rel=0.02)
-    assert rows["d-fp8"]["state_dtype"] == "float8_e4m3fn" and rows["d"]["sglang"] == "none (synthetic states)"
-    # fp8: one byte per element plus a float32 scale per token and layer (hidden 64: 4 x 68 B of states)
-    assert rows["b-fp8"]["bytes_per_token"] - 4 * 68 == pytest.approx(rows["b"]["bytes_per_token"] - 4 * 128, abs=8)
-    errors = results["fp8_relative_error"]
-    assert list(errors) == ["layer 2", "layer 4", "layer 5", "final (post_norm)"]
-    assert all(0.005 < error < 0.05 for error in errors.values()), errors
+    assert rows["d"]["sglang"] == "none (synthetic states)"
 
 
 def test_driver_scale_benchmark_smoke(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,27 +26,32 @@ HIDDEN = 64
 LENGTHS = (9, 1, 23, 5)
 
 
-@pytest.fixture(scope="session", params=[32, None], ids=["q_lora", "no_q_lora"])
-def deepseek_fp32(request, tmp_path_factory):
-    return build_tiny_model(
-        tmp_path_factory.mktemp("deepseek") / "model", arch="deepseek_v3", q_lora_rank=request.param
-    )
+@pytest.fixture(scope="session")
+def deepseek_fp32(tmp_path_factory) -> dict[str, Path]:
+    """The tiny DeepSeek-V3 with and without a q LoRA (MLA's two query paths)."""
+    return {
+        name: build_tiny_model(tmp_path_factory.mktemp(f"deepseek-{name}") / "model", arch="deepseek_v3",
+                               q_lora_rank=rank)
+        for name, rank in (("q_lora", 32), ("no_q_lora", None))
+    }
 
 
 # deepseek_v2.set_eagle3_layers_to_capture adds +1 only when the first id is 1: the three
-# cases below take different drafter ids to capture the same kind of layers.
+# cases below take different drafter ids to capture the same kind of layers (each query path
+# meets at least one case; every case is one extractor start, which is what the suite pays for).
 @pytest.mark.parametrize(
-    "layer_ids, drafter_ids",
-    [([2, 4, 5], [3, 5, 6]), ([1, 2, 4], [1, 2, 4]), ([2, 3, 5], [3, 4, 6])],
-    ids=["default", "first1", "first2"],
+    "variant, layer_ids, drafter_ids",
+    [("q_lora", [2, 4, 5], [3, 5, 6]), ("no_q_lora", [1, 2, 4], [1, 2, 4]), ("q_lora", [2, 3, 5], [3, 4, 6])],
+    ids=["q_lora-default", "no_q_lora-first1", "q_lora-first2"],
 )
-def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, layer_ids, drafter_ids):
+def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, variant, layer_ids, drafter_ids):
+    model = deepseek_fp32[variant]
     sequences = random_sequences(LENGTHS, seed=3)
-    info, captured = extract_once(engine_spec(deepseek_fp32, layer_ids), sequences)
+    info, captured = extract_once(engine_spec(model, layer_ids), sequences)
     assert info.model_architecture == "DeepseekV3ForCausalLM"
     assert info.layers_to_capture == [k + 1 for k in layer_ids]
     assert info.drafter_layer_ids == drafter_ids
-    assert_matches_hf(deepseek_fp32, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-3)
+    assert_matches_hf(model, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-3)
 
 
 @pytest.fixture(scope="session")

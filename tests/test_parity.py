@@ -46,20 +46,18 @@ def test_pre_norm_final_state_matches_hf(ray_cluster, llama_fp32):
     assert_matches_hf(llama_fp32, [0, 3, 5], captured, sequences, HIDDEN, neighbour_gap=1e-2, final="pre_norm")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packing_does_not_change_states(ray_cluster, llama_fp32, dtype):
-    """One packed batch gives the states each sample gets alone: bit-identical in bf16, and
-    in fp32 equal up to float rounding of the final norm (~1e-6)."""
+def test_packing_does_not_change_states(ray_cluster, llama_fp32):
+    """One packed batch gives the states each sample gets alone: bit-identical in bf16 (the dtype runs
+    use; float32 differs only by the final norm's rounding, ~1e-6, and costs another extractor start)."""
     sequences = random_sequences((12, 5, 40, 9, 3), seed=2)
-    extractor = ExtractorHandle(engine_spec(llama_fp32, [0, 3, 6], dtype=dtype))
+    extractor = ExtractorHandle(engine_spec(llama_fp32, [0, 3, 6], dtype="bfloat16"))
     try:
         packed = extractor.extract(sequences)
         alone = [extractor.extract([ids]) for ids in sequences]
     finally:
         extractor.close()
     lengths = [len(ids) for ids in sequences]
-    tolerance = 0 if dtype == "bfloat16" else 1e-5
     for one, aux, last in zip(alone, split_tokens(packed.aux_hidden_states, lengths),
                               split_tokens(packed.last_hidden_state, lengths)):
-        np.testing.assert_allclose(one.aux_hidden_states, aux, atol=tolerance, rtol=0)
-        np.testing.assert_allclose(one.last_hidden_state, last, atol=tolerance, rtol=0)
+        np.testing.assert_array_equal(one.aux_hidden_states, aux)
+        np.testing.assert_array_equal(one.last_hidden_state, last)
