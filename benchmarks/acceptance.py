@@ -314,6 +314,8 @@ class Recipe:
     ttt_length: int = 7
     max_length: int = 2048
     log_interval: int = 10
+    max_steps: int = 0
+    """A cap on optimizer steps (SpecForge ``training.max_steps``), the same for every arm; 0: none (the epochs)."""
 
 
 def specforge_run_config(arm: str, features: Path, target: Path, draft_config: Path, output_dir: Path,
@@ -335,7 +337,8 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
         "training": {"strategy": "eagle3", "ttt_length": recipe.ttt_length, "attention_backend": "sdpa",
                      "num_epochs": recipe.epochs, "batch_size": recipe.batch_size,
                      "learning_rate": recipe.learning_rate, "seed": recipe.seed,
-                     "log_interval": recipe.log_interval, "save_interval": 0},
+                     "log_interval": recipe.log_interval, "save_interval": 0,
+                     **({"max_steps": recipe.max_steps} if recipe.max_steps else {})},
         "tracking": {"report_to": "none"},
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
@@ -577,7 +580,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
                   f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {recipe['epochs']} epochs = "
                   f"{data['loss_tokens_per_epoch'] * recipe['epochs']} tokens trained; batch {recipe['batch_size']}, "
-                  f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}.", ""]
+                  f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}"
+                  + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
     lines += [
         "| arm | states | acceptance length (95% CI) | final train loss / acc | steps | check_drafter |",
         "|---|---|---|---|---|---|",
@@ -618,7 +622,7 @@ class Pipeline:
         self.work = Path(args.work).expanduser().absolute()
         self.started = time.monotonic()
         self.recipe = Recipe(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                             seed=args.seed)
+                             seed=args.seed, max_steps=args.max_steps)
         (self.work / "steps").mkdir(parents=True, exist_ok=True)
 
     @property
@@ -886,6 +890,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     parser.add_argument("--learning-rate", type=float, default=Recipe.learning_rate)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="cap every arm's training at this many steps (0: none; bounds a device call's training time)")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
     parser.add_argument("--serve-parallel", type=int, default=len(ARMS), help="serving engines at once on the GPU")
     args = parser.parse_args(argv)
