@@ -50,6 +50,9 @@ SpecForge and its deps, the shared flashinfer/triton JIT cache), then, with the 
 
 (a call that stops at its deadline exits 75; the next one goes on from the records). The work directory
 needs about 35 GB of disk at the default 4,000 prompts (three runs and four exports of ~1M tokens).
+Measured on the H200 (2026-12-02, 3,000 prompts, benchmarks/RESULTS.md): staging 7 calls ~2.5 min with the
+machine's start; regeneration ~205 s; checkpoint to features ~5.5 min; the four trainings at once 2 min
+for 750 steps (0.10 s a step); drafters and checks ~3 min; serving ~105 s per batch of engines.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ EXIT_MORE_TO_DO = 75
 BOOTSTRAP_RESAMPLES = 10_000
 SERVE_MEMORY = 0.75
 """Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
+SERVE_PARALLEL = 2
+"""Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine."""
 
 
 # -- 1. prompts -----------------------------------------------------------------------------------
@@ -579,9 +585,12 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if "data" in results and "recipe" in results:
         data, recipe = results["data"], results["recipe"]
+        epochs = recipe["epochs"]  # a --max-steps cap below the epochs' steps trains fewer
+        if recipe.get("max_steps"):
+            epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
         lines += [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
-                  f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {recipe['epochs']} epochs = "
-                  f"{data['loss_tokens_per_epoch'] * recipe['epochs']} tokens trained; batch {recipe['batch_size']}, "
+                  f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
+                  f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
                   f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}"
                   + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
     lines += [
@@ -895,7 +904,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=0,
                         help="cap every arm's training at this many steps (0: none; bounds a device call's training time)")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
-    parser.add_argument("--serve-parallel", type=int, default=len(ARMS), help="serving engines at once on the GPU")
+    parser.add_argument("--serve-parallel", type=int, default=SERVE_PARALLEL, help="serving engines at once on the GPU")
     args = parser.parse_args(argv)
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in stages if s not in STAGES]
