@@ -207,7 +207,7 @@ def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens:
     greedy, and the chat template and the assistant-only loss mask are applied to its answers. No decode
     CUDA graphs: as for the serving step, their capture is one more thing that can fail on the lent stack,
     and this step's speed is not what is measured. ``data.on_invalid=skip``: an answer that cannot be trained
-    on (on the H200, 2 of 3,000 greedy answers held the literal text ``<|im_end|>``) is left out and listed in
+    on (on the H200 a greedy answer held the literal text ``<|im_end|>``; 2 of 3,000 rows were left out) is left out and listed in
     ``_skipped_rows.jsonl`` instead of stopping the run."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
             f"output.path={out}", "regenerate=true", "generation.temperature=0",
