@@ -50,6 +50,9 @@ SpecForge and its deps, the shared flashinfer/triton JIT cache), then, with the 
 
 (a call that stops at its deadline exits 75; the next one goes on from the records). The work directory
 needs about 35 GB of disk at the default 4,000 prompts (three runs and four exports of ~1M tokens).
+Measured on the H200 (2026-12-02, 3,000 prompts, benchmarks/RESULTS.md): staging 7 calls ~2.5 min with the
+machine's start; regeneration ~205 s; checkpoint to features ~5.5 min; the four trainings at once 2 min
+for 750 steps (0.10 s a step); drafters and checks ~3 min; serving ~105 s per batch of engines.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ EXIT_MORE_TO_DO = 75
 BOOTSTRAP_RESAMPLES = 10_000
 SERVE_MEMORY = 0.75
 """Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
+SERVE_PARALLEL = 2
+"""Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine."""
 
 
 # -- 1. prompts -----------------------------------------------------------------------------------
@@ -200,10 +206,12 @@ def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens:
     """The one call of ``jobs.prepare`` with regeneration: the target answers every user turn itself,
     greedy, and the chat template and the assistant-only loss mask are applied to its answers. No decode
     CUDA graphs: as for the serving step, their capture is one more thing that can fail on the lent stack,
-    and this step's speed is not what is measured."""
+    and this step's speed is not what is measured. ``data.on_invalid=skip``: an answer that cannot be trained
+    on (on the H200 a greedy answer held the literal text ``<|im_end|>``; 2 of 3,000 rows were left out) is left out and listed in
+    ``_skipped_rows.jsonl`` instead of stopping the run."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
             f"output.path={out}", "regenerate=true", "generation.temperature=0",
-            f"generation.max_new_tokens={max_new_tokens}", "model.cuda_graph=false"]
+            f"generation.max_new_tokens={max_new_tokens}", "model.cuda_graph=false", "data.on_invalid=skip"]
 
 
 def prepared_data(out: Path) -> str:
@@ -314,6 +322,8 @@ class Recipe:
     ttt_length: int = 7
     max_length: int = 2048
     log_interval: int = 10
+    max_steps: int = 0
+    """A cap on optimizer steps (SpecForge ``training.max_steps``), the same for every arm; 0: none (the epochs)."""
 
 
 def specforge_run_config(arm: str, features: Path, target: Path, draft_config: Path, output_dir: Path,
@@ -335,7 +345,8 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
         "training": {"strategy": "eagle3", "ttt_length": recipe.ttt_length, "attention_backend": "sdpa",
                      "num_epochs": recipe.epochs, "batch_size": recipe.batch_size,
                      "learning_rate": recipe.learning_rate, "seed": recipe.seed,
-                     "log_interval": recipe.log_interval, "save_interval": 0},
+                     "log_interval": recipe.log_interval, "save_interval": 0,
+                     **({"max_steps": recipe.max_steps} if recipe.max_steps else {})},
         "tracking": {"report_to": "none"},
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
@@ -574,10 +585,14 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if "data" in results and "recipe" in results:
         data, recipe = results["data"], results["recipe"]
+        epochs = recipe["epochs"]  # a --max-steps cap below the epochs' steps trains fewer
+        if recipe.get("max_steps"):
+            epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
         lines += [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
-                  f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {recipe['epochs']} epochs = "
-                  f"{data['loss_tokens_per_epoch'] * recipe['epochs']} tokens trained; batch {recipe['batch_size']}, "
-                  f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}.", ""]
+                  f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
+                  f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
+                  f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}"
+                  + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
     lines += [
         "| arm | states | acceptance length (95% CI) | final train loss / acc | steps | check_drafter |",
         "|---|---|---|---|---|---|",
@@ -618,7 +633,7 @@ class Pipeline:
         self.work = Path(args.work).expanduser().absolute()
         self.started = time.monotonic()
         self.recipe = Recipe(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                             seed=args.seed)
+                             seed=args.seed, max_steps=args.max_steps)
         (self.work / "steps").mkdir(parents=True, exist_ok=True)
 
     @property
@@ -886,8 +901,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     parser.add_argument("--learning-rate", type=float, default=Recipe.learning_rate)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="cap every arm's training at this many steps (0: none; bounds a device call's training time)")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
-    parser.add_argument("--serve-parallel", type=int, default=len(ARMS), help="serving engines at once on the GPU")
+    parser.add_argument("--serve-parallel", type=int, default=SERVE_PARALLEL, help="serving engines at once on the GPU")
     args = parser.parse_args(argv)
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in stages if s not in STAGES]
