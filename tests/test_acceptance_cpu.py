@@ -100,6 +100,7 @@ def test_arm_layers_and_the_runs_they_are_checked_against():
     assert acceptance.states_run("C") == acceptance.states_run("E") == "A"
 
 
+@pytest.mark.extended
 def test_arm_c_states_are_hf_written_as_our_export_writes_them(run_a, export_a, tmp_path):
     """Arm C on CPU float32: HF's states in SpecForge's files, the same files (paths, keys, dtypes,
     ids, masks) as jobs.export writes for arm A, and the same states here (on the GPU, bf16 kernels
@@ -126,6 +127,7 @@ def test_arm_c_states_are_hf_written_as_our_export_writes_them(run_a, export_a, 
     assert all(entry["max"] <= 2e-5 and entry["tokens"] == tokens for entry in report.values()), report
 
 
+@pytest.mark.extended
 def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export_a, tmp_path):
     """SpecForge 0.2.0's own `specforge train` takes the benchmark's run.yaml, the run's drafter config,
     the target (its head through model.safetensors.index.json) and reads every feature file of our export
@@ -143,6 +145,7 @@ def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export
     assert result.returncode != 0 and errors and all(FSDP_STOP in line for line in errors), result.stderr[-3000:]
 
 
+@pytest.mark.extended
 def test_untrained_drafter_exports_and_the_checker_flags_b(specforge_path, runs, tmp_path):
     """Arm E's checkpoint through `specforge export --to sglang`, served claiming A's layer ids: against
     the run of B's states (layers k-1) jobs.check_drafter flags it, naming the ids that would serve those

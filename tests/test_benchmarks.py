@@ -15,6 +15,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 
 
+@pytest.mark.extended
 def test_throughput_benchmark_smoke(tmp_path):
     """Every row of the benchmark runs and reports; fp8 states are left out here (tests/test_job.py stores
     them; each row is another job's start-up, which is what the suite pays for)."""
@@ -45,6 +46,7 @@ def test_throughput_benchmark_smoke(tmp_path):
     assert rows["d"]["sglang"] == "none (synthetic states)"
 
 
+@pytest.mark.extended
 def test_driver_scale_benchmark_smoke(tmp_path):
     env = python_env()
     env.pop("RAY_ADDRESS", None)

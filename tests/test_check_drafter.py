@@ -78,6 +78,7 @@ def test_llama_family_adds_one_always(ray_cluster, llama_fp32, small_data, tmp_p
         assert f"Fix: set eagle_config.{IDS} to [2, 4, 5]" in verdicts[name], output
 
 
+@pytest.mark.extended
 def test_deepseek_v2_adds_one_only_when_the_first_id_is_1(ray_cluster, small_data, tmp_path):
     model = build_tiny_model(tmp_path / "model", arch="deepseek_v3")
     run(job_config(model, small_data, tmp_path / "run", "extract.layers=[1,3,5]"))  # layers_to_capture [2, 4, 6]

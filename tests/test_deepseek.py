@@ -67,6 +67,7 @@ def test_deepseek_pre_norm_final_state_matches_hf(ray_cluster, deepseek_q_lora):
     assert_matches_hf(deepseek_q_lora, [1, 3, 5], captured, sequences, HIDDEN, neighbour_gap=1e-3, final="pre_norm")
 
 
+@pytest.mark.extended
 def test_deepseek_bf16_is_deterministic_across_runs_and_packings(ray_cluster, deepseek_q_lora):
     """In bf16 SGLang routes with bf16 router logits (HF upcasts), so near-ties pick other
     experts than HF: compare SGLang with SGLang, bit for bit."""

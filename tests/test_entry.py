@@ -55,6 +55,7 @@ def assert_manifest_matches_disk(out: Path, samples: int) -> None:
 
 # -- the output.dir lock, between real jobs ---------------------------------------------------------------
 
+@pytest.mark.extended
 def test_one_output_dir_runs_one_job(ray_cluster, llama_fp32, tmp_path):
     """Two jobs started 2 s apart: exactly one runs. A third started the moment the runner publishes a
     shard (the rename a second job's clean-up once deleted) is refused before it touches anything,

@@ -154,6 +154,7 @@ def test_extractor_sigkill_mid_shard_restarts_in_the_same_run(ray_cluster, llama
     assert any(name == "jobs.driver.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
 
 
+@pytest.mark.extended
 def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
 
@@ -185,6 +186,7 @@ def test_writer_sigkill_mid_write_rewrites_its_shard(ray_cluster, llama_fp32, da
     assert_every_sample_once(out, dataset)
 
 
+@pytest.mark.extended
 def test_faults_beyond_the_bounds_stop_with_the_fault_code_and_a_rerun_resumes(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
     with When(extractor_after_first_shard(out), sigkill) as killer:
@@ -298,6 +300,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.extended
 def test_disk_really_full_fails_the_shard_and_stops_then_rerun_completes(ray_cluster, llama_fp32, dataset, small_disk):
     out = small_disk / "out"
     filler = small_disk / "filler"

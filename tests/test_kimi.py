@@ -98,7 +98,7 @@ def assert_bit_identical(wrapped_dir, bare_dir):
     assert source["layers_to_capture"] == [3, 5, 6]
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_kimi_layout_stores_the_bare_models_states_bit_for_bit(ray_cluster, kimi_demo, bare_deepseek, tp_size,
                                                                tmp_path):
     kimi, data, demo_output = kimi_demo

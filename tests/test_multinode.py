@@ -86,6 +86,7 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
         assert f"node {name}" in status.stdout, status.stdout
 
 
+@pytest.mark.extended
 def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_fp32, tmp_path):
     """Without a sink the files stay on their nodes; a rerun of named shards may place them on the
     other node, and the copy the manifest no longer vouches for is removed."""

@@ -21,7 +21,8 @@ def model_path(request, llama_fp32, qwen3_fp32):
     return {"llama": llama_fp32, "qwen3": qwen3_fp32}[request.param]
 
 
-@pytest.mark.parametrize("layer_ids", [[0, 1, 2], default_layer_ids(NUM_LAYERS)], ids=["ids012", "default"])
+@pytest.mark.parametrize("layer_ids", [pytest.param([0, 1, 2], marks=pytest.mark.extended), default_layer_ids(NUM_LAYERS)],
+                         ids=["ids012", "default"])
 def test_aux_and_final_states_match_hf(ray_cluster, model_path, layer_ids):
     assert default_layer_ids(NUM_LAYERS) == [2, 4, 5]
     sequences = random_sequences(LENGTHS, seed=1)

@@ -305,6 +305,7 @@ def test_the_demo_starts_from_conversations(capsys, tmp_path):
     assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12
 
 
+@pytest.mark.extended
 def test_scale_benchmark_smoke(model, tmp_path):
     """benchmarks.prepare_scale end to end on a few thousand conversations (no rate is asserted)."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
