@@ -27,9 +27,6 @@ from jobs.conversations.pipeline import read_inputs, run
 from jobs.errors import EXIT_OK
 from jobs.rundir.lock import OutputLock
 
-logger = logging.getLogger("jobs.prepare")
-
-
 DESCRIPTION = (
     "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
     "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
