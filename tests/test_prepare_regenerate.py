@@ -44,7 +44,6 @@ def parts_table(out: Path) -> pa.Table:
     return pa.concat_tables(pq.read_table(path) for path in sorted(out.glob("part-*.parquet")))
 
 
-@pytest.mark.extended
 def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
     import transformers
 
