@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.smollm2 import build_checkpoint
+from testbeds.smollm2 import build_checkpoint
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.shapes import LLAMA_8B
 from jobs import export as export_job
 from jobs.errors import EXIT_FAULT, EXIT_LOCKED
 from jobs.extract import run
@@ -38,6 +37,7 @@ from jobs.status import status_report
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq
+from testbeds.shapes import LLAMA_8B
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     LOCK_HOLDER,
