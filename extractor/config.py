@@ -10,8 +10,8 @@ from common.checks import check_choice, check_int, check_number
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
 ENGINES = ("sglang", "synthetic")
-# Which final hidden state to store: after the model's final norm (SpecForge's target), the
-# residual stream entering it (speculators' verifier state), or none.
+# Which final hidden state to store: the residual stream entering the model's final norm
+# (speculators' verifier state; SpecForge's export applies the norm), after it (SpecForge's target), or none.
 FINAL_STATES = ("post_norm", "pre_norm", "none")
 # What happens to a sample whose captured states hold NaN or Inf (the writer acts on the
 # extractor's per-sample flags): its shard fails, it is left out, or it is written flagged.
@@ -78,9 +78,10 @@ class ModelConfig:
 class ExtractConfig:
     layers: Optional[list[int]] = None
     """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
-    last_hidden_state: str = "post_norm"
-    """Also store a final hidden state per token: post_norm (after the final norm; SpecForge's target),
-    pre_norm (the residual stream entering it; speculators' verifier state) or none. true/false mean post_norm/none."""
+    last_hidden_state: str = "pre_norm"
+    """Also store a final hidden state per token: pre_norm (the residual stream entering the final norm; speculators'
+    verifier state; SpecForge's export applies the final norm to it, so the run serves both trainers), post_norm
+    (after the final norm, SGLang's own; serves SpecForge only) or none. true/false mean post_norm/none."""
     max_tokens_per_batch: int = 16384
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256

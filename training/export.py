@@ -6,11 +6,13 @@ speculators' preprocessed dataset (``save_to_disk``: ``input_ids``, ``loss_mask`
 ``seq_len``, with ``token_freq.pt``) and ``hidden_states/hs_{i}.safetensors`` for its row ``i``.
 
 What the format needs is checked before anything is written: the final state the trainer
-reads (post-norm for SpecForge, pre-norm for speculators), a complete run, bit-exact states
-when ``exact=true``, room for the files on a local ``dest``. Then it goes a shard at a time:
-one row group of the shard read at a time, at most ``2 * threads`` samples being written,
-each file whole or absent (``training.destination``); speculators' rows of the shard go to a
-small hidden file beside them (``.export-rows/``), from which the dataset is made at the end.
+reads (post-norm for SpecForge, pre-norm for speculators; a pre-norm run serves SpecForge too,
+the checkpoint's final norm applied at export: ``training.final_state``), a complete run,
+bit-exact states when ``exact=true``, room for the files on a local ``dest``. Then it goes a
+shard at a time: one row group of the shard read at a time, at most ``2 * threads`` samples
+being written, each file whole or absent (``training.destination``); speculators' rows of the
+shard go to a small hidden file beside them (``.export-rows/``), from which the dataset is made
+at the end.
 With ``consume=true`` each of the run's local shard files is deleted once its files are
 written, durable and verified against it (``training.consume``), so that the export needs
 one shard's worth of space beyond the run instead of a second copy.
@@ -66,6 +68,7 @@ from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
 from training.consume import ShardConsumer, check_space
 from training.destination import Destination, is_temp
+from training.final_state import FinalNorm, FinalNormSource, final_norm_for
 from training.peer_formats import SPECFORGE, SPECULATORS
 
 logger = logging.getLogger("jobs.export")
@@ -109,7 +112,11 @@ class ExportConfig:
     """speculators: true writes its fp8 variant (float8_e4m3fn, one float32 scale per token), false the model dtype.
     Unset: fp8 when the run stored fp8, else the model dtype."""
     exact: bool = False
-    """Refuse unless the files hold the states exactly as SGLang computed them (a run with fp8 states cannot)."""
+    """Refuse unless the files hold the states exactly as SGLang computed them (a run with fp8 states cannot, nor
+    SpecForge's export of a pre-norm run, whose post-norm state the export computes)."""
+    model_path: str = ""
+    """SpecForge's export of a run with the pre-norm final state: the checkpoint whose final norm is applied to it
+    (its safetensors and config.json). Empty: the run's model.path."""
     allow_partial: bool = False
     """Export a run whose manifest still has shards not done (only the done ones)."""
     threads: int = 4
@@ -149,19 +156,29 @@ class ExportPlan:
     """Read the shards' raw fp8 values and scales (an fp8 run exported as fp8: re-quantized from float32)."""
     states: str
     """What the files hold: the model dtype's name, or float8_e4m3fn."""
+    final_norm: Optional[FinalNormSource] = None
+    """The final norm applied to the run's pre-norm final state (SpecForge's export of a pre-norm run)."""
     notes: tuple[str, ...] = ()
 
 
 def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[str]) -> ExportPlan:
     """What will be written, or a ValueError naming what the run lacks and the setting to rerun with."""
     run = config.output.dir
-    peer_formats.check_final_state(config.to, meta, run)
+    final_norm = final_norm_for(config.to, meta, run, config.model_path, config.exact)
     if left_out and not config.allow_partial:
         raise ValueError(
             f"{'; '.join(left_out)}. Finish the run first (rerun its jobs.extract command; shards=failed reruns "
             "failed shards), or pass allow_partial=true to export the done shards only"
         )
     notes: list[str] = []
+    if final_norm is not None:
+        notes.append(
+            f"the run stored the pre-norm final state: the files' hidden_state is the model's final norm "
+            f"({final_norm.describe()}) applied to it at export, as SGLang computes it (in {meta.dtype}: "
+            + ("SGLang's own post-norm state bit for bit" if meta.dtype == "float32" else
+               "most values SGLang's own post-norm state bit for bit, the others one step apart; docs/training.md")
+            + ")"
+        )
     if meta.fp8 and config.exact:
         raise ValueError(
             f"exact=true but {run} stored fp8 states (output.state_dtype=float8_e4m3fn), which are not the states "
@@ -179,7 +196,7 @@ def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[st
                "for every layer but the token's largest" if meta.fp8 else f"quantized from the {meta.dtype} states")
         )
     return ExportPlan(config.to, fp8, read_raw=meta.fp8 and fp8, states=schema.FP8 if fp8 else meta.dtype,
-                      notes=tuple(notes))
+                      final_norm=final_norm, notes=tuple(notes))
 
 
 @dataclasses.dataclass
@@ -226,6 +243,8 @@ class PreparedExport:
     key: str
     """How the run's manifest names this export in a consumed shard's ``consumed_into``."""
     state: dict[str, Any]
+    final_norm: Optional[FinalNorm] = None
+    """``plan.final_norm``, loaded."""
 
     @property
     def samples(self) -> int:
@@ -242,6 +261,13 @@ class PreparedExport:
         which lives until the dataset is written."""
         paths = [self.path(shard, int(sample_id)) for sample_id in shard.ids]
         return paths + [rows_file(shard)] if rows and self.plan.trainer == SPECULATORS else paths
+
+    def as_trained(self, sample: Sample) -> Sample:
+        """The sample with the final state the trainer reads: the final norm applied where the run stored the
+        pre-norm state and the trainer reads the post-norm one."""
+        if self.final_norm is None:
+            return sample
+        return dataclasses.replace(sample, last_hidden_state=self.final_norm(sample.last_hidden_state))
 
     def file_tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
         """The tensors of the sample's file, as the trainer's loader gets them back."""
@@ -271,7 +297,8 @@ def prepare(config: ExportConfig) -> PreparedExport:
     metadata = index.metadata if index is not None else _stored_metadata(stored, config)
     plan = plan_export(config, metadata, left_out)
     shards = _shards(index, readable, consumed, stored, config, dest)
-    job = PreparedExport(config, metadata, plan, shards, dest, key, state={})
+    final_norm = FinalNorm(plan.final_norm, getattr(torch, metadata.dtype)) if plan.final_norm is not None else None
+    job = PreparedExport(config, metadata, plan, shards, dest, key, state={}, final_norm=final_norm)
     check_space(job)
     job.state = _claim(dest, _identity(plan, metadata, shards))
     return job
@@ -396,6 +423,8 @@ def _identity(plan: ExportPlan, metadata: ShardMetadata, shards: Sequence[Export
     }
     if plan.trainer == SPECULATORS:  # hs_{i} names rows, not sample ids: the order is part of what was written
         identity["sample_ids"] = id_ranges([shard.ids for shard in shards])
+    if plan.final_norm is not None:  # its weight is in every file's final state
+        identity["final_norm"] = {"weight": plan.final_norm.weight_name, "eps": plan.final_norm.eps}
     return json.loads(json.dumps(identity))
 
 
@@ -443,7 +472,8 @@ def write(job: PreparedExport) -> dict[str, Any]:
     for note in plan.notes:
         logger.info("%s", note)
     report = {"dest": config.dest, "format": plan.trainer, "states": plan.states, "samples": job.samples,
-              "written": 0, "skipped": 0, "bytes": 0, "consumed": 0, "freed_bytes": 0}
+              "final_state": _final_state(job), "written": 0, "skipped": 0, "bytes": 0, "consumed": 0,
+              "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
     if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
         dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
@@ -469,6 +499,13 @@ def write(job: PreparedExport) -> dict[str, Any]:
     dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
     dest.remove(ROWS_DIR)  # the dataset holds them now (removed after the state says so: a rerun needs them till then)
     return _finish(report, started)
+
+
+def _final_state(job: PreparedExport) -> str:
+    """What the files' final state is, for the report."""
+    if job.plan.final_norm is not None:
+        return f"post_norm from the run's pre_norm, the final norm ({job.plan.final_norm.describe()}) applied at export"
+    return job.metadata.last_hidden_state
 
 
 def _export_shard(job: PreparedExport, shard: ExportShard, present: dict[str, int], writers: "_Writers",
@@ -525,7 +562,8 @@ def _shard_samples(job: PreparedExport, shard: ExportShard,
                 yield [], len(paths), last_group
                 continue
             table = parquet.read_row_group(group)
-            yield [(paths[row], sample_from_table(table, row, job.metadata, job.plan.read_raw)) for row in wanted], \
+            yield [(paths[row], job.as_trained(sample_from_table(table, row, job.metadata, job.plan.read_raw)))
+                   for row in wanted], \
                 len(paths) - len(wanted), last_group
     finally:
         parquet.close()
