@@ -3,7 +3,7 @@
     python -m benchmarks.final_norm [--samples N] [--smollm2] [--dtype bfloat16]
 
 For each model (the demo's tiny Llama, DeepSeek-V3 and Qwen3, and with ``--smollm2`` SmolLM2-135M-Instruct,
-real trained weights; ``benchmarks/smollm2.py``), two real CPU runs of the job over the same synthetic tokens:
+real trained weights; ``testbeds/smollm2.py``), two real CPU runs of the job over the same synthetic tokens:
 one storing SGLang's post-norm final state, one its pre-norm state. The pre-norm states go through
 ``training.final_state.FinalNorm`` (what ``jobs.export to=specforge`` writes for a pre-norm run) and are
 compared with the post-norm ones, token by token: the share of values equal bit for bit, the largest
@@ -118,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (benchmarks/smollm2.py)")
+    parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (testbeds/smollm2.py)")
     parser.add_argument("--archs", default=",".join(DEMO_ARCHS), help="the demo models to measure (comma-separated)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -134,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         models = {arch: build_tiny_model(work / arch, arch=arch, dtype=args.dtype) for arch in archs}
         data = {arch: build_synthetic_dataset(work / f"{arch}.parquet", args.samples, max_len=256) for arch in models}
         if args.smollm2:
-            from benchmarks.smollm2 import checkpoint_dir
+            from testbeds.smollm2 import checkpoint_dir
 
             models["smollm2"] = checkpoint_dir()
             data["smollm2"] = build_synthetic_dataset(work / "smollm2.parquet", args.samples, vocab_size=49152,
