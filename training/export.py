@@ -626,11 +626,23 @@ def _write_speculators_dataset(job: PreparedExport) -> int:
         rows = datasets.Dataset.from_file(arrow_path).with_format("torch")
         if len(rows) != job.samples:
             raise RuntimeError(f"{len(rows)} dataset rows for {job.samples} exported samples")
-        rows.save_to_disk(dest.url, storage_options=dict(dest.fs.storage_options))
-        size = dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
-        return size + os.path.getsize(arrow_path)  # save_to_disk writes the same Arrow data
+        # Saved here, then each file published into dest whole (temp, fsync, rename), never written through a link
+        # there; state.json, which makes it a dataset for load_from_disk, last.
+        saved = os.path.join(scratch, "dataset")
+        rows.save_to_disk(saved)
+        del rows
+        os.remove(arrow_path)
+        size = 0
+        for name in sorted(os.listdir(saved), key=lambda name: (name == "state.json", name)):
+            size += dest.write(name, lambda file, name=name: _copy_file(os.path.join(saved, name), file))
+        return size + dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _copy_file(source: str, file: Any) -> None:
+    with open(source, "rb") as handle:
+        shutil.copyfileobj(handle, file, 8 << 20)
 
 
 # -- writing threads and progress -----------------------------------------------------------------

@@ -99,6 +99,8 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     claim = path / CLAIM_FILE
+    if claim.is_symlink():  # never a claim (a run writes a plain file): removed, what it points to untouched
+        claim.unlink()
     if not claim.exists():
         files = sorted(file.name for file in [*path.glob(SHARD_GLOB), *path.glob(TEMP_GLOB)])
         if files and not adopt_files:
