@@ -152,7 +152,9 @@ def _extract(
                     _record_end(summary, manifest, *_ending(error, output_dir))
                     raise
             result = extraction.result()
-            outcome, code, message = _outcome(manifest, indices, config.output.sink)
+            summary.include(result.extracted_again)
+            ran = indices + [index for index in result.extracted_again if index not in indices]
+            outcome, code, message = _outcome(manifest, ran, config.output.sink)
             write_drafter_config(output_dir, _drafter_config(config, result.engine))
         except BaseException as error:  # again, with what the wind-down recorded
             _record_end(summary, manifest, *_ending(error, output_dir))

@@ -125,6 +125,10 @@ class RunSummary:
         """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
         self._ended = False
 
+    def include(self, shards: Sequence[int]) -> None:
+        """Shards this run wrote beyond those it set out to: done ones whose files were lost meanwhile."""
+        self.to_run.update(shards)
+
     def start(self, manifest: Manifest) -> None:
         """The summary of a run that starts; and room set aside for its final summary (``reserve``)."""
         summary = self._build(manifest, RUNNING, None, "", None)
