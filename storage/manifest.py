@@ -4,8 +4,8 @@ One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
 tokens, bytes, sha256 and where the file is now (local, in the sink, or
 consumed: deleted locally, by ``jobs.export consume=true`` once its samples were
-exported and verified, ``consumed_into`` then naming the export, or by someone
-else), and the samples whose states held
+exported and verified, ``consumed_into`` then naming the export, or by a consumer
+that declared it first, ``storage.consumed``), and the samples whose states held
 NaN/Inf, left out or kept (``storage.nonfinite``). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
@@ -69,7 +69,10 @@ class ShardRecord:
     """Name of the node whose local directory holds a done shard's file (data parallel across nodes)."""
     consumed_into: str = ""
     """A consumed shard's samples are there: ``<format>:<dest>`` of the export that verified them, then deleted the
-    file (``jobs.export consume=true``); empty when someone else deleted it."""
+    file (``jobs.export consume=true``), or what the consumer that declared it said (``storage.consumed``)."""
+    exported_files_sha256: str = ""
+    """Of the list of the files an export made of the shard it consumed, with their sizes and sha256, kept in the
+    export (``storage.exported``): what ``jobs.verify`` checks the export, the only copy left, against."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}

@@ -126,3 +126,91 @@ def test_a_disk_filled_by_another_process_stops_with_exit_3_and_a_true_summary(
     filler_path.unlink()
     assert main(job_args(llama_fp32, dataset, out, *one_shard)) == EXIT_OK
     assert_every_sample_once(out, dataset)
+
+
+# -- links planted where the job and its export write; the export that is the only copy ----------------
+
+RUN_FILES_A_RERUN_WRITES = (
+    ".manifest.json.tmp", ".manifest.journal", ".summary.json.tmp", ".summary.json.reserve", ".summary.json",
+    ".drafter_config.json.tmp", ".drafter_config.json", ".token_freq.pt.tmp", ".job.lock", ".eagle3-claim.json",
+    ".shard-00001.parquet.tmp", "shard-00001.parquet", f".eagle3-claim.json.{os.getpid()}.tmp",
+)
+"""Every name a rerun of shard 1 creates or replaces in output.dir (the driver runs in this process: the claim's
+temp file is named after its pid)."""
+
+
+def plant(directory: Path, names, victim: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        path.symlink_to(victim)
+
+
+def export_command(out: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
+    from tests.conftest import REPO_ROOT
+    from tests.helpers import python_env
+
+    return subprocess.run([sys.executable, "-m", "jobs.export", f"output.dir={out}", "to=specforge", f"dest={dest}",
+                           *extra], cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300)
+
+
+def verify_command(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    from tests.conftest import REPO_ROOT
+    from tests.helpers import python_env
+
+    return subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}", *extra], cwd=REPO_ROOT,
+                          env=python_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_links_are_never_followed_and_a_consumed_export_is_checked(ray_cluster, llama_fp32, dataset, tmp_path):
+    """Links planted at every name a rerun, then ``jobs.export consume=true``, write: the rerun and the export
+    complete, the files the links point to are untouched, no link is left. Then a byte flipped in the export (the
+    only copy of the consumed shards' samples) is found by ``jobs.verify`` (exit 6) and by the export's rerun
+    (exit 4), each naming the file; verify sums the consumed shards up per destination."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    victim.write_bytes(b"not the job's\n")
+    args = job_args(llama_fp32, dataset, out, "data.shard_size=8", "output.num_writers=1")
+    assert main(args) == EXIT_OK
+
+    (out / ".token_freq.pt").unlink()  # written again at the end of the rerun
+    plant(out, RUN_FILES_A_RERUN_WRITES, victim)
+    assert main([*args, "shards=[1]"]) == EXIT_OK
+    assert victim.read_bytes() == b"not the job's\n"
+    assert [path.name for path in out.iterdir() if path.is_symlink()] == []
+    assert_every_sample_once(out, dataset)
+
+    # jobs.export consume=true, with links where it writes in the run and in dest
+    dest = tmp_path / "dest"
+    first_ckpt = "rows_0-2000/data_0.ckpt"
+    plant(out, [".manifest.json.tmp", ".manifest.journal"], victim)
+    plant(dest, ["..export_state.json.tmp", "rows_0-2000/.data_0.ckpt.tmp", ".export-files/.shard-00000.json.tmp"],
+          victim)
+    exported = export_command(out, dest, "consume=true")
+    assert exported.returncode == EXIT_OK, exported.stderr[-3000:]
+    assert victim.read_bytes() == b"not the job's\n"
+    assert [p for p in [*out.rglob("*"), *dest.rglob("*")] if p.is_symlink()] == []
+    assert not list(out.glob("shard-*.parquet"))
+
+    checked = verify_command(out)
+    assert checked.returncode == EXIT_OK, checked.stdout + checked.stderr
+    notes = [line for line in checked.stdout.splitlines() if "consumed into" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: 3 shards consumed into specforge:{dest} "), checked.stdout
+    assert f"note: {NUM_SAMPLES} files of the exports that consumed shards checked" in checked.stdout
+    assert "shards 0-2" in verify_command(out, "--details").stdout
+
+    with open(dest / first_ckpt, "r+b") as file:  # the disk changes one byte of the only copy
+        file.seek(200)
+        byte = file.read(1)
+        file.seek(200)
+        file.write(bytes([byte[0] ^ 0x01]))
+    checked = verify_command(out)
+    assert checked.returncode == 6, checked.stdout + checked.stderr
+    assert f"{dest}/{first_ckpt}: its sha256 is not the one recorded when shard-00000.parquet was exported" \
+        in checked.stdout, checked.stdout
+    assert "rerun the job's command with shards=[0]" in checked.stdout
+    rerun = export_command(out, dest, "consume=true")
+    assert rerun.returncode == 4, rerun.stderr[-3000:]
+    assert f"{dest}/{first_ckpt}: its sha256 is not the one recorded" in rerun.stderr, rerun.stderr[-3000:]

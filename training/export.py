@@ -18,7 +18,8 @@ one shard's worth of space beyond the run instead of a second copy.
 ``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
 metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips
 the files already there (with ``consume=true`` it reads them back first and rewrites any that
-differ), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
+differ; the files of shards consumed already are checked against the sizes and sha256 listed
+when they were, ``storage.exported``), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job
 holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
 """
@@ -64,7 +65,7 @@ from storage.run_index import (
 from storage.schema import ShardMetadata
 from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
-from training.consume import ShardConsumer, check_space
+from training.consume import ShardConsumer, check_consumed, check_space
 from training.destination import Destination, is_temp
 from training.peer_formats import SPECFORGE, SPECULATORS
 
@@ -203,6 +204,9 @@ class ExportShard:
     """local | sink | consumed, as the manifest says (empty without a manifest)."""
     bytes: int = 0
     tokens: int = 0
+    exported_files_sha256: str = ""
+    """A shard consumed into this export: the sha256 of its files' list (``storage.exported``), as the run's manifest
+    recorded it (empty for one consumed before exports listed their files)."""
 
     @property
     def consumed(self) -> bool:
@@ -348,6 +352,7 @@ def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Option
         shards.append(ExportShard(
             name=record["file"], rows=mine["rows"], sha256=mine["sha256"], ids=_ids_from_ranges(mine["sample_ids"]),
             index=record["index"], location=CONSUMED, bytes=record["bytes"], tokens=record["tokens"],
+            exported_files_sha256=record.get("exported_files_sha256", ""),
         ))
     shards.sort(key=lambda shard: (int(shard.ids[0]) if len(shard.ids) else -1, shard.name))
     row = 0
@@ -446,6 +451,10 @@ def write(job: PreparedExport) -> dict[str, Any]:
               "written": 0, "skipped": 0, "bytes": 0, "consumed": 0, "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
     if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
+        with concurrent.futures.ThreadPoolExecutor(config.threads) as pool:
+            for shard in job.shards:  # the only copy of a consumed shard's samples: still as it was exported?
+                if shard.consumed:
+                    check_consumed(job, shard, pool.map)
         dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
         report["skipped"] = job.samples
         return _finish(report, started, already_complete=True)
