@@ -214,3 +214,45 @@ def test_links_are_never_followed_and_a_consumed_export_is_checked(ray_cluster, 
     rerun = export_command(out, dest, "consume=true")
     assert rerun.returncode == 4, rerun.stderr[-3000:]
     assert f"{dest}/{first_ckpt}: its sha256 is not the one recorded" in rerun.stderr, rerun.stderr[-3000:]
+
+
+def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links(tmp_path):
+    """jobs.prepare's files (its record, parts, skipped rows, regenerated answers) and an export's files go through
+    temp names where a planted link is replaced, never followed; a directory below dest (or prepare's
+    ``_regenerated``) that is a link is refused, naming it."""
+    from jobs.conversations import output
+    from jobs.conversations.reader import RowSource
+    from jobs.conversations.template import Encoded
+    from training.destination import Destination
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the job's\n")
+    out = tmp_path / "prepared"
+    plant(out, ["._prepare.json.tmp", ".part-00000.parquet.tmp", "._skipped_rows.jsonl.tmp", "_prepare.json"],
+          victim)
+    output.write_record(out, {"format": output.RECORD_FORMAT, "state": output.RUNNING})
+    temp = output.write_part(out, 0, [7], [Encoded([1, 2, 3], bytearray([0, 1, 1]), 1)], {"shard": 0})
+    skipped = output.SkippedRows(out)
+    skipped.add(3, RowSource("chat.jsonl", 3, 4), "invalid", "no assistant turn")
+    skipped.publish()
+    output.publish_parts(out, [0])
+    assert temp.name == ".part-00000.parquet.tmp" and output.read_record(out)["state"] == output.RUNNING
+    assert output.is_own_part(out / "part-00000.parquet") and (out / output.SKIPPED_FILE).read_text().count("\n") == 1
+    assert victim.read_bytes() == b"not the job's\n" and not [p for p in out.iterdir() if p.is_symlink()]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / output.REGENERATED_DIR).symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="_regenerated is a symbolic link"):
+        output.write_regenerated(out, 0, [{"answer": "x"}])
+    assert list(elsewhere.iterdir()) == []
+
+    dest = Destination(str(tmp_path / "dest"))
+    plant(tmp_path / "dest", ["rows_0-2000/.data_0.ckpt.tmp", "rows_0-2000/data_1.ckpt"], victim)
+    dest.write_bytes("rows_0-2000/data_0.ckpt", b"zero")
+    dest.write_bytes("rows_0-2000/data_1.ckpt", b"one")
+    assert victim.read_bytes() == b"not the job's\n"
+    assert (tmp_path / "dest/rows_0-2000/data_1.ckpt").read_bytes() == b"one"
+    (tmp_path / "dest/hidden_states").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="hidden_states is a symbolic link"):
+        dest.write_bytes("hidden_states/hs_0.safetensors", b"zero")
+    assert list(elsewhere.iterdir()) == []
