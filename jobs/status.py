@@ -175,7 +175,8 @@ def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], d
     if consumed:
         places = collections.Counter(s.get("consumed_into") or "?" for s in done if s["location"] == CONSUMED)
         where = ", ".join(f"{count} into {place}" for place, count in sorted(places.items()))
-        lines.append(f"consumed:      {consumed} shards deleted from output.dir once their samples were elsewhere: {where}")
+        lines.append(f"consumed:      {consumed} shards deleted from output.dir once their samples were elsewhere: "
+                     f"{where}")
     return lines
 
 

@@ -1,13 +1,14 @@
-"""``python -m jobs.verify output.dir=DIR [--deep]`` (or ``eagle3-verify``): are a run's files whole?
+"""``python -m jobs.verify output.dir=DIR [--deep] [--details]`` (or ``eagle3-verify``): are a run's files whole?
 
 Checks every shard the manifest lists as done, where it is (output.dir or the sink,
 opened with ``output.sink_options``): size and sha256, schema and metadata, rows,
 tokens, sample ids complete and each written once; ``--deep`` reads every state for
 NaN/Inf too. A shard consumed into an export: the export's files of it (opened with
 ``dest_options``) against the sizes and sha256 listed when it was consumed; consumed
-shards are summed up per destination (``--details`` names them). ``storage.verify`` does the checking; this prints every problem, one
-line each, and exits 0 when there is none, 6 (``EXIT_VERIFY_FAILED``) when there is
-any, 2 when the directory holds no run. Starts no Ray and imports no torch.
+shards are summed up per destination (``--details`` names them). ``storage.verify`` does
+the checking; this prints every problem, one line each, and exits 0 when there is none,
+6 (``EXIT_VERIFY_FAILED``) when there is any, 2 when the directory holds no run. Starts
+no Ray and imports no torch.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def verify_run(
         expected = planned[record["start"] : record["stop"]] if planned is not None else None
         to_check.append((record, url, expected))
     options = dict(storage_options or {})
-    with concurrent.futures.ThreadPoolExecutor(VERIFY_THREADS if exports else max(1, min(VERIFY_THREADS, len(to_check)))) as pool:
+    threads = VERIFY_THREADS if exports else max(1, min(VERIFY_THREADS, len(to_check)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         checks = list(pool.map(lambda item: _check_shard(*item, deep, options), to_check))
         for record in exports:
             report.problems += _check_export(record, dict(export_options or {}), pool.map, report)

@@ -256,3 +256,27 @@ def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links
     with pytest.raises(ValueError, match="hidden_states is a symbolic link"):
         dest.write_bytes("hidden_states/hs_0.safetensors", b"zero")
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_consumption_record_is_written_and_read_without_following_a_link(tmp_path):
+    """``consume_shard`` replaces links planted at its record's names; the job reads a record without following
+    a link, so a link planted in place of one (to a file that looks like a record) declares nothing."""
+    from storage.consumed import consume_shard, read_records, record_name
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fake = tmp_path / "fake-record"
+    fake.write_text('{"file": "shard-00000.parquet", "bytes": 1, "into": "nowhere"}\n')
+    (run / "shard-00000.parquet").write_bytes(b"0" * 10)
+    (run / record_name("shard-00000.parquet")).symlink_to(fake)
+    (run / "shard-00000.parquet").unlink()  # lost: the planted link declares nothing
+    assert read_records(run, ["shard-00000.parquet"]) == {}
+
+    (run / "shard-00001.parquet").write_bytes(b"1" * 10)
+    plant(run, [record_name("shard-00001.parquet"), record_name("shard-00001.parquet") + ".tmp"], fake)
+    consume_shard(run / "shard-00001.parquet", "trainer run 7")
+    assert fake.read_text().endswith('"into": "nowhere"}\n') and not (run / "shard-00001.parquet").exists()
+    assert read_records(run, ["shard-00001.parquet"])["shard-00001.parquet"]["into"] == "trainer run 7"
+    consume_shard(run / "shard-00001.parquet", "trainer run 7")  # again: done already, nothing happens
+    with pytest.raises(FileNotFoundError):
+        consume_shard(run / "shard-00002.parquet", "trainer run 7")

@@ -22,13 +22,13 @@ run's local shards (and before it reads the next shard):
 A kill anywhere leaves what a rerun finishes: before 3 the shard is still the run's, its files
 are read back and compared again, and any that differ are written again; between 3 and 4 the
 rerun deletes the file. A rerun checks the files of the shards consumed already against their
-lists: the export is the only copy of their samples. No shard is deleted while a file of it is unverified, and the export
-works on one shard at a time, so it holds at most one shard's files beyond the run: the disk
-peaks at about the larger of the run and its export, plus one shard. The export is a little
-larger than the run (int64 token ids and a header per file: about 0.03% at Kimi-K2.5's shape),
-and larger still when it widens the states (an fp8 run to SpecForge's model dtype: twice);
-``check_space`` refuses, before anything is written, an export whose peak would not fit.
-"""
+lists: the export is the only copy of their samples. No shard is deleted while a file of it is
+unverified, and the export works on one shard at a time, so it holds at most one shard's files
+beyond the run: the disk peaks at about the larger of the run and its export, plus one shard.
+The export is a little larger than the run (int64 token ids and a header per file: about 0.03%
+at Kimi-K2.5's shape), and larger still when it widens the states (an fp8 run to SpecForge's
+model dtype: twice); ``check_space`` refuses, before anything is written, an export whose peak
+would not fit. """
 
 from __future__ import annotations
 

@@ -16,12 +16,13 @@ written, durable and verified against it (``training.consume``), so that the exp
 one shard's worth of space beyond the run instead of a second copy.
 
 ``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
-metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips
-the files already there (with ``consume=true`` it reads them back first and rewrites any that
+metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips the
+files already there (with ``consume=true`` it reads them back first and rewrites any that
 differ; the files of shards consumed already are checked against the sizes and sha256 listed
-when they were, ``storage.exported``), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
-bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job
-holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
+when they were, ``storage.exported``), and an export of anything else into that ``dest`` is
+refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while writing
+(rerun: it resumes), 5 a job holds the run (consume=true), 130/143 stopped by a signal (rerun:
+it resumes).
 """
 
 from __future__ import annotations

@@ -114,10 +114,10 @@ class Completions:
             # The manifest is on the full disk too: the shard stays pending there, and the rerun extracts it.
             logger.error("shard %d: its failure could not be recorded in the manifest (%s)", attempt.index, unrecorded)
         raise DiskFull(
-                f"{self._lanes.where(attempt.lane)} is full: {message}. The shard's temp file was removed. Free space "
-                "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
-                "rerun the same command: it resumes where this run stopped"
-            )
+            f"{self._lanes.where(attempt.lane)} is full: {message}. The shard's temp file was removed. Free space "
+            "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
+            "rerun the same command: it resumes where this run stopped"
+        )
 
     def _on_discard(self, item: Discard, ref: Any) -> None:
         attempt = item.attempt
