@@ -13,10 +13,10 @@ a shared machine does to it.
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, read_manifest
 from storage.writer import TEMP_GLOB
-from tests.helpers import assert_every_sample_once
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_every_sample_once, python_env
 
 NUM_SAMPLES = 24
 
@@ -101,8 +102,6 @@ def test_a_disk_filled_by_another_process_stops_with_exit_3_and_a_true_summary(
         filler.append(subprocess.Popen([sys.executable, "-c", FILLER, str(filler_path)], stdout=subprocess.PIPE))
         filler[0].stdout.readline()
 
-    import threading
-
     watcher = threading.Thread(target=fill_when_writing, daemon=True)
     watcher.start()
     try:
@@ -150,17 +149,11 @@ def plant(directory: Path, names, victim: Path) -> None:
 
 
 def export_command(out: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
-    from tests.conftest import REPO_ROOT
-    from tests.helpers import python_env
-
     return subprocess.run([sys.executable, "-m", "jobs.export", f"output.dir={out}", "to=specforge", f"dest={dest}",
                            *extra], cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300)
 
 
 def verify_command(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    from tests.conftest import REPO_ROOT
-    from tests.helpers import python_env
-
     return subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}", *extra], cwd=REPO_ROOT,
                           env=python_env(), capture_output=True, text=True, timeout=120)
 
