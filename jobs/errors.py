@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 
 EXIT_OK = 0
@@ -80,6 +81,14 @@ class JobInterrupted(JobStopped):
             f"stopped by {signal.Signals(signum).name}; done shards are kept and temp files removed. "
             "Rerun the same command to resume"
         )
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """An OSError of a full disk (or quota). pyarrow reports ENOSPC as an OSError whose errno is not always set; its
+    message names it."""
+    return isinstance(error, OSError) and (
+        error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+    )
 
 
 def stop_in(error: BaseException) -> BaseException:

@@ -18,11 +18,13 @@ written, durable and verified against it (``training.consume``), so that the exp
 one shard's worth of space beyond the run instead of a second copy.
 
 ``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
-metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips
-the files already there (with ``consume=true`` it reads them back first and rewrites any that
-differ), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
-bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job
-holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
+metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips the
+files already there (with ``consume=true`` it reads them back first and rewrites any that
+differ; the files of shards consumed already are checked against the sizes and sha256 listed
+when they were, ``storage.exported``), and an export of anything else into that ``dest`` is
+refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while writing
+(rerun: it resumes), 5 a job holds the run (consume=true), 130/143 stopped by a signal (rerun:
+it resumes).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from storage.run_index import (
 from storage.schema import ShardMetadata
 from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
-from training.consume import ShardConsumer, check_space
+from training.consume import ShardConsumer, check_consumed, check_space
 from training.destination import Destination, is_temp
 from training.final_state import FinalNorm, FinalNormSource, final_norm_for
 from training.peer_formats import SPECFORGE, SPECULATORS
@@ -220,6 +222,9 @@ class ExportShard:
     """local | sink | consumed, as the manifest says (empty without a manifest)."""
     bytes: int = 0
     tokens: int = 0
+    exported_files_sha256: str = ""
+    """A shard consumed into this export: the sha256 of its files' list (``storage.exported``), as the run's manifest
+    recorded it (empty for one consumed before exports listed their files)."""
 
     @property
     def consumed(self) -> bool:
@@ -375,6 +380,7 @@ def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Option
         shards.append(ExportShard(
             name=record["file"], rows=mine["rows"], sha256=mine["sha256"], ids=_ids_from_ranges(mine["sample_ids"]),
             index=record["index"], location=CONSUMED, bytes=record["bytes"], tokens=record["tokens"],
+            exported_files_sha256=record.get("exported_files_sha256", ""),
         ))
     shards.sort(key=lambda shard: (int(shard.ids[0]) if len(shard.ids) else -1, shard.name))
     row = 0
@@ -476,6 +482,10 @@ def write(job: PreparedExport) -> dict[str, Any]:
               "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
     if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
+        with concurrent.futures.ThreadPoolExecutor(config.threads) as pool:
+            for shard in job.shards:  # the only copy of a consumed shard's samples: still as it was exported?
+                if shard.consumed:
+                    check_consumed(job, shard, pool.map)
         dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
         report["skipped"] = job.samples
         return _finish(report, started, already_complete=True)
@@ -664,11 +674,23 @@ def _write_speculators_dataset(job: PreparedExport) -> int:
         rows = datasets.Dataset.from_file(arrow_path).with_format("torch")
         if len(rows) != job.samples:
             raise RuntimeError(f"{len(rows)} dataset rows for {job.samples} exported samples")
-        rows.save_to_disk(dest.url, storage_options=dict(dest.fs.storage_options))
-        size = dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
-        return size + os.path.getsize(arrow_path)  # save_to_disk writes the same Arrow data
+        # Saved here, then each file published into dest whole (temp, fsync, rename), never written through a link
+        # there; state.json, which makes it a dataset for load_from_disk, last.
+        saved = os.path.join(scratch, "dataset")
+        rows.save_to_disk(saved)
+        del rows
+        os.remove(arrow_path)
+        size = 0
+        for name in sorted(os.listdir(saved), key=lambda name: (name == "state.json", name)):
+            size += dest.write(name, lambda file, name=name: _copy_file(os.path.join(saved, name), file))
+        return size + dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _copy_file(source: str, file: Any) -> None:
+    with open(source, "rb") as handle:
+        shutil.copyfileobj(handle, file, 8 << 20)
 
 
 # -- writing threads and progress -----------------------------------------------------------------

@@ -329,6 +329,12 @@ class RunProgress:
         self.open_tokens.pop(shard, None)
         self.settled.add(shard)
 
+    def shard_reopened(self, shard: int) -> None:
+        """A done shard is to be written again in this run (its file was lost)."""
+        self.settled.discard(shard)
+        if shard not in self.to_run:
+            self.to_run.append(shard)
+
     def shard_discarded(self, shard: int) -> None:
         """A fault cut the shard's attempt short: what it wrote is gone, the shard runs again."""
         self.open_tokens.pop(shard, None)
