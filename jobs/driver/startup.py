@@ -154,8 +154,13 @@ def _check_node(lane: Lane, writer_nodes: list[str]) -> None:
 
 
 def _add_activity(total: CaptureActivity, more: CaptureActivity) -> CaptureActivity:
+    stages = {clock: dict(seconds) for clock, seconds in total.stage_seconds.items()}
+    for clock, seconds in more.stage_seconds.items():
+        for stage, value in seconds.items():
+            stages.setdefault(clock, {})[stage] = stages.get(clock, {}).get(stage, 0.0) + value
     return dataclasses.replace(
         total, batches=total.batches + more.batches, tokens=total.tokens + more.tokens,
         busy_seconds=total.busy_seconds + more.busy_seconds,
-        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds,
+        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds, stage_seconds=stages,
+        process_cpu_seconds=total.process_cpu_seconds + more.process_cpu_seconds,
     )
