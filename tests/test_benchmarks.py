@@ -30,7 +30,8 @@ def test_throughput_benchmark_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for row in ("(a) bare SGLang prefill", "(a2) extractor alone", "(b) full job", "(c) disk sequential write",
-                "writer pool", "(d) pipeline capacity, synthetic states, disk", "writers' CPU s per GB"):
+                "(d) pipeline capacity, synthetic states, disk", "where the extractor's time goes",
+                "the writers' CPU seconds per GB"):
         assert row in result.stdout, row
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["tokens"] == 8 * 96
@@ -41,6 +42,15 @@ def test_throughput_benchmark_smoke(tmp_path):
     for name, row in rows.items():
         assert row["tokens"] == 8 * 96, name
         assert set(row["stage_seconds"]) == {"put", "wait", "fetch", "encode", "write", "hash", "sync", "commit"}
+        assert row["writer_cpus"] == ["all cores"]  # a CPU engine: the writers are not pinned
+        # the job's extractor was the warm one of (a) and (a2) (the synthetic source's its own); what it did is the
+        # job's alone: its forward thread's CPU per stage, the puts, its process's CPU
+        assert row["time"]["extractor_tokens"] == 8 * 96 and row["time"]["cpu_hand_on"] > 0, row["time"]
+        assert row["time"]["extractor_process_cpu"] > 0
+    assert rows["b"]["time"]["forward_thread_cpu"] > 0 and rows["b"]["time"]["cpu_prepare"] > 0
+    assert results["a_time"]["cpu_forward"] > 0
+    assert results["extractor_starts"] == 2  # the model's for (a), (a2) and (b); the synthetic source's for (d)
+    assert results["a2_time"]["extractor_tokens"] == 8 * 96 and results["a2_time"]["cpu_capture"] > 0
     # the synthetic source writes the same layout as the model: same bytes per token
     assert rows["d"]["bytes_per_token"] == pytest.approx(rows["b"]["bytes_per_token"], rel=0.02)
     assert rows["d"]["sglang"] == "none (synthetic states)"
