@@ -56,6 +56,27 @@ def test_throughput_benchmark_smoke(tmp_path):
     assert rows["d"]["sglang"] == "none (synthetic states)"
 
 
+def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_path):
+    """``benchmarks.regenerate`` on CPU with SmolLM2 (greedy): jobs.prepare regenerate=true, every first prompt sent
+    at once and three shards answered at once, gives for every prompt the very answer (text, tokens) of one
+    ``Engine.generate`` over all of them, the path it replaced for one-question conversations; both rates are
+    measured in the same run (no rate is asserted)."""
+    env = python_env()
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.regenerate", "--device", "cpu", "--prompts", "12", "--max-new-tokens", "16",
+         "--shard-size", "4", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    prepare, own = results["prepare"], results["sglang_offline"]
+    assert (prepare["answers"], prepare["shards"], results["same_answers"]) == (12, 3, 12), results
+    assert prepare["generated_tokens"] == own["generated_tokens"] > 0
+    assert prepare["tokens_per_s"] > 0 and own["tokens_per_s"] > 0 and results["prepare_over_sglang"] > 0
+    assert "prepare / SGLang = " in result.stdout and "Paris" in result.stdout
+
+
 @pytest.mark.extended
 def test_driver_scale_benchmark_smoke(tmp_path):
     env = python_env()
