@@ -5,7 +5,8 @@ writers (Parquet encoding, writes, checksums: 1-2 CPU seconds per GB of states) 
 core that thread is on, the forward slows. With ``output.writer_cpus=auto`` and CUDA
 extractors, every writer process is pinned to the node's cores past the first
 ``reserved_cores`` (``ENGINE_CORES_PER_GPU`` per GPU of the node's extractors, plus
-``NODE_CORES`` for the driver and Ray's own processes) and runs at a lower priority
+``NODE_CORES`` for the driver and Ray's own processes) and their hyperthread siblings (two
+threads of one physical core share its execution units) and runs at a lower priority
 (``WRITER_NICENESS``). The extractors are not pinned: their threads (the forward, the
 object-store puts with Ray's copy threads, Ray's own) go to idle cores, which the reserved
 ones stay. A node with fewer than ``MIN_WRITER_CORES`` cores beyond the reserve is not
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from jobs.driver.config import AUTO, parse_cpu_list
 
@@ -54,7 +56,8 @@ def place_this_process(cpus: WriterCpus) -> str:
         return "all cores"
     if cpus.setting == AUTO:
         _for_every_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICENESS))
-        cores = available[cpus.reserved_cores:]
+        reserved = {sibling for cpu in available[:cpus.reserved_cores] for sibling in thread_siblings(cpu)}
+        cores = [cpu for cpu in available if cpu not in reserved]
         if len(cores) < MIN_WRITER_CORES:
             return f"all cores, nice {WRITER_NICENESS} ({len(available)} cores: too few to keep some for the extractors)"
         priority = f", nice {WRITER_NICENESS}"
@@ -67,6 +70,15 @@ def place_this_process(cpus: WriterCpus) -> str:
         priority = ""
     _for_every_thread(lambda tid: os.sched_setaffinity(tid, cores))
     return f"cores {format_cores(cores)}{priority}"
+
+
+def thread_siblings(cpu: int) -> list[int]:
+    """The logical CPUs of ``cpu``'s physical core (itself too), as Linux lists them; just ``cpu`` where it does not."""
+    try:
+        listed = (Path("/sys/devices/system/cpu") / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
+        return parse_cpu_list(listed.strip(), "thread_siblings_list")
+    except (OSError, ValueError):
+        return [cpu]
 
 
 def _for_every_thread(action) -> None:
