@@ -27,7 +27,8 @@ def _is_int(value: object) -> bool:
 @dataclasses.dataclass
 class ModelConfig:
     path: str = ""
-    """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
+    """Local HF checkpoint directory, or a hub id (org/name) in the local Hugging Face cache. Empty: run the embedded
+    demo (a tiny random model)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
     dp_size: int = 0
@@ -77,7 +78,7 @@ class ModelConfig:
 @dataclasses.dataclass
 class ExtractConfig:
     layers: Optional[list[int]] = None
-    """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
+    """Canonical ids (output of decoder layer k, 0-based): [2,30,58] or 2,30,58. Default [2, N//2, N-3]."""
     last_hidden_state: str = "post_norm"
     """Also store a final hidden state per token: post_norm (after the final norm; SpecForge's target),
     pre_norm (the residual stream entering it; speculators' verifier state) or none. true/false mean post_norm/none."""

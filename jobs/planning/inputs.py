@@ -10,13 +10,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from extractor.checkpoint import CheckpointInfo, read_checkpoint_info
+from extractor.checkpoint import CheckpointInfo, local_checkpoint, read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.cluster.session import inside_ray_job
 from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
+from storage.manifest import MANIFEST_FILE, read_manifest
 
 
 def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
@@ -57,6 +58,8 @@ class RunInputs:
 
 def read_inputs(config: JobConfig) -> RunInputs:
     """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    config = dataclasses.replace(config, model=model)
     config = resolve_paths(config, inside_ray_job())
     if config.is_demo:
         config = demo_config(config)
@@ -71,3 +74,21 @@ def read_inputs(config: JobConfig) -> RunInputs:
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
     return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))
+
+
+def check_resumable(inputs: RunInputs) -> None:
+    """A run already in output.dir must have this run's content, or a resume would mix two runs' states:
+    refused here, before Ray starts, naming the keys that differ. With ``model.device=auto`` the device
+    is known only once Ray reports the cluster's GPUs: the stored one is assumed here."""
+    if not (inputs.output_dir / MANIFEST_FILE).exists():
+        return
+    stored = read_manifest(inputs.output_dir)["content"]
+    device = inputs.config.model.device
+    content = inputs.content(str(stored.get("model.device", "cpu")) if device == "auto" else device)
+    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    if differing:
+        details = "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} holds a run with different content ({details}). Resume with the "
+            "same settings, or write to a new output.dir"
+        )
