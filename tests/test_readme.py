@@ -38,11 +38,15 @@ def user_shell(**extra: str) -> dict[str, str]:
     return {**{key: value for key, value in os.environ.items() if key not in dropped}, **extra}
 
 
-def run_demo(clone: Path, command: str, env: dict[str, str], arch: str) -> Path:
+def run_demo(clone: Path, command: str, env: dict[str, str]) -> Path:
+    """``command`` in ``clone``: every sample of the demo written and verified; returns the output dir it printed."""
     result = shell(command, clone, env)
-    out = clone / "eagle3-demo" / f"hidden_states-{arch}-{DEMO_SAMPLES}-seed0"
     assert result.returncode == 0, f"{command}: {result.stderr[-3000:]}"
-    assert f"{DEMO_SHARDS} of {DEMO_SHARDS} shards done in {out}: {DEMO_SAMPLES} samples" in result.stdout, result.stdout
+    done = re.search(rf"^{DEMO_SHARDS} of {DEMO_SHARDS} shards done in (\S+): {DEMO_SAMPLES} samples", result.stdout,
+                     re.MULTILINE)
+    assert done, result.stdout
+    out = Path(done.group(1))
+    assert out.parent == clone / "eagle3-demo"
     assert sorted(read_all(out)) == list(range(DEMO_SAMPLES))
     assert_run_verifies(out)
     return out
@@ -61,9 +65,10 @@ def test_the_demos_run_as_printed_in_any_order(private_shared_venv, tmp_path):
     assert demo == "bash scripts/demo.sh" and activate == "source .venv/bin/activate"
     clone = clone_checkout(tmp_path / "clone")
     env = user_shell(EAGLE3_VENV=str(private_shared_venv))
-    llama = run_demo(clone, demo, env, "llama")
-    kimi = run_demo(clone, f"{demo} demo.arch=kimi_k25", env, "kimi_k25")
-    assert read_manifest(kimi)["content"]["model.path"] != read_manifest(llama)["content"]["model.path"]
+    llama = run_demo(clone, demo, env)
+    kimi = run_demo(clone, f"{demo} demo.arch=kimi_k25", env)
+    assert kimi != llama and "model-kimi_k25-" in read_manifest(kimi)["content"]["model.path"]
+    assert f"`eagle3-demo/{llama.name}/`" in (REPO_ROOT / "README.md").read_text()  # where the README says
 
     again = shell(demo, clone, env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -83,7 +88,7 @@ def test_the_other_demos_run_as_printed(private_shared_venv, tmp_path, arch):
     command = f"{_two_commands()[0]} demo.arch={arch}"
     assert f"demo.arch={arch}`" in (REPO_ROOT / "README.md").read_text()
     clone = clone_checkout(tmp_path / "clone")
-    run_demo(clone, command, user_shell(EAGLE3_VENV=str(private_shared_venv)), arch)
+    run_demo(clone, command, user_shell(EAGLE3_VENV=str(private_shared_venv)))
 
 
 # -- `ray job submit` to a cluster whose Ray runs another Python ----------------------------------------------
