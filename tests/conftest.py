@@ -130,7 +130,7 @@ def private_shared_venv(tmp_path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = site_of(venv)
     shutil.rmtree(site)
-    subprocess.run(["cp", "-al", str(shared_site()), str(site)], check=True)
+    subprocess.run(["cp", "-al", str(shared_site().resolve()), str(site)], check=True)
     for command in (shared / "bin").iterdir():
         if not (venv / "bin" / command.name).exists():
             (venv / "bin" / command.name).symlink_to(command)
