@@ -126,7 +126,9 @@ def test_a_config_mistake_is_one_line_and_exit_2(synthetic_model, demo_dataset, 
 def test_a_resume_with_other_content_is_refused_before_ray_starts(capsys, monkeypatch, synthetic_model, demo_dataset,
                                                                   tmp_path):
     """output.dir holds a run of other layers; with model.device=auto (the default) the job once found that out
-    only after starting Ray. The job and its dry run both refuse it before, naming the keys that differ."""
+    only after starting Ray. The job and its dry run both refuse it before, naming the keys that differ; so is
+    an output.dir that another run claims as its node directory."""
+    from jobs.cluster.node_disk import LocalDisk
     from jobs.driver import job
     from jobs.planning.inputs import read_inputs
     from storage.manifest import Manifest
@@ -146,6 +148,13 @@ def test_a_resume_with_other_content_is_refused_before_ray_starts(capsys, monkey
     assert main([f"model.path={synthetic_model}", f"data.path={demo_dataset}", f"output.dir={out}", *SETTINGS,
                  "model.device=auto", "extract.layers=1,4,5"]) == EXIT_BAD_INPUT
     assert "different content (extract.layers: was [2, 4, 5], now [1, 4, 5])" in capsys.readouterr().err
+
+    # output.dir is another run's node directory, claimed (and empty yet): refused before Ray too
+    node_dir = tmp_path / "node"
+    assert LocalDisk(node_dir).claim({"run_id": "other", "output_dir": "/elsewhere", "host": "h", "node": "n"},
+                                     adopt_files=False) is None
+    with pytest.raises(ConfigError, match=f"output.dir={node_dir} belongs to the run whose output.dir is /elsewhere"):
+        run(job_config(synthetic_model, demo_dataset, node_dir, *SETTINGS))
 
 
 def test_the_dry_run_prints_only_its_answer_and_asks_sglang_once(monkeypatch, capsys, llama_fp32, demo_dataset,

@@ -12,6 +12,7 @@ from typing import Any
 
 from extractor.checkpoint import CheckpointInfo, local_checkpoint, read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
+from jobs.cluster.node_disk import read_claim
 from jobs.cluster.session import inside_ray_job
 from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
@@ -77,10 +78,19 @@ def read_inputs(config: JobConfig) -> RunInputs:
 
 
 def check_resumable(inputs: RunInputs) -> None:
-    """A run already in output.dir must have this run's content, or a resume would mix two runs' states:
-    refused here, before Ray starts, naming the keys that differ. With ``model.device=auto`` the device
-    is known only once Ray reports the cluster's GPUs: the stored one is assumed here."""
-    if not (inputs.output_dir / MANIFEST_FILE).exists():
+    """A run already in output.dir must have this run's content, or a resume would mix two runs' states, and
+    output.dir must not be another run's node directory (its claim): refused here, before Ray starts (the
+    claims of other nodes' directories are read once Ray is up). With ``model.device=auto`` the device is
+    known only once Ray reports the cluster's GPUs: the stored one is assumed here."""
+    exists = (inputs.output_dir / MANIFEST_FILE).exists()
+    claim = read_claim(inputs.output_dir)
+    if claim and claim.get("run_id") != (read_manifest(inputs.output_dir).get("run_id") if exists else None):
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} belongs to the run whose output.dir is {claim.get('output_dir')} on "
+            f"{claim.get('host', '?')}; nothing there was touched. Give this run a directory of its own, or rerun "
+            "that run's own command"
+        )
+    if not exists:
         return
     stored = read_manifest(inputs.output_dir)["content"]
     device = inputs.config.model.device
