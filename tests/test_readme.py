@@ -179,20 +179,19 @@ def foreign_head(tmp_path) -> Iterator[str]:
             _kill_tree(temp_dir)
 
 
-def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, tmp_path):
+def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, llama_fp32, demo_dataset, tmp_path):
     """The README's real run, `ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m
-    jobs.extract` exactly as printed up to the job's own keys (the demo's, with absolute paths, instead of Kimi-K2.5
-    on 8 GPUs), against a head whose Python has Ray alone: the job runs in the project's virtualenv, driver and
-    workers, and completes. Without the runtime env the job stops with one line saying what to do; the README's
-    other commands, on such a Python, say the same in one line (exit 2)."""
+    jobs.extract` exactly as printed up to the job's own keys (a tiny Llama's, with absolute paths, instead of
+    Kimi-K2.5 on 8 GPUs), against a head whose Python has Ray alone: the job runs in the project's virtualenv,
+    driver and workers (SGLang's extractor, the writers), and completes. Without the runtime env the job stops with
+    one line saying what to do; the README's other commands, on such a Python, say the same in one line (exit 2)."""
     submit = next(command for command in readme_commands() if command.startswith("ray job submit"))
     printed = submit[:submit.index("python -m jobs.extract") + len("python -m jobs.extract")]
     assert "--runtime-env conf/runtime-env.yaml" in printed
     ray = Path(sys.executable).parent / "ray"
     env = user_shell(RAY_ADDRESS=foreign_head, PATH=f"{ray.parent}:{os.environ['PATH']}")
-    demo = tmp_path / "demo"
-    out = demo / "hidden_states-llama-12-seed0"
-    keys = f"demo.dir={demo} demo.num_samples=12"
+    out = tmp_path / "out"
+    keys = f"model.path={llama_fp32} data.path={demo_dataset} output.dir={out} data.shard_size=10"
 
     bare = shell(f"{printed.replace(' --runtime-env conf/runtime-env.yaml', '')} {keys}", REPO_ROOT, env)
     assert bare.returncode != 0, bare.stdout[-3000:]
@@ -203,9 +202,9 @@ def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, tmp_
 
     ran = shell(f"{printed} {keys}", REPO_ROOT, env)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
-    assert f"1 of 1 shards done in {out}: 12 samples" in ran.stdout, ran.stdout[-3000:]
+    assert f"2 of 2 shards done in {out}: 20 samples" in ran.stdout, ran.stdout[-3000:]
     assert all(record["state"] == DONE for record in read_manifest(out)["shards"])
-    assert sorted(read_all(out)) == list(range(12))
+    assert sorted(read_all(out)) == list(range(20))
 
     for command in (c for c in readme_commands() if c.startswith(("python -m jobs.prepare", "python -m jobs.plan"))):
         local = shell(command, REPO_ROOT, user_shell(PATH=f"{tmp_path / 'bare' / 'bin'}:/usr/bin:/bin"))
