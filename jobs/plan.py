@@ -43,6 +43,7 @@ def format_report(report: DryRun) -> str:
         "dry run: config.json and the dataset only; no weights, no Ray, nothing written",
         f"model    {report.model_path}: {report.architecture} (language model {report.language_model_architecture}), "
         f"{report.num_layers} layers, hidden {report.hidden_size}, context length {report.context_length:,}",
+        *(f"serving  {line}" for line in report.serving),
         f"data     {report.data_path}: {report.samples:,} samples, {report.tokens:,} tokens "
         f"(mean {report.tokens / max(1, report.samples):,.0f}, longest {report.longest_sample:,})",
         f"invalid  {invalid}",

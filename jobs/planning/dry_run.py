@@ -99,6 +99,8 @@ class DryRun:
     min_free_bytes: int
     layers: Layers
     problems: list[Problem]
+    serving: list[str] = dataclasses.field(default_factory=list)
+    """What model.serving applies, leaves to the model.* keys, gives way to and leaves out (``extractor.serving``)."""
 
     @property
     def exit_code(self) -> int:
@@ -146,6 +148,7 @@ def dry_run(config: JobConfig) -> DryRun:
         done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
         sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
         min_free_bytes=config.output.free_floor_bytes, layers=_layers(inputs), problems=[],
+        serving=inputs.serving.describe() if inputs.serving else [],
     )
     report.problems = _problems(report, to_write, budget, metadata)
     return report
