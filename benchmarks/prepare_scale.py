@@ -4,7 +4,7 @@
 
 Writes ``--conversations`` ShareGPT rows (one to three exchanges of a few words, a third with a system
 prompt; streamed to a JSONL file, never all in memory), runs ``python -m jobs.prepare`` on them as a
-user would (default tokenizer: SmolLM2-135M-Instruct's, ``benchmarks.smollm2.checkpoint_dir()``) and
+user would (default tokenizer: SmolLM2-135M-Instruct's, ``testbeds.smollm2.checkpoint_dir()``) and
 samples the memory of the command and its worker processes every second (RSS, and USS: what each process holds
 alone, shared library pages not counted once per process). Prints conversations/s of the tokenizing pass and of
 the whole command, tokens/s, and peak RSS; ``--out`` keeps them as JSON.
@@ -23,8 +23,8 @@ from typing import Optional
 
 import psutil
 
-from benchmarks.smollm2 import checkpoint_dir
 from jobs.conversations.demo import demo_conversations
+from testbeds.smollm2 import checkpoint_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_S = 1.0

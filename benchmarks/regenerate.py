@@ -4,7 +4,7 @@
 
 Writes ``--prompts`` one-question conversations (a fixed list of questions, repeated), runs
 ``python -m jobs.prepare ... regenerate=true`` on them as a user would (default model:
-SmolLM2-135M-Instruct, ``benchmarks.smollm2.checkpoint_dir()``; on a GPU machine the engine takes
+SmolLM2-135M-Instruct, ``testbeds.smollm2.checkpoint_dir()``; on a GPU machine the engine takes
 ``model.tp_size`` GPUs, on CPU add ``--set model.device=cpu model.dtype=float32``), and prints the
 engine's generated tokens/s, the command's wall time and the first answers. It fails (exit 1) if
 the answer to "What is the capital of France?" does not name Paris: a trained model answers that.
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.smollm2 import checkpoint_dir
+from testbeds.smollm2 import checkpoint_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [

@@ -22,7 +22,7 @@
 `tiny` and `small` are saved random-weight checkpoints; `llama8b`, `deepseek_v3_reduced` and
 `kimi_k25_reduced` (Kimi-K2.5's published layout with INT4 routed experts, 10 layers: one H200)
 use SGLang's dummy weights built from a config.json alone (random per process and per TP layout),
-see benchmarks/shapes.py. Layers default to the job's [2, N//2, N-3] when that is valid for the
+see testbeds/shapes.py. Layers default to the job's [2, N//2, N-3] when that is valid for the
 shape's depth, else to the first capturable ones; `--set extract.layers=[...]` picks others.
 """
 
@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from benchmarks.shapes import SHAPES
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.types import TokenBatch
@@ -53,6 +52,7 @@ from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
+from testbeds.shapes import SHAPES
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
 

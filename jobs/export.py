@@ -39,7 +39,8 @@ def final_message(report: dict[str, Any]) -> str:
     consumed = (f"; {report['consumed']} shards consumed ({report['freed_bytes'] / 1e6:.1f} MB freed)"
                 if report["consumed"] else "")
     return (
-        f"exported {report['samples']} samples to {report['dest']} ({report['format']}, {report['states']} states): "
+        f"exported {report['samples']} samples to {report['dest']} ({report['format']}, {report['states']} states; "
+        f"final state {report['final_state']}): "
         f"{report['written']} written, {report['skipped']} already there; {report['bytes'] / 1e6:.1f} MB in "
         f"{report['seconds']:.1f} s ({report['samples_per_second']} samples/s, {report['mb_per_second']} MB/s), "
         f"peak RSS {report['peak_rss_mb']:.0f} MB{consumed}"

@@ -42,6 +42,7 @@ def format_report(report: DryRun) -> str:
         "dry run: config.json and the dataset only; no weights, no Ray, nothing written",
         f"model    {report.model_path}: {report.architecture} (language model {report.language_model_architecture}), "
         f"{report.num_layers} layers, hidden {report.hidden_size}, context length {report.context_length:,}",
+        *(f"serving  {line}" for line in report.serving),
         f"data     {report.data_path}: {report.samples:,} samples, {report.tokens:,} tokens "
         f"(mean {report.tokens / max(1, report.samples):,.0f}, longest {report.longest_sample:,})",
         f"invalid  {invalid}",
@@ -51,6 +52,7 @@ def format_report(report: DryRun) -> str:
         f"layers   {layers.layer_ids} -> {captured} ({layers.source})",
         f"states   {report.state_dtype}, {len(layers.layer_ids)} layers{final} x hidden {report.hidden_size}: "
         f"{report.state_bytes_per_token:,} B/token",
+        *(f"{'exports' if i == 0 else '':<8} {trainer}: {how}" for i, (trainer, how) in enumerate(report.exports.items())),
         f"disk     {format_bytes(report.predicted_bytes)} predicted for the {report.shards - report.done_shards:,} "
         f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}), "
         f"{(report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of output.disk_budget "

@@ -10,6 +10,7 @@ not know about, and the last error of every failed shard.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import shutil
@@ -25,7 +26,15 @@ from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
 from jobs.errors import EXIT_OK
 from jobs.rundir.lock import LOCK_FILE, read_owner
-from jobs.rundir.summary import DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE, RUNNING, SUMMARY_FILE, read_summary
+from jobs.rundir.summary import (
+    DRAFTER_CONFIG_FILE,
+    INVALID_ROWS_FILE,
+    RUNNING,
+    SUMMARY_FILE,
+    SUMMARY_RESERVE_FILE,
+    read_summary,
+)
+from storage.consumed import RECORD_GLOB
 from storage.manifest import (
     CONSUMED,
     DONE,
@@ -47,7 +56,7 @@ JOB_FILES = frozenset(
     for base in (MANIFEST_FILE, MANIFEST_JOURNAL_FILE, SUMMARY_FILE, DRAFTER_CONFIG_FILE, INVALID_ROWS_FILE,
                  TOKEN_FREQ_FILE)
     for name in (base, base + ".tmp")
-) | {LOCK_FILE, CLAIM_FILE}
+) | {LOCK_FILE, CLAIM_FILE, SUMMARY_RESERVE_FILE}
 
 
 @dataclasses.dataclass
@@ -164,9 +173,10 @@ def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], d
     lines = [f"on local disk: {format_bytes(local)} of budget {format_bytes(budget)} ({share}; {source})"]
     lines.append(f"in the sink:   {format_bytes(in_sink)}")
     if consumed:
-        exports = sorted({s.get("consumed_into", "") for s in done if s["location"] == CONSUMED} - {""})
-        by = f"by exports into {', '.join(exports)}" if exports else "by someone else"
-        lines.append(f"consumed:      {consumed} shards deleted from output.dir {by}")
+        places = collections.Counter(s.get("consumed_into") or "?" for s in done if s["location"] == CONSUMED)
+        where = ", ".join(f"{count} into {place}" for place, count in sorted(places.items()))
+        lines.append(f"consumed:      {consumed} shards deleted from output.dir once their samples were elsewhere: "
+                     f"{where}")
     return lines
 
 
@@ -193,11 +203,12 @@ def _file_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -
     recorded = {s["file"] for s in shards if s["state"] == DONE and s["location"] == LOCAL}
     temps = sorted(path.name for path in output_dir.glob(TEMP_GLOB))
     unrecorded = sorted(path.name for path in output_dir.glob(SHARD_GLOB) if path.name not in recorded)
+    declared = sorted(path.name for path in output_dir.glob(RECORD_GLOB))
     unknown = sorted(
         path.name + ("/" if path.is_dir() else "")
         for path in output_dir.iterdir()
-        if path.name not in JOB_FILES and path.name not in recorded
-        and path.name not in temps and path.name not in unrecorded
+        if path.name not in JOB_FILES and path.name not in recorded and path.name not in temps
+        and path.name not in unrecorded and path.name not in declared
     )
     lines: list[str] = []
     if temps:
@@ -206,6 +217,9 @@ def _file_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -
     if unrecorded:
         lines.append(f"unrecorded:    {len(unrecorded)} shard files the manifest does not list as done here "
                      f"(the next run removes them): {', '.join(unrecorded[:5])}")
+    if declared:
+        lines.append(f"declared:      {len(declared)} shards declared consumed by their consumer (storage.consumed), "
+                     "not recorded yet (the running job's rescan or the next run records them)")
     if unknown:
         lines.append(f"not the job's: {len(unknown)} entries this job did not write: {', '.join(unknown[:10])}")
     return lines

@@ -1,11 +1,14 @@
-"""``python -m jobs.verify output.dir=DIR [--deep]`` (or ``eagle3-verify``): are a run's files whole?
+"""``python -m jobs.verify output.dir=DIR [--deep] [--details]`` (or ``eagle3-verify``): are a run's files whole?
 
 Checks every shard the manifest lists as done, where it is (output.dir or the sink,
 opened with ``output.sink_options``): size and sha256, schema and metadata, rows,
 tokens, sample ids complete and each written once; ``--deep`` reads every state for
-NaN/Inf too. ``storage.verify`` does the checking; this prints every problem, one
-line each, and exits 0 when there is none, 6 (``EXIT_VERIFY_FAILED``) when there is
-any, 2 when the directory holds no run. Starts no Ray and imports no torch.
+NaN/Inf too. A shard consumed into an export: the export's files of it (opened with
+``dest_options``) against the sizes and sha256 listed when it was consumed; consumed
+shards are summed up per destination (``--details`` names them). ``storage.verify`` does
+the checking; this prints every problem, one line each, and exits 0 when there is none,
+6 (``EXIT_VERIFY_FAILED``) when there is any, 2 when the directory holds no run. Starts
+no Ray and imports no torch.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class VerifiedRun:
 @dataclasses.dataclass
 class VerifyConfig:
     output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
+    dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """fsspec options for the exports that consumed shards (jobs.export consume=true), as the export had them: their
+    files are checked against the sizes and sha256 listed when each shard was consumed."""
 
 
 DESCRIPTION = (
@@ -44,12 +50,14 @@ DESCRIPTION = (
 )
 
 
-def verify(output_dir: Path, deep: bool = False, sink_options: dict | None = None) -> VerifyReport:
+def verify(
+    output_dir: Path, deep: bool = False, sink_options: dict | None = None, dest_options: dict | None = None,
+) -> VerifyReport:
     """Check the run in ``output_dir``; a job still running there is a problem too (its files are in flux)."""
     invalid = [row["sample_id"] for row in read_invalid_rows(output_dir)]
     report = verify_run(
         output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid,
-        node_directories=_node_directories(output_dir),
+        node_directories=_node_directories(output_dir), export_options=dest_options,
     )
     owner = read_owner(output_dir)
     if owner is not None and owner.is_alive() is not False:
@@ -71,8 +79,17 @@ def _node_directories(output_dir: Path) -> dict[str, Path]:
     }
 
 
-def format_report(report: VerifyReport) -> str:
+def format_report(report: VerifyReport, details: bool = False) -> str:
+    """Every problem, one line each; the notes; one line per place consumed shards went (``details``: which shards);
+    then OK or FAILED with the rerun that writes the shards with problems again."""
     lines = [f"{problem}" for problem in report.problems] + [f"note: {note}" for note in report.notes]
+    for into, shards in sorted(report.consumed.items()):
+        which = f": shards {_ranges(shards)}" if details else ""
+        lines.append(f"note: {len(shards)} shards consumed into {into} (deleted from output.dir once their samples "
+                     f"were there; counted as the manifest recorded them){which}")
+    if report.exported_files_checked:
+        lines.append(f"note: {report.exported_files_checked} files of the exports that consumed shards checked against "
+                     "the sizes and sha256 listed when they did")
     checked = (
         f"{report.files_checked} files of {report.shards} shards: {report.rows} samples, {report.tokens} tokens, "
         f"{format_bytes(report.bytes)}"
@@ -87,17 +104,29 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _ranges(shards: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> 0-2, 5."""
+    spans: list[list[int]] = []
+    for shard in sorted(shards):
+        if spans and shard == spans[-1][1] + 1:
+            spans[-1][1] = shard
+        else:
+            spans.append([shard, shard])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def main(argv: Sequence[str]) -> int:
     return run_command(_verify, argv)
 
 
 def _verify(argv: Sequence[str]) -> int:
-    flags = {"--deep": "also read every state and scan it for NaN/Inf"}
+    flags = {"--deep": "also read every state and scan it for NaN/Inf",
+             "--details": "name the consumed shards, not only how many went where"}
     config, args = parse_command("jobs.verify", DESCRIPTION, VerifyConfig, argv, flags)
     if not config.output.dir:
-        raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep]")
-    report = verify(Path(config.output.dir), args.deep, config.output.sink_options)
-    print(format_report(report))
+        raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep] [--details]")
+    report = verify(Path(config.output.dir), args.deep, config.output.sink_options, config.dest_options)
+    print(format_report(report, args.details))
     return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
 
 

@@ -1,16 +1,34 @@
-"""Files that appear whole: written under a temp name, fsynced, then renamed over the final name.
+"""Files that appear whole, and only where the caller says: new, never through a link, then renamed.
 
-A reader (or a process that survives a crash) sees the old file or the new one,
-never a part. The directory is fsynced after the rename so that the new name
-itself survives a power loss. Every small file the job writes goes through
-``replace_atomically``; the shard writer streams its own temp file and uses
-``fsync_path`` for the same two syncs.
+Every file the job, its exports and ``jobs.prepare`` write is created new under a
+temp name beside its final one (``O_CREAT | O_EXCL | O_NOFOLLOW``), written, fsynced,
+then renamed over the final name; the directory is fsynced after the rename so that
+the new name itself survives a power loss. A reader (or a process that survives a
+crash) sees the old file or the new one, never a part.
+
+No write follows a symbolic link: a temp name is the caller's own, so whatever is
+there (a file a stopped run left, a link someone planted) is removed, the link itself
+and never what it points to, and the file created in its place; a link at the final
+name is replaced by the rename, which does not follow it either. So a link planted in
+a directory the job writes to cannot make it write anywhere else. A write that fails
+(a full disk) removes its temp file: the final name keeps its last whole version.
+
+``reserve_space`` sets blocks aside for a file that must be written even when the
+disk is full (the run's summary, as a run stopped by a full disk ends):
+``replace_atomically(..., reserve=...)`` writes into those blocks and renames them
+into place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import IO, Any
+
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""A new regular file, never through a symbolic link (O_EXCL alone already refuses one at the name)."""
+FILE_MODE = 0o644
 
 
 def fsync_path(path: Path) -> None:
@@ -22,18 +40,109 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the caller renames or links it into place)."""
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
+def create_new(path: Path | str) -> int:
+    """A descriptor open for writing on a new, empty regular file at ``path``, a name of the caller's own (a temp
+    name): whatever has that name (a file a stopped run left, a link someone planted) is removed first, never
+    followed; a directory there raises."""
+    try:
+        return os.open(path, CREATE_FLAGS, FILE_MODE)
+    except FileExistsError:
+        os.unlink(path)  # a link is removed itself, not what it points to
+        return os.open(path, CREATE_FLAGS, FILE_MODE)
 
 
-def replace_atomically(path: Path, data: bytes | str, temp_suffix: str = ".tmp") -> None:
-    """``path`` holds ``data`` afterwards, whole; ``temp_suffix`` names the temp file beside it."""
+def open_new(path: Path | str, mode: str = "wb", **kwargs: Any) -> IO[Any]:
+    """``create_new(path)`` as a Python file object (``mode`` "wb" or "w")."""
+    fd = create_new(path)
+    try:
+        return os.fdopen(fd, mode, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def fd_path(fd: int) -> str:
+    """A name that opens the very file ``fd`` is open on (Linux ``/proc/self/fd``): for a library that opens files
+    by name only (pyarrow's native file) and must write the file this process created, whatever the directory holds
+    under its name meanwhile."""
+    return f"/proc/self/fd/{fd}"
+
+
+def remove_quietly(path: Path | str) -> None:
+    """Remove a temp file of the caller's on the way out of a failed write (a full disk, say); a failure to remove
+    it must not hide the error that got here."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_synced(path: Path | str, data: bytes) -> None:
+    """Create ``path`` new (``create_new``) holding ``data``, fsynced (the caller renames or links it into place);
+    a write that fails removes it."""
+    fd = create_new(path)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        remove_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(
+    path: Path | str, data: bytes | str, temp_suffix: str = ".tmp", reserve: Path | None = None,
+) -> None:
+    """``path`` holds ``data`` afterwards, whole; ``temp_suffix`` names the temp file beside it. With ``reserve``
+    (``reserve_space``'s file, if it is still there) the data goes into its blocks, which then become ``path``."""
     path = Path(path)
-    temp = path.with_name(path.name + temp_suffix)
-    write_synced(temp, data.encode() if isinstance(data, str) else data)
-    os.replace(temp, path)
+    data = data.encode() if isinstance(data, str) else data
+    temp = _write_reserved(reserve, data) if reserve is not None else None
+    if temp is None:
+        temp = path.with_name(path.name + temp_suffix)
+        write_synced(temp, data)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        remove_quietly(temp)
+        raise
     fsync_path(path.parent)
+
+
+def _write_reserved(reserve: Path, data: bytes) -> Path | None:
+    """``data`` written over the reserved file's blocks, fsynced; None when there is no reserve (used already)."""
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone (used), or a link planted in its place (ELOOP): not ours to write
+        return None
+    try:
+        view, offset = memoryview(data), 0
+        while offset < len(view):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    except BaseException:
+        remove_quietly(reserve)
+        raise
+    finally:
+        os.close(fd)
+    return reserve
+
+
+def reserve_space(path: Path, nbytes: int) -> None:
+    """Allocate ``nbytes`` on disk under ``path`` (a hidden name of the caller's), for a later
+    ``replace_atomically(..., reserve=path)`` that must succeed on a full disk. Quietly nothing where the disk has
+    no room for it now (the later write then takes its chances)."""
+    fd = create_new(path)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        os.fsync(fd)
+    except OSError:
+        remove_quietly(path)
+    finally:
+        os.close(fd)

@@ -4,8 +4,8 @@ One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
 tokens, bytes, sha256 and where the file is now (local, in the sink, or
 consumed: deleted locally, by ``jobs.export consume=true`` once its samples were
-exported and verified, ``consumed_into`` then naming the export, or by someone
-else), and the samples whose states held
+exported and verified, ``consumed_into`` then naming the export, or by a consumer
+that declared it first, ``storage.consumed``), and the samples whose states held
 NaN/Inf, left out or kept (``storage.nonfinite``). The ``content`` block holds
 everything that changes what the shards contain; resuming with different
 content is refused, naming the keys that differ.
@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from storage.atomic import fsync_path, replace_atomically
+from storage.atomic import replace_atomically
 
 MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
 MANIFEST_VERSION = 1
 COMPACT_MIN_UPDATES = 1000
 """The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""
+
+logger = logging.getLogger(__name__)
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 LOCAL, SINK, CONSUMED = "local", "sink", "consumed"
@@ -66,7 +69,10 @@ class ShardRecord:
     """Name of the node whose local directory holds a done shard's file (data parallel across nodes)."""
     consumed_into: str = ""
     """A consumed shard's samples are there: ``<format>:<dest>`` of the export that verified them, then deleted the
-    file (``jobs.export consume=true``); empty when someone else deleted it."""
+    file (``jobs.export consume=true``), or what the consumer that declared it said (``storage.consumed``)."""
+    exported_files_sha256: str = ""
+    """Of the list of the files an export made of the shard it consumed, with their sizes and sha256, kept in the
+    export (``storage.exported``): what ``jobs.verify`` checks the export, the only copy left, against."""
 
 
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecord)) - {"index"}
@@ -142,14 +148,13 @@ class Manifest:
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }
+        # A failure here (a full disk) leaves the snapshot and the journal as they were: together still every change.
         replace_atomically(self.path, json.dumps(payload, indent=1))
-        self._close_journal()
-        # Lines left by a crash right here carry sequence numbers the snapshot already holds.
-        with open(self.journal_path, "wb") as journal:
-            os.fsync(journal.fileno())
-        self._torn = False
-        fsync_path(self.path.parent)
         self._compacted = self._sequence
+        self._close_journal()
+        # Lines left by a crash (or a failure) right here carry sequence numbers the snapshot already holds.
+        replace_atomically(self.journal_path, b"")
+        self._torn = False
 
     def start_over(self, shards: Iterable[int]) -> None:
         """Forget what earlier runs recorded of ``shards`` (a rerun writes them again): pending, with only
@@ -160,15 +165,24 @@ class Manifest:
         self.save()
 
     def close(self) -> None:
-        """Compact and release the journal."""
-        self.save()
+        """Compact and release the journal. A compaction that fails (a full disk) is logged, not raised: the
+        snapshot and the journal it leaves hold every change already made, and the next open compacts them."""
+        try:
+            self.save()
+        except OSError as error:
+            logger.warning("%s: compacting the journal into the snapshot failed (%s: %s); both hold every change, "
+                           "and the next run compacts them", self.path, type(error).__name__, error)
+        finally:
+            self._close_journal()
 
     def in_state(self, *states: str) -> list[ShardRecord]:
         return [record for _, record in sorted(self.shards.items()) if record.state in states]
 
     def _append(self, data: bytes) -> None:
         if self._journal is None:
-            self._journal = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # Never through a link: ``save`` made the journal a file of its own (a link planted since is refused).
+            self._journal = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                                    | os.O_CLOEXEC, 0o644)
         if self._torn:
             data = b"\n" + data  # never continue a line a failed write left unfinished
         try:

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from storage import schema
+from storage.consumed import read_record, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.schema import ShardMetadata, metadata_from_schema
 from storage.writer import SHARD_GLOB
@@ -105,8 +106,8 @@ def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
 
 def manifest_shards(output_dir: Path) -> tuple[list[tuple[dict[str, Any], str]], list[dict[str, Any]]]:
     """The manifest's records of a run: (record, url) of every done shard whose file is there to read (in
-    output.dir, or at its sink_url), and the records of the others (not done, or consumed). ValueError when a
-    done shard's local file is missing."""
+    output.dir, or at its sink_url), and the records of the others (not done, or consumed: recorded so, or declared
+    so by its consumer). ValueError when a done shard's local file is missing without such a declaration."""
     readable: list[tuple[dict[str, Any], str]] = []
     left_out: list[dict[str, Any]] = []
     for record in read_manifest(output_dir)["shards"]:
@@ -116,13 +117,18 @@ def manifest_shards(output_dir: Path) -> tuple[list[tuple[dict[str, Any], str]],
             readable.append((record, record["sink_url"]))
         else:
             path = output_dir / record["file"]
-            if not path.is_file():
+            if path.is_file():
+                readable.append((record, str(path)))
+                continue
+            declared = read_record(output_dir / record_name(record["file"]))
+            if declared is None:
                 node = f" (written on node {record['node']})" if record.get("node") else ""
                 raise ValueError(
                     f"{path}: shard {record['index']} is done in {output_dir / MANIFEST_FILE} but its file is not "
                     f"here{node}; copy it back, or read the run where its files are"
                 )
-            readable.append((record, str(path)))
+            # declared consumed by a consumer (storage.consumed); the job records it at its next look
+            left_out.append(dict(record, location=CONSUMED, consumed_into=declared["into"]))
     return readable, left_out
 
 
@@ -141,8 +147,8 @@ def left_out_note(output_dir: Path, read: int, total: int, left_out: Sequence[Ma
 def consumed_why(record: Mapping[str, Any]) -> str:
     """Where a consumed shard's samples went, as a note says it."""
     if record.get("consumed_into"):
-        return f"consumed into {record['consumed_into']} (exported, then deleted from output.dir)"
-    return "consumed (deleted from output.dir by someone else)"
+        return f"consumed into {record['consumed_into']} (deleted from output.dir once its samples were there)"
+    return "recorded as consumed without saying where its samples went (its file was gone)"
 
 
 def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from storage.atomic import open_new, remove_quietly
 
 READ_CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -43,7 +48,10 @@ def upload_verified(
     url = sink_url_for(sink, Path(local_path).name)
     fs, remote = fsspec.core.url_to_fs(url, **storage_options)
     fs.makedirs(fs._parent(remote), exist_ok=True)
-    fs.put_file(local_path, remote)
+    if isinstance(fs, LocalFileSystem):  # a directory (file://): whole or absent, never written through a link
+        _copy_into_place(local_path, Path(remote))
+    else:
+        fs.put_file(local_path, remote)
     size = fs.info(remote)["size"]
     if size != expected_bytes:
         raise SinkVerificationError(f"{url}: {size} bytes in the sink, {expected_bytes} written locally")
@@ -51,6 +59,20 @@ def upload_verified(
     if digest != expected_sha256:
         raise SinkVerificationError(f"{url}: sha256 {digest} in the sink, {expected_sha256} written locally")
     return url
+
+
+def _copy_into_place(source: str, target: Path) -> None:
+    """Copy ``source`` to ``target`` through a new temp file beside it (``storage.atomic``), fsynced, then renamed."""
+    temp = target.with_name(f".{target.name}.upload.tmp")
+    try:
+        with open(source, "rb") as reader, open_new(temp) as writer:
+            shutil.copyfileobj(reader, writer, READ_CHUNK_BYTES)
+            writer.flush()
+            os.fsync(writer.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        remove_quietly(temp)
+        raise
 
 
 def probe(sink: str, storage_options: dict[str, Any]) -> None:

@@ -13,6 +13,12 @@ against its CRC. ``deep`` also reads every state column: each value's length
 against its tokens, and no NaN/Inf outside the samples the manifest flags as kept
 (fp8 runs: the raw values and their scales).
 
+A shard consumed into an export (``jobs.export consume=true``) has no file left here:
+the export's files of it are checked instead, against the sizes and sha256 listed when
+it was consumed (``storage.exported``). A done shard's file that is gone is missing
+unless a consumer declared it consumed (``storage.consumed``); a shard recorded as
+consumed without saying where its samples went is a problem too.
+
 Every problem is a ``Problem``: the file, what is wrong, what to do; all of them are
 listed, not just the first.
 """
@@ -31,9 +37,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage import schema
+from storage.consumed import read_record, record_name
+from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
-from storage.run_index import consumed_why, open_parquet
+from storage.run_index import open_parquet
 from storage.schema import ShardMetadata, build_schema, metadata_from_schema
 from storage.sink import remote_sha256
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name
@@ -73,7 +81,11 @@ class VerifyReport:
     output_dir: str
     problems: list[Problem] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    """What is fine but worth knowing (consumed shards, samples skipped or kept for NaN/Inf)."""
+    """What is fine but worth knowing (samples skipped or kept for NaN/Inf, files declared consumed)."""
+    consumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Where consumed shards' samples went (``consumed_into``) -> those shards."""
+    exported_files_checked: int = 0
+    """Files of exports that consumed shards, checked against the sizes and sha256 listed when they did."""
     shards: int = 0
     files_checked: int = 0
     rows: int = 0
@@ -97,6 +109,7 @@ class _ShardCheck:
     where: str
     problems: list[Problem] = dataclasses.field(default_factory=list)
     metadata: Optional[ShardMetadata] = None
+    note: str = ""
 
     def problem(self, what: str, fix: str) -> None:
         self.problems.append(Problem(self.where, what, fix, self.index))
@@ -109,12 +122,14 @@ class _ShardCheck:
 def verify_run(
     output_dir: str | Path, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
     invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
+    export_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
     ``storage_options`` open the sink's files (``output.sink_options``); ``invalid_sample_ids`` are
     the input rows the run left out under ``data.on_invalid=skip``; ``node_directories`` (node name ->
-    directory) say where the shards a record places on a node are, when the run had several nodes.
+    directory) say where the shards a record places on a node are, when the run had several nodes;
+    ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``).
     """
     node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
@@ -122,7 +137,7 @@ def verify_run(
     records = sorted(manifest["shards"], key=lambda record: record["index"])
     report = VerifyReport(str(output_dir), shards=len(records))
     planned = _planned_ids(records, invalid_sample_ids, str(output_dir / MANIFEST_FILE), report)
-    to_check = []
+    to_check, exports = [], []
     for record in records:
         if record["state"] != DONE:
             report.problems.append(_not_done(record, output_dir))
@@ -132,20 +147,26 @@ def verify_run(
         report.bytes += record["bytes"]
         report.notes += _nonfinite_notes(record)
         if record["location"] == CONSUMED:
-            report.notes.append(
-                f"shard {record['index']}: {consumed_why(record)}; its {record['rows']} rows count as the manifest "
-                "recorded them, its file cannot be checked here"
-            )
+            if not record.get("consumed_into"):
+                report.problems.append(_consumed_by_no_one(record, output_dir))
+                continue
+            report.consumed.setdefault(record["consumed_into"], []).append(record["index"])
+            if record.get("exported_files_sha256"):
+                exports.append(record)
             continue
         url = record["sink_url"] if record["location"] == SINK else str(_home(record, node_directories, output_dir) / record["file"])
         expected = planned[record["start"] : record["stop"]] if planned is not None else None
         to_check.append((record, url, expected))
     options = dict(storage_options or {})
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(VERIFY_THREADS, len(to_check)))) as pool:
+    threads = VERIFY_THREADS if exports else max(1, min(VERIFY_THREADS, len(to_check)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         checks = list(pool.map(lambda item: _check_shard(*item, deep, options), to_check))
+        for record in exports:
+            report.problems += _check_export(record, dict(export_options or {}), pool.map, report)
     report.files_checked = len(checks)
     for check in checks:
         report.problems += check.problems
+        report.notes += [check.note] if check.note else []
     report.problems += _disagreements(checks, manifest["content"])
     for directory in {output_dir, *node_directories.values()}:
         report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
@@ -195,6 +216,34 @@ def _not_done(record: dict, output_dir: Path) -> Problem:
     return Problem(where, f"shard {index} is {record['state']}, not done", "rerun the job's command: it resumes", index)
 
 
+def _consumed_by_no_one(record: dict, output_dir: Path) -> Problem:
+    index = record["index"]
+    return Problem(
+        str(output_dir / record["file"]),
+        f"shard {index} is recorded as consumed without saying where its samples went: its file was found gone "
+        "and taken for consumed (no consumer declared it); it may have been lost",
+        f"if no trainer took its samples, rerun the job's command with shards=[{index}] to write it again", index,
+    )
+
+
+def _check_export(record: dict, options: dict[str, Any], map_: Any, report: VerifyReport) -> list[Problem]:
+    """A shard consumed into an export: the export's files of it, the only copy of its samples, against the list
+    of their sizes and sha256 written when it was consumed (and the list against the manifest)."""
+    index, dest = record["index"], export_directory(record["consumed_into"])
+    rerun = (f"the export is the only copy of shard {index}'s samples: rerun the job's command with shards=[{index}] "
+             "to write the shard again, then the export's command (it writes the shard's files again)")
+    try:
+        fs, root = fsspec.core.url_to_fs(dest, **options)
+        root = root.rstrip("/") or "/"
+        listed, found = check_exported_files(fs, root, record["file"], record["exported_files_sha256"], map_)
+        report.exported_files_checked += listed
+    except Exception as error:  # an unreachable export must not hide the problems of the others
+        return [Problem(f"{dest}/{list_path(record['file'])}", f"cannot be read: {type(error).__name__}: {error}",
+                        "if the export's storage is unreachable, verify again once it is (dest_options=... as "
+                        f"jobs.export had them); otherwise {rerun}", index)]
+    return [Problem(f"{dest}/{path}", what, rerun, index) for path, what in found]
+
+
 def _nonfinite_notes(record: dict) -> list[str]:
     notes = []
     for action, setting, meaning in ((SKIPPED, "skip", "left out"), (KEPT, "keep", "written, flagged")):
@@ -216,12 +265,17 @@ def _check_shard(
         try:
             size = fs.info(path)["size"]
         except FileNotFoundError:
+            declared = read_record(Path(url).with_name(record_name(record["file"])))
             if record["location"] == SINK:
                 check.problem(f"missing: the manifest lists shard {check.index} as done in the sink", check.rerun)
+            elif declared is not None:
+                check.note = (f"shard {check.index}: declared consumed into {declared['into']} and deleted; the next "
+                              "run of the job records it")
             else:
                 check.problem(
-                    f"missing: the manifest lists shard {check.index} as done in output.dir",
-                    "if a consumer deleted it on purpose, the next run records it as consumed; otherwise " + check.rerun,
+                    f"missing: the manifest lists shard {check.index} as done here and no consumer declared it "
+                    "consumed (storage.consumed.consume_shard): it was lost",
+                    "rerun the job's command: it extracts the shard again",
                 )
             return check
         if size != record["bytes"]:

@@ -2,8 +2,9 @@
 
 A shard file is either complete under its final name or absent: rows go to
 ``.<name>.tmp`` (a hidden name in the same directory, which Parquet dataset
-readers skip); ``finalize()`` closes, fsyncs and renames it; leaving the
-``with`` block on an exception deletes the temp file instead.
+readers skip), created new without following a link (``storage.atomic``);
+``finalize()`` closes, fsyncs and renames it; leaving the ``with`` block on an
+exception deletes the temp file instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import nonfinite, schema
-from storage.atomic import fsync_path
+from storage.atomic import create_new, fd_path, fsync_path
 from storage.schema import ShardMetadata
 
 SHARD_GLOB = "shard-*.parquet"
@@ -131,7 +132,8 @@ class _TrailingHasher:
 
     CHUNK_BYTES = 8 * 1024 * 1024
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str, name: str) -> None:
+        """``path`` opens the file (``storage.atomic.fd_path``); ``name`` is its file name, for the thread's."""
         self._file = open(path, "rb", buffering=0)
         self._hash = hashlib.sha256()
         self._hashed = 0
@@ -139,7 +141,7 @@ class _TrailingHasher:
         """This thread's time hashing and in fdatasync; read it once ``finish`` or ``stop`` returned."""
         self._targets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"sha256 {name}", daemon=True)
         self._thread.start()
 
     def advance(self, size: int) -> None:
@@ -278,6 +280,8 @@ class ShardWriter:
         self.on_nonfinite = on_nonfinite
         self._nonfinite: list[dict] = []
         self._schema = schema.build_schema(metadata)
+        self._fd: int | None = None
+        """The temp file this writer created: everything else opens it through ``fd_path``."""
         self._file: pa.NativeFile | None = None
         self._hasher: _TrailingHasher | None = None
         self._writer: pq.ParquetWriter | None = None
@@ -288,19 +292,24 @@ class ShardWriter:
 
     def __enter__(self) -> "ShardWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = pa.OSFile(str(self.temp_path), "wb")
-        self._hasher = _TrailingHasher(self.temp_path)
-        self._writer = pq.ParquetWriter(
-            self._file,
-            self._schema,
-            compression=column_compression(self._schema),
-            use_dictionary=False,
-            write_statistics=[schema.SAMPLE_ID],
-            store_schema=True,
-            # A CRC per page: a reader that verifies them (ours do) raises on a corrupted page
-            # instead of returning wrong states.
-            write_page_checksum=True,
-        )
+        self._fd = create_new(self.temp_path)
+        try:
+            self._file = pa.OSFile(fd_path(self._fd), "wb")
+            self._hasher = _TrailingHasher(fd_path(self._fd), self.temp_path.name)
+            self._writer = pq.ParquetWriter(
+                self._file,
+                self._schema,
+                compression=column_compression(self._schema),
+                use_dictionary=False,
+                write_statistics=[schema.SAMPLE_ID],
+                store_schema=True,
+                # A CRC per page: a reader that verifies them (ours do) raises on a corrupted page
+                # instead of returning wrong states.
+                write_page_checksum=True,
+            )
+        except BaseException:  # a full disk already: nothing of this shard stays
+            self.abort()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -362,8 +371,9 @@ class ShardWriter:
         sha256 = hasher.finish(size)  # waits for the hasher, whose time its own clock counts
         self.clock.add(hasher.clock)
         with self.clock.stage("sync"):
-            fsync_path(self.temp_path)
+            os.fsync(self._fd)
         with self.clock.stage("commit"):
+            self._close_fd()
             os.replace(self.temp_path, self.path)
             fsync_path(self.path.parent)
         return ShardFileInfo(
@@ -387,4 +397,10 @@ class ShardWriter:
             if self._hasher is not None:
                 self._hasher.stop()
                 self.clock.add(self._hasher.clock)
+            self._close_fd()
             self.temp_path.unlink(missing_ok=True)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -26,12 +26,12 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from benchmarks.smollm2 import checkpoint_dir
 from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
 from jobs.actors.extractor import fetch_batch, start_extractor
 from jobs.config import load_config
 from storage import ShardReader, ShardWriter
+from testbeds.smollm2 import checkpoint_dir
 from tests.conftest import REPO_ROOT
 from training import peer_formats
 

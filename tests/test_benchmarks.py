@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from benchmarks.shapes import SHAPES
 from benchmarks.throughput import benchmark_layer_ids
 from extractor.layers import check_layer_ids
+from testbeds.shapes import SHAPES
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 

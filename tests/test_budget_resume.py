@@ -23,6 +23,7 @@ from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
+from storage.consumed import consume_shard
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
@@ -139,7 +140,8 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
 
 
 def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
-    """A trainer that deletes shard files as it consumes them keeps a small budget flowing."""
+    """A trainer that consumes shard files (declared, then deleted: ``storage.consumed``) keeps a small budget
+    flowing."""
     out = tmp_path / "out"
     seen: dict[str, bytes] = {}
     stop = threading.Event()
@@ -148,7 +150,7 @@ def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, data
         while not stop.is_set():
             for path in out.glob("shard-*.parquet"):
                 seen[path.name] = path.read_bytes()
-                path.unlink()
+                consume_shard(path, "a test trainer")
             time.sleep(0.05)
 
     out.mkdir()

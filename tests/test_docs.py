@@ -25,7 +25,7 @@ PAGES = [README, *DOCS]
 README_LIMIT = 12_000
 """Bytes: the README is the first screen (what it is, the two commands, a real run, where to read on)."""
 
-PACKAGES = ("benchmarks", "common", "extractor", "jobs", "storage", "tests", "training")
+PACKAGES = ("benchmarks", "common", "extractor", "jobs", "storage", "testbeds", "tests", "training")
 PROJECT_DIRS = (*PACKAGES, ".ci", "conf", "dashboards", "docs", "requirements", "scripts")
 SGLANG_DIRS = ("models", "model_runner_components", "model_loader", "model_executor", "python")
 """Roots of SGLang's source tree (``python/sglang/srt/...``) that the pages name SGLang's files under."""

@@ -38,6 +38,7 @@ from jobs.errors import BudgetExhausted, JobFault
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.planning.shards import plan_shards
 from storage import ShardFileInfo, shard_file_name
+from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest
 
 BYTES_PER_TOKEN = 1000
@@ -278,6 +279,7 @@ class Run:
 def make_run(
     tmp_path: Path, dataset_path: Path, worlds: list[World], world_options: dict[str, Any] | None = None, budget_shards: float = 100.0,
     writers: int = 1, sink: bool = False, max_attempts: int = 3, upload_attempts: int = 2, budget_wait_s: float = 0.2,
+    rescan_s: float = 0.01,
 ) -> Run:
     directory = tmp_path / "out"
     directory.mkdir(exist_ok=True)  # a rerun: the same directory and manifest
@@ -299,7 +301,7 @@ def make_run(
     scheduler = Scheduler(dataset, plan, manifest.in_state("pending"), manifest, lanes, work, progress,
                           BYTES_PER_TOKEN, max_attempts)
     completions = Completions(scheduler, uploads, work, lanes)
-    rescanner = Rescanner(manifest, lanes, uploads, rescan_s=0.01)
+    rescanner = Rescanner(manifest, lanes, uploads, scheduler, rescan_s=rescan_s)
     disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
     progress.begin([budget])
     loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work)
@@ -307,11 +309,12 @@ def make_run(
 
 
 def consumer(run: Run, keep: int = 1) -> Callable[[], None]:
-    """A trainer deleting committed shard files, oldest first, keeping ``keep`` of them."""
+    """A trainer consuming committed shard files (declared, then deleted), oldest first, keeping ``keep`` of them."""
     def consume() -> None:
         done = [r for r in run.manifest.in_state(DONE) if r.location == LOCAL and r.file]
         for record in done[:max(0, len(done) - keep)]:
-            (run.world.directory / record.file).unlink(missing_ok=True)
+            if (run.world.directory / record.file).exists():
+                consume_shard(run.world.directory / record.file, "a test trainer")
     return consume
 
 
@@ -413,3 +416,45 @@ def test_a_writer_error_fails_its_shard_and_the_others_are_written(tmp_path, dat
     run.loop.run()
     assert [r.state for r in run.manifest.shards.values()] == [DONE, DONE, FAILED, DONE]
     assert run.budget.used == sum(r.bytes for r in run.manifest.in_state(DONE))
+
+
+def deleter(run: Run, shards: set[int], times: int = 1) -> Callable[[], None]:
+    """Something that deletes done shard files without declaring them consumed (a mistaken rm, a disk tool)."""
+    left = {shard: times for shard in shards}
+
+    def delete() -> None:
+        for record in run.manifest.in_state(DONE):
+            path = run.world.directory / record.file
+            if left.get(record.index) and record.location == LOCAL and path.exists():
+                path.unlink()
+                left[record.index] -= 1
+    return delete
+
+
+def test_a_done_file_deleted_without_a_declaration_is_extracted_again_in_the_same_run(
+    tmp_path, dataset_path, hooks_while_sleeping,
+):
+    """Lost, not consumed: the shard is pending again and written again, its bytes counted once; a declared one
+    beside it is recorded as consumed into what its consumer said."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, budget_shards=2.5, rescan_s=0)
+    run.world.runtime.hooks += [deleter(run, {1}), consumer(run, keep=2)]
+    run.loop.run()
+    records = run.manifest.shards
+    assert [r.state for r in records.values()] == [DONE] * 4
+    assert run.world.published.count(1) == 2 and sorted(set(run.world.published)) == [0, 1, 2, 3]
+    assert records[1].attempts == 2 and records[1].error == ""
+    consumed = [r for r in records.values() if r.location == CONSUMED]
+    assert consumed and all(r.consumed_into == "a test trainer" for r in consumed)
+    local = [r for r in records.values() if r.location == LOCAL]
+    assert run.shard_files() == sorted(r.file for r in local)
+    assert run.budget.used == sum(r.bytes for r in local)
+    assert not list(run.world.directory.glob(".shard-*.consumed")), "declarations left after they were recorded"
+
+
+def test_a_file_lost_again_and_again_fails_its_shard(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, max_attempts=2, rescan_s=0)
+    run.world.runtime.hooks.append(deleter(run, {0}, times=5))
+    run.loop.run()
+    record = run.manifest.shards[0]
+    assert record.state == FAILED and "something deletes the run's files" in record.error
+    assert [r.state for r in run.manifest.shards.values()][1:] == [DONE] * 3

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.shapes import LLAMA_8B
 from jobs import export as export_job
 from jobs.errors import EXIT_FAULT, EXIT_LOCKED
 from jobs.extract import run
@@ -38,6 +37,7 @@ from jobs.status import status_report
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq
+from testbeds.shapes import LLAMA_8B
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     LOCK_HOLDER,
@@ -219,11 +219,12 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
 
     report = verify(run_dir)
     assert report.ok and report.rows == SAMPLES, format_report(report)
-    assert all(f"consumed into {key} (exported, then deleted from output.dir)" in note for note in report.notes)
+    assert report.consumed == {key: list(range(len(shards)))} and report.exported_files_checked == SAMPLES
     summary = run(shaped_config(shaped_runs["model"], shaped_runs["data"], run_dir, run_name + "_norm"))
     assert summary["outcome"] == "nothing_to_do" and not list(run_dir.glob("shard-*.parquet"))
     assert read_token_freq(run_dir) == counts  # counted before the first shard went
-    assert f"consumed:      8 shards deleted from output.dir by exports into {key}" in status_report(run_dir)
+    assert f"consumed:      8 shards deleted from output.dir once their samples were elsewhere: 8 into {key}" \
+        in status_report(run_dir)
     with pytest.raises(ValueError, match=f"every done shard was consumed by an export \\(into {key}\\)"):
         HiddenStatesDataset(run_dir)
 

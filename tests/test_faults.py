@@ -13,6 +13,7 @@ import hashlib
 import http.server
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -32,6 +33,7 @@ from jobs.planning.inputs import read_inputs
 from jobs.planning.preflight import planned_metadata
 from jobs.planning.shards import plan_shards
 from jobs.rundir.summary import read_summary
+from storage.consumed import consume_shard
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
 from tests.helpers import assert_every_sample_once, assert_run_verifies
@@ -225,7 +227,8 @@ def predicted_shard_bytes(model: Path, data: Path, out: Path, *extra: str) -> in
 
 
 class Consumer(threading.Thread):
-    """A trainer taking committed shard files out of output.dir (moving them to ``into``) while the job runs."""
+    """A trainer taking committed shard files out of output.dir (copied to ``into``, then declared consumed and
+    deleted) while the job runs."""
 
     def __init__(self, out: Path, into: Path) -> None:
         super().__init__(daemon=True)
@@ -241,7 +244,8 @@ class Consumer(threading.Thread):
                 records = []
             for record in records:
                 if record["state"] == DONE and record["location"] == LOCAL and (self.out / record["file"]).exists():
-                    (self.out / record["file"]).rename(self.into / record["file"])
+                    shutil.copyfile(self.out / record["file"], self.into / record["file"])
+                    consume_shard(self.out / record["file"], f"{self.into} (a test trainer)")
             time.sleep(0.05)
 
     def __enter__(self) -> "Consumer":

@@ -64,7 +64,7 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
     assert metadata.sglang_version == "0.5.23" and metadata.dtype == "bfloat16"
 
     # the bytes on disk are bit for bit what SGLang returned for the same batches
-    extractor = ExtractorHandle(engine_spec(llama_fp32, [2, 4, 5], dtype="bfloat16"))
+    extractor = ExtractorHandle(engine_spec(llama_fp32, [2, 4, 5], dtype="bfloat16", last_hidden_state="pre_norm"))
     try:
         for shard_start in range(0, len(dataset), 8):
             lengths = dataset.lengths[shard_start : shard_start + 8]

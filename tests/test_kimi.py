@@ -18,7 +18,6 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.shapes import KIMI_K25, kimi_k25_reduced
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from jobs.errors import EXIT_DRAFTER_MISMATCH
@@ -27,6 +26,7 @@ from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
+from testbeds.shapes import KIMI_K25, kimi_k25_reduced
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     check_drafter,

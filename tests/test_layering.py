@@ -7,6 +7,11 @@
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
 - No import circles between the project's modules (module-level imports).
+- Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
+  ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
+  ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
+  import a benchmark only in the test file whose subject that benchmark is (``BENCHMARK_TESTS``):
+  what tests and benchmarks share comes from ``testbeds``, never from ``benchmarks``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ from pathlib import Path
 from tests.conftest import REPO_ROOT
 
 PACKAGES = ("common", "extractor", "jobs", "storage", "training")
+"""The product: what ``pip install`` installs."""
+AROUND = ("testbeds", "benchmarks", "tests")
+"""What sits around the product: the models it is tried on, its benchmarks, its tests."""
 CONFIG_MAY_IMPORT = ("common.checks", "jobs.errors", "storage.schema")
+TESTBEDS_MAY_IMPORT = ("storage",)
+BENCHMARK_TESTS = {"test_benchmarks": ("benchmarks.throughput",), "test_acceptance_cpu": ("benchmarks.acceptance",)}
+"""The test files whose subject is a benchmark, and the benchmark each may import."""
 
 
 def _module_name(path: Path) -> str:
@@ -27,8 +38,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(path): path for package in PACKAGES for path in (REPO_ROOT / package).rglob("*.py")}
+def _modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    return {_module_name(path): path for package in packages for path in (REPO_ROOT / package).rglob("*.py")}
 
 
 def _imports(path: Path, top_level_only: bool) -> set[str]:
@@ -45,10 +56,10 @@ def _imports(path: Path, top_level_only: bool) -> set[str]:
     return found
 
 
-def _violations(rule) -> list[str]:
+def _violations(rule, packages: tuple[str, ...] = PACKAGES) -> list[str]:
     return sorted(
         f"{name} imports {imported}"
-        for name, path in _modules().items()
+        for name, path in _modules(packages).items()
         for imported in _imports(path, top_level_only=False)
         if rule(name, imported)
     )
@@ -91,7 +102,7 @@ def test_config_modules_import_no_implementation():
 
 
 def test_no_import_circles():
-    modules = _modules()
+    modules = _modules((*PACKAGES, *AROUND))
     graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
              for name, path in modules.items()}
     circles: list[list[str]] = []
@@ -114,12 +125,43 @@ def test_no_import_circles():
     assert circles == []
 
 
+def test_the_product_imports_nothing_around_it():
+    assert _violations(lambda name, imported: any(_within(imported, p) for p in AROUND)) == []
+
+
+def test_testbeds_import_of_the_project_only_storage():
+    others = [p for p in (*PACKAGES, *AROUND) if p not in (*TESTBEDS_MAY_IMPORT, "testbeds")]
+    assert _violations(lambda name, imported: any(_within(imported, p) for p in others), ("testbeds",)) == []
+
+
+def test_benchmarks_import_nothing_of_the_tests():
+    assert _violations(lambda name, imported: _within(imported, "tests"), ("benchmarks",)) == []
+
+
+def _imports_a_benchmark_it_does_not_test(name: str, imported: str) -> bool:
+    if not _within(imported, "benchmarks") or imported == "benchmarks":
+        return False
+    return not any(_within(imported, subject) for subject in BENCHMARK_TESTS.get(name.removeprefix("tests."), ()))
+
+
+def test_tests_import_a_benchmark_only_where_it_is_the_subject():
+    """tests/helpers.py, tests/conftest.py and every other test file take the models they need from
+    testbeds; only a benchmark's own test file imports that benchmark."""
+    assert _violations(_imports_a_benchmark_it_does_not_test, ("tests",)) == []
+
+
 def test_the_rules_see_real_imports():
     """The checks above would notice: extractor does import SGLang and jobs' config imports other config."""
     modules = _modules()
     assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"], top_level_only=False))
     assert "extractor.config" in _imports(modules["jobs.config"], top_level_only=True)
     assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"], True)
+    around = _modules(AROUND)
+    assert "testbeds.smollm2" in _imports(around["tests.helpers"], top_level_only=True)
+    assert "storage.atomic" in _imports(around["testbeds.smollm2"], top_level_only=True)
+    assert _imports_a_benchmark_it_does_not_test("tests.helpers", "benchmarks.smollm2")
+    assert _imports_a_benchmark_it_does_not_test("tests.test_benchmarks", "benchmarks.acceptance.stats")
+    assert not _imports_a_benchmark_it_does_not_test("tests.test_acceptance_cpu", "benchmarks.acceptance.stats")
 
 
 def test_test_modules_import_only_the_shared_helpers():

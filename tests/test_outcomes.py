@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.driver.job import run
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE, EXIT_VERIFY_FAILED
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model
 from jobs.rundir.lock import LOCK_FILE
@@ -113,37 +113,53 @@ def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp
     assert not (out / LOCK_FILE).exists() and not (out / MANIFEST_FILE).exists()
 
 
-def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged(ray_cluster, llama_fp32, demo_dataset, tmp_path):
-    """Truncated or replaced files: the rerun used to say "nothing to do" without a look. A deleted file is
-    consumed (as a trainer deletes them), said so and recorded; ``shards=[i]`` writes it again."""
+def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
+    ray_cluster, llama_fp32, demo_dataset, tmp_path,
+):
+    """Truncated, replaced or deleted files: the rerun used to say "nothing to do" without a look, then took a
+    deleted file for consumed (exit 0, its samples gone, jobs.verify OK). A file is consumed only when its consumer
+    declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
+    (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
     out = tmp_path / "out"
     config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0")
     first = run(config)
     assert first["shards_done"] == 5
     files = sorted(out.glob("shard-*.parquet"))
-    untouched = {path.name: path.stat().st_mtime_ns for path in files[3:]}
+    untouched = {files[4].name: files[4].stat().st_mtime_ns}
     with open(files[0], "r+b") as handle:  # truncated
         handle.truncate(files[0].stat().st_size // 2)
-    files[1].unlink()  # deleted
+    files[1].unlink()  # deleted, by no consumer
     data = bytearray(files[2].read_bytes())  # same size, other content: only the checksum sees it
     data[len(data) // 2] ^= 0xFF
     files[2].write_bytes(bytes(data))
 
-    rerun = run(config)  # sizes only (the default): shard 0 again; shard 1's file gone: consumed, as a trainer does
-    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 1
+    verify = subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=120)
+    assert verify.returncode == EXIT_VERIFY_FAILED, verify.stdout + verify.stderr
+    assert f"{files[1]}: missing: the manifest lists shard 1 as done here and no consumer declared it consumed" \
+        in verify.stdout, verify.stdout
+    assert "rerun the job's command with shards=[0,1,2]" in verify.stdout, verify.stdout
+
+    from storage.consumed import consume_shard
+
+    consume_shard(files[3], "trainer run 7")  # declared, then deleted
+    rerun = run(config)  # sizes only (the default): shards 0 and 1 again; shard 3 consumed, as its trainer said
+    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
-    assert {i: r["attempts"] for i, r in records.items()} == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
-    assert records[1]["location"] == CONSUMED and records[1]["state"] == DONE
+    assert {i: r["attempts"] for i, r in records.items()} == {0: 2, 1: 2, 2: 1, 3: 1, 4: 1}
+    assert (records[3]["state"], records[3]["location"]) == (DONE, CONSUMED)
+    assert records[3]["consumed_into"] == "trainer run 7"
+    assert not list(out.glob(".shard-*.consumed")), "the declaration is removed once the manifest records it"
 
     checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
                           "output.resume_check=sha256")
     again = run(checksum)  # with checksums: shard 2 too
     assert again["this_run"]["shards_selected"] == 1
     assert {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}[2] == 2
-    assert {path.name: path.stat().st_mtime_ns for path in files[3:]} == untouched
+    assert {files[4].name: files[4].stat().st_mtime_ns} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
     assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
-                          "shards=[1]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
+                          "shards=[3]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
     assert_every_sample_once(out, demo_dataset)
 
 

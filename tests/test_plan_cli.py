@@ -123,6 +123,28 @@ def test_a_config_mistake_is_one_line_and_exit_2(synthetic_model, demo_dataset, 
     ]
 
 
+def test_the_plan_says_which_exports_the_run_serves(capsys, llama_fp32, demo_dataset, tmp_path):
+    """The default (pre-norm) run serves both trainers, SpecForge's with the checkpoint's own final norm, found
+    before the run starts (Kimi-K2.5's under its language model's prefix, eps from text_config); a post-norm run
+    serves SpecForge only, and the plan says so."""
+    from jobs.inputs.demo import build_tiny_model
+
+    kimi = build_tiny_model(tmp_path / "kimi", arch="kimi_k25", num_layers=4, dtype="bfloat16")
+    for model, weight, eps in ((llama_fp32, "model.norm.weight", "1e-06"),
+                               (kimi, "language_model.model.norm.weight", "1e-06")):
+        code, plan = dry_run(capsys, model, demo_dataset, tmp_path / "out", "extract.layers=[1,2]")
+        assert code == EXIT_OK and plan["final_state"] == "pre_norm"
+        assert plan["exports"] == {
+            "specforge": f"the final norm applied at export ({weight} of {model}, eps {eps})", "speculators": "as stored"}
+    code, plan = dry_run(capsys, llama_fp32, demo_dataset, tmp_path / "out", "extract.last_hidden_state=post_norm")
+    assert plan["exports"]["specforge"] == "as stored"
+    assert plan["exports"]["speculators"].startswith("no: speculators reads the state before the final norm")
+    assert main([f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}", *SETTINGS,
+                 "extract.last_hidden_state=post_norm"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "\nexports  specforge: as stored\n         speculators: no: speculators reads the state before" in printed
+
+
 def test_a_resume_with_other_content_is_refused_before_ray_starts(capsys, monkeypatch, synthetic_model, demo_dataset,
                                                                   tmp_path):
     """output.dir holds a run of other layers; with model.device=auto (the default) the job once found that out

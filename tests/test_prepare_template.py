@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.smollm2 import checkpoint_dir
 from jobs.conversations.demo import CHATML, LLAMA3, build_chat_tokenizer
 from jobs.conversations.reader import to_messages
 from jobs.conversations.template import ChatTemplate, Encoded
+from testbeds.smollm2 import checkpoint_dir
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

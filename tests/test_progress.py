@@ -1,13 +1,21 @@
-"""Progress reporting: the snapshot the driver reports, its log line, and the Grafana dashboard's queries.
+"""Progress reporting: the snapshot the driver reports, its log line, the live line on a terminal (a real
+run under a pseudo-terminal), and the Grafana dashboard's queries.
 
-The metrics endpoint itself is read in tests/test_entry.py, while a submitted job runs.
+The metrics endpoint itself is read in tests/test_entry.py, while a submitted job runs; so are the
+progress lines of a piped run and of `ray job logs`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import re
+import select
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -17,6 +25,7 @@ from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
+from tests.helpers import user_env
 
 DASHBOARD = REPO_ROOT / "dashboards" / "eagle3.json"
 
@@ -82,7 +91,7 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     # Two reports, begin and close (the interval is an hour): one log line each, the close one the last.
     assert len(summary.reports) == 2
     lines = [record.getMessage() for record in caplog.records if record.name == "jobs.driver.progress"]
-    assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, tokens 420/1.0k (42%), ")
+    assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, samples 8/16, tokens 420/1.0k (42%), ")
     assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
 
 
@@ -113,7 +122,7 @@ def test_a_batch_reported_after_its_shard_was_published_counts_once(tmp_path):
     progress.tokens_written(0, 40)  # the last batch's completion, handled after the shard's
     snapshot = progress.snapshot()
     assert (snapshot.tokens_done, snapshot.tokens_planned, snapshot.tokens_to_go) == (100, 100, 0)
-    assert snapshot.describe().startswith("shards 1/1, tokens 100/100 (100%)")
+    assert snapshot.describe().startswith("shards 1/1, samples 4/4, tokens 100/100 (100%)")
 
 
 def test_disk_wait_shows_while_it_lasts(tmp_path):
@@ -152,4 +161,84 @@ def test_status_shows_the_runs_last_progress(tmp_path):
     progress.close()
     assert read_summary(tmp_path)["progress"]["shards_done"] == 1
     report = status_report(tmp_path)
-    assert "last progress: shards 1/2, tokens 60/100 (60%), " in report  # nobody holds the lock: not running
+    assert "last progress: shards 1/2, samples 4/8, tokens 60/100 (60%), " in report  # nobody holds the lock: not running
+
+
+def test_live_line_on_a_terminal(tmp_path):
+    """interactive: the snapshot redrawn in place on the stream (no log line), a log record of the driver
+    printed on a line of its own, the last line kept when the run closes."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4), (1, 4, 8)])
+    screen = io.StringIO()
+    handler = logging.StreamHandler(screen)
+    logging.getLogger().addHandler(handler)
+    try:
+        progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 60, 1: 40}, [0, 1], run="r",
+                               interval_s=3600, interactive=True, stream=screen)
+        progress.begin()
+        logging.getLogger("jobs.driver.scheduler").warning("a record while the line shows")
+        progress.tokens_written(0, 60)
+        manifest.update(0, state=DONE, rows=4, tokens=60, bytes=1000)
+        progress.shard_settled(0)
+        progress.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = screen.getvalue()
+    first = "shards 0/2, samples 0/8, tokens 0/100 (0%), 0 tok/s, ETA ?, disk 0 B/1.0 MB"
+    assert text.startswith(f"\r{first}\x1b[K\r")  # drawn, the cursor back at its start
+    assert f"\r\x1b[Ka record while the line shows\n" in text  # erased first: the record prints whole
+    # kept, the cursor on the next line
+    assert re.search(r"\rshards 1/2, samples 4/8, tokens 60/100 \(60%\), \S+ tok/s, ETA 0s, disk 0 B/1.0 MB\x1b\[K\n$", text)
+
+
+# -- a real run on a terminal ------------------------------------------------------------------------
+
+PROGRESS_TEXT = re.compile(
+    r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B")
+
+
+def run_under_a_terminal(args: list[str], cwd, timeout: float = 600) -> tuple[int, str]:
+    """The command's exit code and everything it wrote to its terminal: a pseudo-terminal is its stdin, stdout
+    and stderr. Its size is left unset, as a bare pty's (and some terminals', `script`'s without one) is: 0
+    columns."""
+    main, child_side = os.openpty()
+    process = subprocess.Popen(args, cwd=cwd, env=user_env(), stdin=child_side, stdout=child_side,
+                               stderr=child_side, start_new_session=True)
+    os.close(child_side)
+    output = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([main], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:  # EIO: every process holding the terminal is gone
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            elif process.poll() is not None:
+                break
+        else:
+            process.kill()
+            raise AssertionError(f"still running after {timeout} s: {output[-3000:].decode(errors='replace')}")
+        return process.wait(timeout=60), output.decode(errors="replace")
+    finally:
+        os.close(main)
+
+
+def test_extract_shows_live_progress_on_a_terminal(tmp_path):
+    """`python -m jobs.extract` on the demo under a pseudo-terminal: between its start line and `N of N shards
+    done`, a live progress line (shards, samples, tokens/s, ETA, disk budget) redrawn in place, the last one
+    kept; no progress log lines on the terminal."""
+    code, screen = run_under_a_terminal(
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2"], tmp_path)
+    assert code == 0, screen[-3000:]
+    start = screen.index("this run extracts 3 of them")
+    end = screen.index("3 of 3 shards done in")
+    between = screen[start:end]
+    drawn = [match.groups() for match in PROGRESS_TEXT.finditer(between)]
+    assert drawn and drawn[-1] == ("3", "3"), between[-3000:]
+    assert "\rshards " in between  # redrawn in place, not logged
+    assert not re.search(r"INFO jobs\.driver\.progress: shards", screen)
+    last = list(PROGRESS_TEXT.finditer(between))[-1]
+    assert between[last.end():].startswith("\x1b[K\r\n")  # the last line stays (the pty turns \n into \r\n)

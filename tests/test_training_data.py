@@ -1,9 +1,12 @@
-"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, docs/training.md's
-training example. Three real runs of the job on a tiny Llama (bf16 post-norm, bf16 pre-norm, fp8
-pre-norm), built once; the sample with id 5 is an invalid row the runs skip, so sample ids have a gap."""
+"""From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, one pre-norm run
+serving both, docs/training.md's training example. Three real runs of the job on a tiny Llama (bf16
+post-norm, bf16 pre-norm, fp8 pre-norm), built once; the sample with id 5 is an invalid row the runs
+skip, so sample ids have a gap."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import pickle
 import re
@@ -17,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from jobs import export as export_job
+from jobs.config import load_config
 from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
@@ -33,6 +37,7 @@ from tests.helpers import (
     speculators_dataset,
 )
 from training import peer_formats
+from training.peer_formats import SPECFORGE_MAX_LEN
 from training.dataset import HiddenStatesDataset, collate
 from training.destination import Destination
 
@@ -56,8 +61,8 @@ def data(tmp_path_factory) -> Path:
 def runs(ray_cluster, llama_fp32, data, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train-runs")
     settings = {
-        "post": [],
-        "pre": ["extract.last_hidden_state=pre_norm"],
+        "post": ["extract.last_hidden_state=post_norm"],
+        "pre": [],  # the default: pre_norm
         "fp8": ["extract.last_hidden_state=pre_norm", "output.state_dtype=float8_e4m3fn"],
     }
     for name, extra in settings.items():
@@ -128,10 +133,8 @@ def test_dataset_refuses_to_mix_runs_and_names_the_setting(runs, tmp_path):
     with pytest.raises(ValueError, match="hold the same sample ids"):
         HiddenStatesDataset(mixed)
     with pytest.raises(ValueError, match=r"speculators stores the verifier's final state before .* "
-                                         r"extract.last_hidden_state=pre_norm into a new output.dir"):
+                                         r"extract.last_hidden_state=pre_norm \(it serves both trainers\) into a new output.dir"):
         HiddenStatesDataset(runs["post"], view="speculators")
-    with pytest.raises(ValueError, match="extract.last_hidden_state=post_norm"):
-        HiddenStatesDataset(runs["pre"], view="specforge")
     with pytest.raises(ValueError, match="raw_fp8=True but .* stored bfloat16"):
         HiddenStatesDataset(runs["pre"], raw_fp8=True)
 
@@ -203,6 +206,57 @@ def test_specforge_export_round_trip_and_resume(runs, tmp_path, capsys):
     assert not (dest / "rows_0-2000/.data_4.ckpt.tmp").exists() and (dest / "rows_0-2000/data_3.ckpt").exists()
     assert export(runs["post"], "specforge", dest) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+def ulps(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """|mine - theirs| in units in the last place of ``theirs`` (its dtype, its binade), where it is not zero."""
+    nonzero = theirs != 0
+    a, b = mine.float()[nonzero], theirs.float()[nonzero]
+    return (a - b).abs() / (torch.finfo(theirs.dtype).eps * torch.exp2(torch.floor(torch.log2(b.abs()))))
+
+
+def test_one_pre_norm_run_serves_both_trainers(runs, llama_fp32, tmp_path, capsys, caplog):
+    """The default run (pre-norm final state) exported to SpecForge: the checkpoint's final norm applied at export,
+    said in the log, the report and the export state; its hidden_state is SGLang's own post-norm state of the same
+    sample (the post-norm run) within a unit in the last place, most values bit for bit; the dataset's SpecForge
+    view gives the same; consume=true verifies and deletes the shards as it does without the norm."""
+    assert load_config([]).extract.last_hidden_state == "pre_norm"
+    assert ShardReader(next(runs["pre"].glob("shard-*.parquet"))).metadata.last_hidden_state == "pre_norm"
+    dest = tmp_path / "specforge"
+    with caplog.at_level(logging.INFO, logger="jobs.export"):
+        assert export(runs["pre"], "specforge", dest) == 0
+    norm = f"model.norm.weight of {llama_fp32}, eps 1e-06"
+    assert f"the files' hidden_state is the model's final norm ({norm}) applied to it at export" in caplog.text
+    assert f"post_norm from the run's pre_norm, the final norm ({norm}) applied at export" in capsys.readouterr().out
+    assert json.loads((dest / ".export_state.json").read_text())["final_norm"] == {"weight": "model.norm.weight",
+                                                                                   "eps": 1e-06}
+    pre, post = shard_samples(runs["pre"]), shard_samples(runs["post"])
+    exported, reference = [], []
+    for sample_id, sample in pre.items():
+        data = torch.load(dest / f"rows_0-2000/data_{sample_id}.ckpt", weights_only=False)
+        assert same(data["aux_hidden_state"][0], post[sample_id].aux_hidden_states)  # the same forward
+        exported.append(data["hidden_state"][0])
+        reference.append(post[sample_id].last_hidden_state)
+    mine, theirs = torch.cat(exported), torch.cat(reference)
+    assert mine.dtype == theirs.dtype == torch.bfloat16
+    equal = (bits(mine) == bits(theirs)).float().mean().item()
+    per_token = ((mine.float() - theirs.float()).norm(dim=-1) / theirs.float().norm(dim=-1)).max().item()
+    print(f"export vs SGLang's post-norm: {equal:.1%} of values bit for bit, at most {ulps(mine, theirs).max():.0f} "
+          f"ulp apart, per token at most {per_token:.2e} (relative L2)")
+    assert ulps(mine, theirs).max() <= 2 and equal > 0.5 and per_token < 1e-2
+    view = HiddenStatesDataset(runs["pre"], view="specforge")
+    for index in range(len(view)):
+        sample_id = view.sample(index).sample_id
+        data = torch.load(dest / f"rows_0-2000/data_{sample_id}.ckpt", weights_only=False)
+        assert same(view[index]["target"][0], data["hidden_state"][0, :SPECFORGE_MAX_LEN])
+
+    consumed = tmp_path / "run-pre"
+    shutil.copytree(runs["pre"], consumed)
+    assert export(consumed, "specforge", tmp_path / "consumed", "consume=true") == 0
+    assert not list(consumed.glob("shard-*.parquet"))
+    for path in (tmp_path / "consumed").rglob("*.ckpt"):
+        assert same(torch.load(path, weights_only=False)["hidden_state"], torch.load(dest / path.relative_to(
+            tmp_path / "consumed"), weights_only=False)["hidden_state"])
 
 
 # -- speculators ------------------------------------------------------------------------------------
@@ -341,7 +395,10 @@ def test_fp8_export_requantizes_per_token(runs, tmp_path, monkeypatch):
 # -- refusals, before anything is written ---------------------------------------------------------
 
 @pytest.mark.parametrize("run_name, to, extra, message", [
-    ("pre", "specforge", [], r"SpecForge trains against the final state after .* extract.last_hidden_state=post_norm"),
+    ("pre", "specforge", ["exact=true"], r"exact=true but .* stored the pre-norm final state: SpecForge trains against "
+                                         r"the final state after .* extract.last_hidden_state=post_norm"),
+    ("pre", "specforge", ["model_path=/nonexistent"], r"the model's final norm would be applied .* cannot read the "
+                                                      r"checkpoint's config.json .* model_path=DIR"),
     ("post", "speculators", [], r"before its final norm .* extract.last_hidden_state=pre_norm"),
     ("fp8", "speculators", ["exact=true"], r"stored fp8 states .* output.state_dtype=model"),
     ("post", "specforge", ["fp8=true"], r"SpecForge reads model-dtype states only"),

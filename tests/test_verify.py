@@ -116,7 +116,8 @@ def test_every_problem_is_listed_one_line_each(tmp_path, capsys):
     problems = "\n".join(lines)
     expected = [
         r"shard-00000.parquet: sha256 \w+ differs from the manifest's \w+; the file changed .* shards=\[0\]",
-        r"shard-00001.parquet: missing: the manifest lists shard 1 as done in output.dir",
+        r"shard-00001.parquet: missing: the manifest lists shard 1 as done here and no consumer declared it "
+        r"consumed .*: it was lost; rerun the job.s command: it extracts the shard again",
         rf"shard-00002.parquet: {ROWS} rows, the manifest recorded {ROWS + 1}; .*shards=\[2\]",
         r"shard-00002.parquet: \d+ tokens, the manifest recorded 1;",
         r"shard-00003.parquet: 1 sample ids are written more than once: \[13\]",

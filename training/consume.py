@@ -11,20 +11,24 @@ run's local shards (and before it reads the next shard):
    and last samples (kept as the export read them from the shard) are loaded as the trainer
    loads them (``torch.load``, ``safetensors``) and compared, tensor by tensor, bit for bit, with
    what the format makes of them and with their own token ids and states;
-3. recorded: the run's manifest marks the shard ``consumed`` into ``<format>:<dest>``
-   (``consumed_into``, one fsynced journal line): ``jobs.verify`` notes it instead of a missing
-   file, a resumed extraction counts it as done, the dataset leaves it out saying where it went;
+3. recorded: the list of the files made of the shard, with their sizes and sha256, is written into
+   the export (``storage.exported``, ``.export-files/``) and made durable; then the run's manifest
+   marks the shard ``consumed`` into ``<format>:<dest>`` (``consumed_into``), with the list's own
+   sha256 (one fsynced journal line): ``jobs.verify`` checks the export's files against the list
+   instead of a missing file, a resumed extraction counts the shard as done, the dataset leaves it
+   out saying where it went;
 4. deleted: the shard file is unlinked and output.dir fsynced.
 
 A kill anywhere leaves what a rerun finishes: before 3 the shard is still the run's, its files
 are read back and compared again, and any that differ are written again; between 3 and 4 the
-rerun deletes the file. No shard is deleted while a file of it is unverified, and the export
-works on one shard at a time, so it holds at most one shard's files beyond the run: the disk
-peaks at about the larger of the run and its export, plus one shard. The export is a little
-larger than the run (int64 token ids and a header per file: about 0.03% at Kimi-K2.5's shape),
-and larger still when it widens the states (an fp8 run to SpecForge's model dtype: twice);
-``check_space`` refuses, before anything is written, an export whose peak would not fit.
-"""
+rerun deletes the file. A rerun checks the files of the shards consumed already against their
+lists: the export is the only copy of their samples. No shard is deleted while a file of it is
+unverified, and the export works on one shard at a time, so it holds at most one shard's files
+beyond the run: the disk peaks at about the larger of the run and its export, plus one shard.
+The export is a little larger than the run (int64 token ids and a header per file: about 0.03%
+at Kimi-K2.5's shape), and larger still when it widens the states (an fp8 run to SpecForge's
+model dtype: twice); ``check_space`` refuses, before anything is written, an export whose peak
+would not fit. """
 
 from __future__ import annotations
 
@@ -34,12 +38,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from storage.atomic import fsync_path
+from storage.exported import check_exported_files, list_bytes, list_path, sha256_of
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
@@ -102,16 +107,28 @@ class ShardConsumer:
                     "kept; check the disk under dest, then rerun the same command (the file is written again)"
                 )
         self._check_first_and_last(shard, ends)
-        self.manifest.update(shard.index, location=CONSUMED, consumed_into=self.job.key)
+        listed = self._list_files(shard, puts)
+        self.manifest.update(shard.index, location=CONSUMED, consumed_into=self.job.key,
+                             exported_files_sha256=sha256_of(listed))
         self._delete(Path(shard.url))
         self.report["consumed"] += 1
         self.report["freed_bytes"] += shard.bytes
         logger.info("shard %d: %d files exported and verified, %s deleted (%.1f MB freed)", shard.index, len(puts),
                     shard.name, shard.bytes / 1e6)
 
+    def _list_files(self, shard: ExportShard, puts: Sequence[Put]) -> bytes:
+        """The list of the shard's files with their sizes and sha256 (``storage.exported``), written into the export
+        and made durable before the manifest records the shard consumed; returns its bytes."""
+        samples = set(self.job.paths(shard, rows=False))  # speculators' rows file goes once the dataset is made
+        files = {put.path: (put.size, put.sha256) for put in puts if put.path in samples}
+        listed = list_bytes(shard.name, files)
+        self.job.dest.write_bytes(list_path(shard.name), listed)
+        self.job.dest.sync_directories([list_path(shard.name)])
+        return listed
+
     def finish_consumed(self, shard: ExportShard, rows: bool) -> None:
-        """A shard consumed into this export earlier: its files must all be here; with ``consume``, a shard file
-        left behind (killed between recording and deleting) is deleted now."""
+        """A shard consumed into this export earlier: its files must all be here, as they were when it was consumed;
+        with ``consume``, a shard file left behind (killed between recording and deleting) is deleted now."""
         missing = [path for path in self.job.paths(shard, rows) if path not in self.present]
         if missing:
             raise ExportVerificationError(
@@ -120,6 +137,7 @@ class ShardConsumer:
                 f"since, and the run no longer holds them. Rerun the extraction with shards=[{shard.index}] to write "
                 "the shard again, then this export"
             )
+        check_consumed(self.job, shard, self._pool.map)
         leftover = self.directory / shard.name if self.directory is not None else None
         if self.manifest is not None and leftover is not None and leftover.exists():
             self._delete(leftover)
@@ -164,6 +182,23 @@ class ShardConsumer:
     def _delete(self, path: Path) -> None:
         path.unlink()
         fsync_path(path.parent)  # the deletion is durable before the next shard's files are written
+
+
+def check_consumed(job: PreparedExport, shard: ExportShard, map_: Callable[..., Iterable[Any]] = map) -> None:
+    """The files of a shard consumed into this export, the only copy of its samples, against the sizes and sha256
+    listed when it was consumed (shards consumed before exports listed them: not checked);
+    ExportVerificationError naming every file that differs (``map_`` hashes them, a pool's map in threads)."""
+    if not shard.exported_files_sha256:
+        return
+    _, problems = check_exported_files(job.dest.fs, job.dest.root, shard.name, shard.exported_files_sha256, map_)
+    if problems:
+        named = "; ".join(f"{job.dest.url}/{path}: {what}" for path, what in problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ExportVerificationError(
+            f"{named}{more}. {shard.name} was consumed into this export, the only copy of its samples now: rerun the "
+            f"extraction with shards=[{shard.index}] to write the shard again, then this command (it writes the "
+            "shard's files again)"
+        )
 
 
 def load_file(trainer: str, data: bytes) -> dict[str, torch.Tensor]:

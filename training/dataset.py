@@ -20,6 +20,7 @@ opens its own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,6 +37,7 @@ from storage.run_index import RunIndex, open_parquet
 from storage.schema import ShardMetadata
 from storage.token_freq import TokenCounter, read_token_freq
 from training import peer_formats
+from training.final_state import FinalNorm, FinalNormSource, final_norm_for
 
 SAMPLE = "sample"
 VIEWS = (SAMPLE, peer_formats.SPECFORGE, peer_formats.SPECULATORS)
@@ -65,9 +67,11 @@ class HiddenStatesDataset(Dataset):
     """Samples of one or more runs (``output.dir`` paths or URLs of shard files), in run, file and row order.
 
     ``view`` picks the item: ``sample`` (``sample_item``), ``specforge`` (SpecForge's offline
-    item, ``normalize_offline_sample``, cut to ``max_len``; needs a post-norm run) or ``speculators``
-    (speculators' ``ArrowDataset`` item, states cast to ``hidden_states_dtype``; needs a pre-norm
-    run). ``storage_options`` go to fsspec for URLs (a sink's endpoint and keys).
+    item, ``normalize_offline_sample``, cut to ``max_len``; from a pre-norm run, the final state is
+    the checkpoint's final norm applied to it, ``model_path`` or the run's model.path:
+    ``training.final_state``) or ``speculators`` (speculators' ``ArrowDataset`` item, states cast
+    to ``hidden_states_dtype``; needs a pre-norm run). ``storage_options`` go to fsspec for URLs (a
+    sink's endpoint and keys).
 
     Order: ``sample`` and ``speculators`` keep the files' order, which in a run of the job is by
     sample id (speculators' rows, as ``jobs.export`` numbers them); ``specforge`` goes as
@@ -89,6 +93,7 @@ class HiddenStatesDataset(Dataset):
         train_ratio: float = 1.0,
         split: str = TRAIN,
         storage_options: Mapping[str, Any] | None = None,
+        model_path: str = "",
     ) -> None:
         if view not in VIEWS:
             raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
@@ -105,8 +110,10 @@ class HiddenStatesDataset(Dataset):
         self.max_len = max_len
         self.hidden_states_dtype = hidden_states_dtype
         self.storage_options = dict(storage_options or {})
+        self.final_norm: FinalNormSource | None = None
+        """The final norm the ``specforge`` view applies to a pre-norm run's final state."""
         if view != SAMPLE:
-            peer_formats.check_final_state(view, self.metadata, str(runs))
+            self.final_norm = final_norm_for(view, self.metadata, str(runs), model_path)
             if raw_fp8:
                 raise ValueError(f"view={view!r} returns what that trainer reads, model-dtype states: drop raw_fp8")
         if raw_fp8 and not self.metadata.fp8:
@@ -204,7 +211,11 @@ class HiddenStatesDataset(Dataset):
         hidden = self.metadata.hidden_size
         if self.view == peer_formats.SPECFORGE:
             max_len = self.max_len
-            return lambda sample: peer_formats.specforge_item(sample, max_len)
+            if self.final_norm is None:
+                return lambda sample: peer_formats.specforge_item(sample, max_len)
+            norm = FinalNorm(self.final_norm, getattr(torch, self.metadata.dtype))
+            return lambda sample: peer_formats.specforge_item(
+                dataclasses.replace(sample, last_hidden_state=norm(sample.last_hidden_state)), max_len)
         if self.view == peer_formats.SPECULATORS:
             dtype = self.hidden_states_dtype
             return lambda sample: peer_formats.speculators_item(sample, hidden, dtype)

@@ -2,7 +2,10 @@
 
 A file is written under a hidden temp name beside its final one (``.<name>.tmp``),
 fsynced when local, then renamed: a reader never sees a partial file under a final
-name, so "the file exists" means "the file is complete" and a rerun can skip it. On
+name, so "the file exists" means "the file is complete" and a rerun can skip it. A local
+temp file is created new without following a link, and the rename replaces a link at
+the final name instead of writing through it; a directory below the root that is a link
+is refused (``storage.atomic``): nothing is written outside ``dest``. On
 object stores whose objects appear only once their upload completes (S3, GCS, Azure),
 the file is uploaded to its final name directly: a rename there is a copy.
 """
@@ -19,7 +22,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.atomic import fsync_path
+from storage.atomic import fsync_path, open_new
 
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
@@ -63,7 +66,7 @@ class Destination:
         temp = f"{posix_parent(target)}/{TEMP_PREFIX}{posix_name(target)}{TEMP_SUFFIX}"
         try:
             if self.local:
-                with open(temp, "wb") as file:
+                with open_new(temp) as file:  # never through a link planted at the temp name
                     produce(file)
                     size = file.tell()
                     file.flush()
@@ -161,8 +164,23 @@ class Destination:
             if directory in self._made:
                 return
         self.fs.makedirs(directory, exist_ok=True)
+        if self.local:
+            self._refuse_links(directory)
         with self._lock:
             self._made.add(directory)
+
+    def _refuse_links(self, directory: str) -> None:
+        """A local directory below the root that is a symbolic link would take the files written "into" it
+        elsewhere: refused (ValueError), naming it."""
+        root = Path(self.root)
+        path = Path(directory)
+        while path != root and root in path.parents:
+            if path.is_symlink():
+                raise ValueError(
+                    f"{path} is a symbolic link (to {os.readlink(path)}): files written into it would land outside "
+                    f"{self.url}. This export never makes links; remove it, then rerun"
+                )
+            path = path.parent
 
     def _remove_quietly(self, path: str) -> None:
         try:

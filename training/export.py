@@ -6,21 +6,25 @@ speculators' preprocessed dataset (``save_to_disk``: ``input_ids``, ``loss_mask`
 ``seq_len``, with ``token_freq.pt``) and ``hidden_states/hs_{i}.safetensors`` for its row ``i``.
 
 What the format needs is checked before anything is written: the final state the trainer
-reads (post-norm for SpecForge, pre-norm for speculators), a complete run, bit-exact states
-when ``exact=true``, room for the files on a local ``dest``. Then it goes a shard at a time:
-one row group of the shard read at a time, at most ``2 * threads`` samples being written,
-each file whole or absent (``training.destination``); speculators' rows of the shard go to a
-small hidden file beside them (``.export-rows/``), from which the dataset is made at the end.
+reads (post-norm for SpecForge, pre-norm for speculators; a pre-norm run serves SpecForge too,
+the checkpoint's final norm applied at export: ``training.final_state``), a complete run,
+bit-exact states when ``exact=true``, room for the files on a local ``dest``. Then it goes a
+shard at a time: one row group of the shard read at a time, at most ``2 * threads`` samples
+being written, each file whole or absent (``training.destination``); speculators' rows of the
+shard go to a small hidden file beside them (``.export-rows/``), from which the dataset is made
+at the end.
 With ``consume=true`` each of the run's local shard files is deleted once its files are
 written, durable and verified against it (``training.consume``), so that the export needs
 one shard's worth of space beyond the run instead of a second copy.
 
 ``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
-metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips
-the files already there (with ``consume=true`` it reads them back first and rewrites any that
-differ), and an export of anything else into that ``dest`` is refused. Exit codes: 0 done, 2
-bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job
-holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
+metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips the
+files already there (with ``consume=true`` it reads them back first and rewrites any that
+differ; the files of shards consumed already are checked against the sizes and sha256 listed
+when they were, ``storage.exported``), and an export of anything else into that ``dest`` is
+refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while writing
+(rerun: it resumes), 5 a job holds the run (consume=true), 130/143 stopped by a signal (rerun:
+it resumes).
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ from storage.run_index import (
 from storage.schema import ShardMetadata
 from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
-from training.consume import ShardConsumer, check_space
+from training.consume import ShardConsumer, check_consumed, check_space
 from training.destination import Destination, is_temp
+from training.final_state import FinalNorm, FinalNormSource, final_norm_for
 from training.peer_formats import SPECFORGE, SPECULATORS
 
 logger = logging.getLogger("jobs.export")
@@ -109,7 +114,11 @@ class ExportConfig:
     """speculators: true writes its fp8 variant (float8_e4m3fn, one float32 scale per token), false the model dtype.
     Unset: fp8 when the run stored fp8, else the model dtype."""
     exact: bool = False
-    """Refuse unless the files hold the states exactly as SGLang computed them (a run with fp8 states cannot)."""
+    """Refuse unless the files hold the states exactly as SGLang computed them (a run with fp8 states cannot, nor
+    SpecForge's export of a pre-norm run, whose post-norm state the export computes)."""
+    model_path: str = ""
+    """SpecForge's export of a run with the pre-norm final state: the checkpoint whose final norm is applied to it
+    (its safetensors and config.json). Empty: the run's model.path."""
     allow_partial: bool = False
     """Export a run whose manifest still has shards not done (only the done ones)."""
     threads: int = 4
@@ -149,19 +158,29 @@ class ExportPlan:
     """Read the shards' raw fp8 values and scales (an fp8 run exported as fp8: re-quantized from float32)."""
     states: str
     """What the files hold: the model dtype's name, or float8_e4m3fn."""
+    final_norm: Optional[FinalNormSource] = None
+    """The final norm applied to the run's pre-norm final state (SpecForge's export of a pre-norm run)."""
     notes: tuple[str, ...] = ()
 
 
 def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[str]) -> ExportPlan:
     """What will be written, or a ValueError naming what the run lacks and the setting to rerun with."""
     run = config.output.dir
-    peer_formats.check_final_state(config.to, meta, run)
+    final_norm = final_norm_for(config.to, meta, run, config.model_path, config.exact)
     if left_out and not config.allow_partial:
         raise ValueError(
             f"{'; '.join(left_out)}. Finish the run first (rerun its jobs.extract command; shards=failed reruns "
             "failed shards), or pass allow_partial=true to export the done shards only"
         )
     notes: list[str] = []
+    if final_norm is not None:
+        notes.append(
+            f"the run stored the pre-norm final state: the files' hidden_state is the model's final norm "
+            f"({final_norm.describe()}) applied to it at export, as SGLang computes it (in {meta.dtype}: "
+            + ("SGLang's own post-norm state bit for bit" if meta.dtype == "float32" else
+               "most values SGLang's own post-norm state bit for bit, the others one step apart; docs/training.md")
+            + ")"
+        )
     if meta.fp8 and config.exact:
         raise ValueError(
             f"exact=true but {run} stored fp8 states (output.state_dtype=float8_e4m3fn), which are not the states "
@@ -179,7 +198,7 @@ def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[st
                "for every layer but the token's largest" if meta.fp8 else f"quantized from the {meta.dtype} states")
         )
     return ExportPlan(config.to, fp8, read_raw=meta.fp8 and fp8, states=schema.FP8 if fp8 else meta.dtype,
-                      notes=tuple(notes))
+                      final_norm=final_norm, notes=tuple(notes))
 
 
 @dataclasses.dataclass
@@ -203,6 +222,9 @@ class ExportShard:
     """local | sink | consumed, as the manifest says (empty without a manifest)."""
     bytes: int = 0
     tokens: int = 0
+    exported_files_sha256: str = ""
+    """A shard consumed into this export: the sha256 of its files' list (``storage.exported``), as the run's manifest
+    recorded it (empty for one consumed before exports listed their files)."""
 
     @property
     def consumed(self) -> bool:
@@ -226,6 +248,8 @@ class PreparedExport:
     key: str
     """How the run's manifest names this export in a consumed shard's ``consumed_into``."""
     state: dict[str, Any]
+    final_norm: Optional[FinalNorm] = None
+    """``plan.final_norm``, loaded."""
 
     @property
     def samples(self) -> int:
@@ -242,6 +266,13 @@ class PreparedExport:
         which lives until the dataset is written."""
         paths = [self.path(shard, int(sample_id)) for sample_id in shard.ids]
         return paths + [rows_file(shard)] if rows and self.plan.trainer == SPECULATORS else paths
+
+    def as_trained(self, sample: Sample) -> Sample:
+        """The sample with the final state the trainer reads: the final norm applied where the run stored the
+        pre-norm state and the trainer reads the post-norm one."""
+        if self.final_norm is None:
+            return sample
+        return dataclasses.replace(sample, last_hidden_state=self.final_norm(sample.last_hidden_state))
 
     def file_tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
         """The tensors of the sample's file, as the trainer's loader gets them back."""
@@ -271,7 +302,8 @@ def prepare(config: ExportConfig) -> PreparedExport:
     metadata = index.metadata if index is not None else _stored_metadata(stored, config)
     plan = plan_export(config, metadata, left_out)
     shards = _shards(index, readable, consumed, stored, config, dest)
-    job = PreparedExport(config, metadata, plan, shards, dest, key, state={})
+    final_norm = FinalNorm(plan.final_norm, getattr(torch, metadata.dtype)) if plan.final_norm is not None else None
+    job = PreparedExport(config, metadata, plan, shards, dest, key, state={}, final_norm=final_norm)
     check_space(job)
     job.state = _claim(dest, _identity(plan, metadata, shards))
     return job
@@ -348,6 +380,7 @@ def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Option
         shards.append(ExportShard(
             name=record["file"], rows=mine["rows"], sha256=mine["sha256"], ids=_ids_from_ranges(mine["sample_ids"]),
             index=record["index"], location=CONSUMED, bytes=record["bytes"], tokens=record["tokens"],
+            exported_files_sha256=record.get("exported_files_sha256", ""),
         ))
     shards.sort(key=lambda shard: (int(shard.ids[0]) if len(shard.ids) else -1, shard.name))
     row = 0
@@ -396,6 +429,8 @@ def _identity(plan: ExportPlan, metadata: ShardMetadata, shards: Sequence[Export
     }
     if plan.trainer == SPECULATORS:  # hs_{i} names rows, not sample ids: the order is part of what was written
         identity["sample_ids"] = id_ranges([shard.ids for shard in shards])
+    if plan.final_norm is not None:  # its weight is in every file's final state
+        identity["final_norm"] = {"weight": plan.final_norm.weight_name, "eps": plan.final_norm.eps}
     return json.loads(json.dumps(identity))
 
 
@@ -443,9 +478,14 @@ def write(job: PreparedExport) -> dict[str, Any]:
     for note in plan.notes:
         logger.info("%s", note)
     report = {"dest": config.dest, "format": plan.trainer, "states": plan.states, "samples": job.samples,
-              "written": 0, "skipped": 0, "bytes": 0, "consumed": 0, "freed_bytes": 0}
+              "final_state": _final_state(job), "written": 0, "skipped": 0, "bytes": 0, "consumed": 0,
+              "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
     if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
+        with concurrent.futures.ThreadPoolExecutor(config.threads) as pool:
+            for shard in job.shards:  # the only copy of a consumed shard's samples: still as it was exported?
+                if shard.consumed:
+                    check_consumed(job, shard, pool.map)
         dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
         report["skipped"] = job.samples
         return _finish(report, started, already_complete=True)
@@ -469,6 +509,13 @@ def write(job: PreparedExport) -> dict[str, Any]:
     dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
     dest.remove(ROWS_DIR)  # the dataset holds them now (removed after the state says so: a rerun needs them till then)
     return _finish(report, started)
+
+
+def _final_state(job: PreparedExport) -> str:
+    """What the files' final state is, for the report."""
+    if job.plan.final_norm is not None:
+        return f"post_norm from the run's pre_norm, the final norm ({job.plan.final_norm.describe()}) applied at export"
+    return job.metadata.last_hidden_state
 
 
 def _export_shard(job: PreparedExport, shard: ExportShard, present: dict[str, int], writers: "_Writers",
@@ -525,7 +572,8 @@ def _shard_samples(job: PreparedExport, shard: ExportShard,
                 yield [], len(paths), last_group
                 continue
             table = parquet.read_row_group(group)
-            yield [(paths[row], sample_from_table(table, row, job.metadata, job.plan.read_raw)) for row in wanted], \
+            yield [(paths[row], job.as_trained(sample_from_table(table, row, job.metadata, job.plan.read_raw)))
+                   for row in wanted], \
                 len(paths) - len(wanted), last_group
     finally:
         parquet.close()
@@ -626,11 +674,23 @@ def _write_speculators_dataset(job: PreparedExport) -> int:
         rows = datasets.Dataset.from_file(arrow_path).with_format("torch")
         if len(rows) != job.samples:
             raise RuntimeError(f"{len(rows)} dataset rows for {job.samples} exported samples")
-        rows.save_to_disk(dest.url, storage_options=dict(dest.fs.storage_options))
-        size = dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
-        return size + os.path.getsize(arrow_path)  # save_to_disk writes the same Arrow data
+        # Saved here, then each file published into dest whole (temp, fsync, rename), never written through a link
+        # there; state.json, which makes it a dataset for load_from_disk, last.
+        saved = os.path.join(scratch, "dataset")
+        rows.save_to_disk(saved)
+        del rows
+        os.remove(arrow_path)
+        size = 0
+        for name in sorted(os.listdir(saved), key=lambda name: (name == "state.json", name)):
+            size += dest.write(name, lambda file, name=name: _copy_file(os.path.join(saved, name), file))
+        return size + dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _copy_file(source: str, file: Any) -> None:
+    with open(source, "rb") as handle:
+        shutil.copyfileobj(handle, file, 8 << 20)
 
 
 # -- writing threads and progress -----------------------------------------------------------------

@@ -47,20 +47,7 @@ from typing import Any
 import torch
 
 from storage.reader import Sample
-from storage.schema import ShardMetadata
-
-SPECFORGE = "specforge"
-SPECULATORS = "speculators"
-FORMATS = (SPECFORGE, SPECULATORS)
-
-FINAL_STATE = {SPECFORGE: "post_norm", SPECULATORS: "pre_norm"}
-"""The final state each trainer's files hold."""
-_FINAL_STATE_USE = {
-    SPECFORGE: "SpecForge trains against the final state after the model's final norm (its trainer applies "
-               "only lm_head)",
-    SPECULATORS: "speculators stores the verifier's final state before its final norm (its trainer applies "
-                 "the norm, then lm_head)",
-}
+from training.final_state import FORMATS, SPECFORGE, SPECULATORS  # noqa: F401 - the trainers, named here too
 
 SPECFORGE_GROUP_SIZE = 2000
 """Files per ``rows_*`` folder: SpecForge's ``--file-group-size`` default."""
@@ -74,19 +61,6 @@ SPECULATORS_MIN_SCALE = 1e-12
 """speculators clamps its fp8 scales to at least this (a token of zeros)."""
 QUANTIZE_CHUNK_TOKENS = 256
 """Tokens quantized at once: bounds the float32 temporaries of a long sample."""
-
-
-def check_final_state(trainer: str, metadata: ShardMetadata, run: str) -> None:
-    """Refuse a run whose final state is not the one ``trainer`` reads, naming the setting to rerun with."""
-    wanted = FINAL_STATE[trainer]
-    if metadata.last_hidden_state != wanted:
-        stored = {"none": "no final state", "post_norm": "the post-norm final state",
-                  "pre_norm": "the pre-norm final state"}[metadata.last_hidden_state]
-        raise ValueError(
-            f"{run} stored {stored} (extract.last_hidden_state={metadata.last_hidden_state}); "
-            f"{_FINAL_STATE_USE[trainer]}. Rerun the extraction with extract.last_hidden_state={wanted} "
-            "into a new output.dir"
-        )
 
 
 # -- SpecForge ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,7 +19,7 @@ import numpy as np
 import ray
 
 from extractor.types import CapturedBatch, TokenBatch, split_flat
-from jobs.errors import RERUN, JobFault
+from jobs.errors import RERUN, JobFault, is_disk_full
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 from storage.writer import StageClock, temp_file_name
 
@@ -116,7 +115,7 @@ class WriterActor:
             return writer.finalize()
         except OSError as error:
             writer.abort()
-            if _disk_full(error):
+            if is_disk_full(error):
                 raise ShardDiskFull(f"shard {shard}: {type(error).__name__}: {error}") from None
             raise
         except BaseException:
@@ -144,18 +143,13 @@ class WriterActor:
         message = f"shard {shard} ({where}): {type(error).__name__}: {error}"
         if isinstance(error, _EXTRACTOR_GONE):
             self._failed[shard] = ExtractorLost(message)
-        elif _disk_full(error):
+        elif is_disk_full(error):
             self._failed[shard] = ShardDiskFull(message)
         else:
             self._failed[shard] = ShardFailed(message)
         writer = self._open.pop(shard, None)
         if writer is not None:
             writer.abort()
-
-
-def _disk_full(error: BaseException) -> bool:
-    # pyarrow reports ENOSPC as an OSError whose errno is not always set; its message names it.
-    return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))
 
 
 # Writers start in a few seconds; much longer means Ray has no CPU slot for them.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from storage.atomic import write_synced
+from storage.consumed import RECORD_GLOB, file_of_record, read_records
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
 
 CLAIM_FILE = ".eagle3-claim.json"
@@ -71,13 +72,19 @@ def _remove(directory: str, names: list[str]) -> None:
         (Path(directory) / name).unlink(missing_ok=True)
 
 
+def _consumed(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    return read_records(Path(directory), names)
+
+
 def _clean(directory: str, keep: set[str]) -> list[str]:
-    """Temp files, and shard files not in ``keep``, removed; returns what went."""
+    """Temp files, shard files not in ``keep`` and the consumption records of files not in ``keep`` (of shards
+    recorded consumed already, or written again now), removed; returns what went."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     removed = []
-    for file in [*path.glob(TEMP_GLOB), *path.glob(SHARD_GLOB)]:
-        if file.is_file() and file.name not in keep:
+    for file in [*path.glob(TEMP_GLOB), *path.glob(SHARD_GLOB), *path.glob(RECORD_GLOB + "*")]:
+        declared = file_of_record(file.name)
+        if file.name not in keep and (declared is None or declared not in keep) and not file.is_dir():
             file.unlink()
             removed.append(file.name)
     return removed
@@ -99,6 +106,8 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     claim = path / CLAIM_FILE
+    if claim.is_symlink():  # never a claim (a run writes a plain file): removed, what it points to untouched
+        claim.unlink()
     if not claim.exists():
         files = sorted(file.name for file in [*path.glob(SHARD_GLOB), *path.glob(TEMP_GLOB)])
         if files and not adopt_files:
@@ -139,6 +148,10 @@ class LocalDisk:
 
     def remove(self, names: Iterable[str]) -> None:
         _remove(str(self.directory), list(names))
+
+    def consumed(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """File name -> its consumption record (``storage.consumed``), for those of ``names`` declared consumed."""
+        return _consumed(str(self.directory), list(names))
 
     def clean(self, keep: set[str]) -> list[str]:
         return _clean(str(self.directory), keep)
@@ -186,6 +199,9 @@ class NodeDisk(LocalDisk):
 
     def remove(self, names: Iterable[str]) -> None:
         self._run(_remove, str(self.directory), list(names))
+
+    def consumed(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        return self._run(_consumed, str(self.directory), list(names))
 
     def clean(self, keep: set[str]) -> list[str]:
         return self._run(_clean, str(self.directory), keep)

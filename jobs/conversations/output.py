@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from jobs.conversations.reader import RowSource
 from jobs.conversations.template import Encoded
 from jobs.rundir.lock import LOCK_FILE
-from storage.atomic import fsync_path, write_synced
+from storage.atomic import fsync_path, open_new, remove_quietly, write_synced
 
 RECORD_FILE = "_prepare.json"
 SKIPPED_FILE = "_skipped_rows.jsonl"
@@ -160,7 +160,7 @@ def _is_own_entry(path: Path) -> bool:
     if name in (RECORD_FILE, SKIPPED_FILE, LOCK_FILE) or (name.startswith(".") and name.endswith(".tmp")):
         return True
     if name == REGENERATED_DIR:
-        return path.is_dir()
+        return path.is_dir() and not path.is_symlink()
     return name.startswith("part-") and name.endswith(".parquet") and is_own_part(path)
 
 
@@ -196,9 +196,14 @@ def write_part(out: Path, shard: int, conversation_ids: Sequence[int], rows: Seq
         schema=SCHEMA.with_metadata({PART_METADATA_KEY: json.dumps(metadata, sort_keys=True)}),
     )
     temp = temp_path(out / part_name(shard))
-    pq.write_table(table, temp, row_group_size=ROW_GROUP_ROWS, compression=_COMPRESSION)
-    with open(temp, "rb") as handle:
-        os.fsync(handle.fileno())
+    try:
+        with open_new(temp) as handle:  # never through a link planted at the temp name
+            pq.write_table(table, handle, row_group_size=ROW_GROUP_ROWS, compression=_COMPRESSION)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        remove_quietly(temp)
+        raise
     return temp
 
 
@@ -236,7 +241,7 @@ class SkippedRows:
     def __init__(self, out: Path) -> None:
         self.path = out / SKIPPED_FILE
         self._temp = temp_path(self.path)
-        self._handle = open(self._temp, "w")
+        self._handle = open_new(self._temp, "w")
         self.count = 0
         self.by_kind: dict[str, int] = {}
         self.first: list[dict[str, Any]] = []
@@ -271,6 +276,9 @@ def write_regenerated(out: Path, shard: int, records: Iterable[dict[str, Any]]) 
     """A regenerated shard, whole or absent: the unit a killed run resumes from."""
     directory = out / REGENERATED_DIR
     directory.mkdir(exist_ok=True)
+    if directory.is_symlink():  # its files would land wherever it points
+        raise ValueError(f"{directory} is a symbolic link (to {os.readlink(directory)}), not the directory this "
+                         "command makes: remove it, then rerun")
     path = directory / regenerated_name(shard)
     write_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     return path

@@ -22,8 +22,9 @@ from typing import Any, Iterator, Optional
 
 import ray
 
-from extractor.checkpoint import read_checkpoint_info
+from extractor.checkpoint import read_checkpoint_info, read_config, text_config
 from extractor.generator import GeneratorSpec
+from extractor.serving import ServingSettings, effective_model, parse_serving
 from jobs.cluster.session import ray_session, resolve_device
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
@@ -55,6 +56,8 @@ class Inputs:
     total: int
     max_length: int
     out: Path
+    serving: Optional[ServingSettings] = None
+    """``model.serving`` as the installed SGLang parsed it, with regenerate=true (its values are in ``config.model``)."""
 
     @property
     def shards(self) -> int:
@@ -66,8 +69,14 @@ class Inputs:
         if not config.regenerate:
             return None
         generation = dataclasses.asdict(config.generation)
+        server_args = self.server_args()
         return {**self._input_content(), "model.path": config.model.path, "model.dtype": config.model.dtype,
-                **{f"generation.{key}": value for key, value in generation.items()}}
+                **{f"generation.{key}": value for key, value in generation.items()},
+                **({"model.serving": server_args} if server_args else {})}
+
+    def server_args(self) -> dict[str, Any]:
+        """The serving command's settings the engine applies (beyond the model.* keys)."""
+        return self.serving.server_args_for(self.config.model) if self.serving else {}
 
     def content(self) -> dict[str, Any]:
         """Everything that changes the parts' contents."""
@@ -88,6 +97,12 @@ class Inputs:
 
 def read_inputs(config: PrepareConfig) -> Inputs:
     """Tokenizer, template, the input files and their row count, all checked; nothing is written."""
+    serving = parse_serving(config.model.serving) if config.regenerate else None
+    if serving is not None:
+        model = effective_model(config.model, serving, text_config(read_config(config.model.path)))
+        config = dataclasses.replace(config, model=model)
+        for line in serving.describe():
+            logger.info("%s", line)
     model = config.model
     chat = ChatTemplate.load(model.path, model.chat_template, model.trust_remote_code, model.stop_tokens,
                              model.chat_template_kwargs)
@@ -100,7 +115,7 @@ def read_inputs(config: PrepareConfig) -> Inputs:
     total = sum(count_rows(fs, file) for file in files)
     if total == 0:
         raise ValueError(f"data.path={config.data.path}: the files hold no rows")
-    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path))
+    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path), serving)
 
 
 # -- shards -------------------------------------------------------------------------------------
@@ -186,7 +201,7 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
             attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
             mem_fraction_static=model.mem_fraction_static,
             max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
-            seed=config.generation.seed,
+            seed=config.generation.seed, server_args=inputs.server_args(),
         )
         actor = start_regenerator(spec, inputs.chat, config.generation.sampling_params(),
                                   config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings)

@@ -29,7 +29,7 @@ from jobs.driver.work import (
     Upload,
     Work,
 )
-from jobs.errors import DiskFull
+from jobs.errors import DiskFull, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,21 @@ class Completions:
 
     def _shard_failed(self, attempt: ShardAttempt, error: Exception) -> None:
         message = error_text(error)
-        self._scheduler.failed(attempt, message)
-        if isinstance(error, ShardDiskFull):
-            raise DiskFull(
-                f"{self._lanes.where(attempt.lane)} is full: {message}. The shard's temp file was removed. Free space "
-                "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
-                "rerun the same command: it resumes where this run stopped"
-            )
+        if not isinstance(error, ShardDiskFull):
+            self._scheduler.failed(attempt, message)
+            return
+        try:
+            self._scheduler.failed(attempt, message)
+        except OSError as unrecorded:
+            if not is_disk_full(unrecorded):
+                raise
+            # The manifest is on the full disk too: the shard stays pending there, and the rerun extracts it.
+            logger.error("shard %d: its failure could not be recorded in the manifest (%s)", attempt.index, unrecorded)
+        raise DiskFull(
+            f"{self._lanes.where(attempt.lane)} is full: {message}. The shard's temp file was removed. Free space "
+            "there (or set output.sink, or lower output.disk_budget below the space the disk has), then "
+            "rerun the same command: it resumes where this run stopped"
+        )
 
     def _on_discard(self, item: Discard, ref: Any) -> None:
         attempt = item.attempt
@@ -144,6 +152,13 @@ class Completions:
                 info = self._work.result(ref)
             except Exception:  # failed, lost or not finished: its temp file is gone with the discard
                 continue
-            self._scheduler.published(item.attempt, info)
+            try:
+                self._scheduler.published(item.attempt, info)
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                logger.error("shard %d: published, but the manifest could not record it (%s); the next run removes "
+                             "its file and extracts it again", item.attempt.index, error)
+                continue
             recorded.append(item.attempt.index)
         return recorded

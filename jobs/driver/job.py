@@ -33,8 +33,10 @@ from jobs.errors import (
     EXIT_SHARDS_FAILED,
     EXIT_UPLOADS_FAILED,
     RERUN,
+    DiskFull,
     JobFault,
     JobStopped,
+    is_disk_full,
     stop_in,
 )
 from jobs.planning.capture import check_capture
@@ -76,9 +78,14 @@ def run(config: JobConfig) -> dict:
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options)
-    with OutputLock(inputs.output_dir, ray_job_submission_id()):
-        refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
-        return _run_locked(inputs)
+    try:
+        with OutputLock(inputs.output_dir, ray_job_submission_id()):
+            refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
+            return _run_locked(inputs)
+    except OSError as error:  # a full disk under the job's own files (manifest, claims, lock): exit 3, not a fault
+        if not is_disk_full(error):
+            raise
+        raise _disk_full(inputs.output_dir, error) from error
 
 
 def _run_locked(inputs: RunInputs) -> dict:
@@ -143,17 +150,19 @@ def _extract(
                 try:
                     extraction.run()
                 except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
-                    _record_end(summary, manifest, *_ending(error))
+                    _record_end(summary, manifest, *_ending(error, output_dir))
                     raise
             result = extraction.result()
-            outcome, code, message = _outcome(manifest, indices, config.output.sink)
+            summary.include(result.extracted_again)
+            ran = indices + [index for index in result.extracted_again if index not in indices]
+            outcome, code, message = _outcome(manifest, ran, config.output.sink)
+            write_drafter_config(output_dir, _drafter_config(config, result.engine))
         except BaseException as error:  # again, with what the wind-down recorded
-            _record_end(summary, manifest, *_ending(error))
-            stop = stop_in(error)
-            if stop is not error:  # a signal seen through a Ray call: the command ends as interrupted
+            _record_end(summary, manifest, *_ending(error, output_dir))
+            stop = _as_stop(error, output_dir)
+            if stop is not error:  # a signal seen through a Ray call, or a full disk: their own exit codes
                 raise stop from None
             raise
-        write_drafter_config(output_dir, _drafter_config(config, result.engine))
         final = summary.finish(manifest, outcome, code, message, result)
     finally:
         manifest.close()
@@ -206,14 +215,30 @@ def _prepare_directories(
     return to_run
 
 
-def _ending(error: BaseException) -> tuple[str, int, str]:
+def _ending(error: BaseException, output_dir: Path) -> tuple[str, int, str]:
     """How a run that raised ``error`` ended: outcome, exit code, message."""
-    error = stop_in(error)
+    error = _as_stop(error, output_dir)
     if isinstance(error, JobStopped):
         return error.outcome, error.exit_code, str(error)
     if isinstance(error, ValueError):  # an input file that changed under the running job: fix it, not a fault
         return BAD_INPUT, EXIT_BAD_INPUT, str(error)
     return JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}"
+
+
+def _as_stop(error: BaseException, output_dir: Path) -> BaseException:
+    """The stop ``error`` stands for: the ``JobInterrupted`` behind it, ``DiskFull`` for a full disk, else itself."""
+    stop = stop_in(error)
+    if stop is error and is_disk_full(error):
+        return _disk_full(output_dir, error)
+    return stop
+
+
+def _disk_full(output_dir: Path, error: BaseException) -> DiskFull:
+    return DiskFull(
+        f"the disk under output.dir={output_dir} is full ({type(error).__name__}: {error}). What is done stays done: "
+        "the manifest keeps every change it recorded and no temp file is left. Free space there (or set output.sink, "
+        "or lower output.disk_budget below the space the disk has), then rerun the same command: it resumes"
+    )
 
 
 def _outcome(manifest: Manifest, to_run: list[int], sink: str) -> tuple[str, int, str]:
@@ -258,7 +283,7 @@ def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code
     try:
         summary.finish(manifest, outcome, exit_code, message)
     except OSError as error:
-        logger.warning("could not write %s: %s", summary.path, error)
+        logger.error("could not write %s (outcome %s, exit code %d): %s", summary.path, outcome, exit_code, error)
 
 
 def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:

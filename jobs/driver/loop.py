@@ -4,8 +4,8 @@ First the directories are scanned (a rerun's local files that the sink lacks
 are offered for upload). Then each turn: report progress, re-scan the directories when due, open the shards
 that fit (or learn that the run must wait for disk), then send one batch, or
 settle one completion, or, with nothing in flight, wait for disk or for the
-next rescan. The loop ends when every shard is settled, nothing is in flight
-and no upload waits for another try.
+next rescan. The loop ends when every shard is settled, nothing is in flight,
+no upload waits for another try, and a last rescan finds no file lost.
 """
 
 from __future__ import annotations
@@ -37,25 +37,33 @@ class DriverLoop:
         self._work = work
 
     def run(self) -> None:
-        scheduler, work = self._scheduler, self._work
         try:
             # Before the first turn: a rerun may have nothing to extract, only done files the sink still lacks.
             self._rescanner.rescan()
-            while scheduler.has_work or work or self._uploads.retries:
-                self._progress.tick()
-                self._rescanner.rescan_if_due()
-                self._disk_wait.update(scheduler.open_what_fits())
-                lane = self._lanes.ready()
-                if lane is not None:
-                    scheduler.send_batch(lane)
-                elif work:
-                    # Bounded, so that progress is reported while nothing completes (an extractor loading
-                    # its model after a fault holds every batch of its lane).
-                    self._disk_wait.busy()
-                    self._completions.settle_one(timeout=self._progress.refresh_s)
-                elif self._disk_wait.waiting:
-                    self._disk_wait.idle()  # BudgetExhausted once nothing could free space for budget_wait_s
-                else:  # only failed uploads left: the next rescan offers them again
-                    time.sleep(self._rescanner.rescan_s)
+            while self._busy():
+                while self._busy():
+                    self._turn()
+                # Once more before the end: a file lost while the last shards were written is written again now.
+                self._rescanner.rescan()
         finally:
             self._disk_wait.close()
+
+    def _busy(self) -> bool:
+        return self._scheduler.has_work or bool(self._work) or self._uploads.retries
+
+    def _turn(self) -> None:
+        self._progress.tick()
+        self._rescanner.rescan_if_due()
+        self._disk_wait.update(self._scheduler.open_what_fits())
+        lane = self._lanes.ready()
+        if lane is not None:
+            self._scheduler.send_batch(lane)
+        elif self._work:
+            # Bounded, so that progress is reported while nothing completes (an extractor loading
+            # its model after a fault holds every batch of its lane).
+            self._disk_wait.busy()
+            self._completions.settle_one(timeout=self._progress.refresh_s)
+        elif self._disk_wait.waiting:
+            self._disk_wait.idle()  # BudgetExhausted once nothing could free space for budget_wait_s
+        else:  # only failed uploads left: the next rescan offers them again
+            time.sleep(self._rescanner.rescan_s)

@@ -1,21 +1,26 @@
-"""The run's progress, told three ways: Ray metrics, ``.summary.json``, and one log line per interval.
+"""The run's progress, told three ways: Ray metrics, ``.summary.json``, and a line on the terminal or in the log.
 
 The driver tells ``RunProgress`` what happens (tokens written, a shard settled, a
 wait for disk budget) and calls ``tick()`` from its loops. A tick reads the
 manifest and the disk budget (the truth, owned by the driver) into a
 ``ProgressSnapshot`` and reports it:
 
-- every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray
+- from the moment the run is set up (before the models load) until it ends,
+  every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray
   metrics on the metrics endpoint (``ray start --metrics-export-port``, the
   dashboard's Grafana panels), labelled ``run`` = output.dir (Ray adds
   ``NodeAddress``, ``SessionName``...). Ray's Prometheus exporter names them
-  ``ray_`` + the name given here (counters end in ``_total``). Ray 2.60 drops a
-  gauge that is not set again for 20-30 s, so each refresh sets every one.
+  ``ray_`` + the name given here (counters end in ``_total``). Every series
+  exists from the start, counters at 0, so that every panel has data before
+  the first wait or the first batch. Ray 2.60 drops a gauge that is not set
+  again for 20-30 s, so each refresh sets every one (while the models load, a
+  thread does).
 - every ``progress.interval_s``: the ``progress`` block of ``.summary.json``,
   which ``jobs.status`` reads, and, when stderr is not a terminal (``ray job
-  submit``, a file), a log line: ``shards 12/50, tokens 1.2M/5.0M (24%), 31k
-  tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``. On a terminal, two ``tqdm_ray`` bars
-  instead.
+  submit``, a file, a pipe), a log line: ``shards 12/50, samples 2.4k/10k,
+  tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``.
+- on a terminal, the same text as one live line instead of log lines, redrawn
+  every ``LIVE_REFRESH_S`` and left on the screen when the run ends.
 
 Ray's Jobs API cannot carry it: a job's ``metadata`` is fixed at submission
 (``JobSubmissionClient`` has no call that updates it).
@@ -26,9 +31,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import sys
+import threading
 import time
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, TextIO
 
 from jobs.driver.budget import DiskBudget, format_bytes
 from storage.manifest import DONE, FAILED, Manifest
@@ -41,6 +48,8 @@ RUN_LABEL = "run"
 """The label naming the run: its output.dir."""
 METRICS_REFRESH_S = 5.0
 """How often gauges are set again: Ray 2.60 exports a gauge every 10 s and forgets one not set for 20-30 s."""
+LIVE_REFRESH_S = 1.0
+"""How often the live line on a terminal is redrawn."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,9 @@ class ProgressSnapshot:
     shards_done: int
     shards_failed: int
     shards_total: int
+    samples_done: int
+    """Samples of the done shards (every run's; those a run skipped as NaN/Inf included)."""
+    samples_planned: int
     tokens_done: int
     tokens_planned: int
     bytes_written: int
@@ -98,10 +110,11 @@ class ProgressSnapshot:
     waiting_for_disk: int
 
     def describe(self) -> str:
-        """``shards 12/50, tokens 1.2M/5M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``."""
+        """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``."""
         share = 100 * self.tokens_done / self.tokens_planned if self.tokens_planned else 100.0
         parts = [
             f"shards {self.shards_done}/{self.shards_total}",
+            f"samples {format_count(self.samples_done)}/{format_count(self.samples_planned)}",
             f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)} ({share:.0f}%)",
             f"{format_count(self.tokens_per_second)} tok/s",
             f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
@@ -140,7 +153,7 @@ class ProgressSink(Protocol):
 
 
 class _RunMetrics:
-    """The METRICS on Ray's metrics endpoint, labelled with the run."""
+    """The METRICS on Ray's metrics endpoint, labelled with the run; every series exists from ``start``."""
 
     def __init__(self, run: str) -> None:
         # Imported here: jobs.status reads snapshots without loading Ray.
@@ -151,12 +164,36 @@ class _RunMetrics:
             spec.field: metrics.Gauge(spec.name, description=spec.description, tag_keys=(RUN_LABEL,))
             for spec in METRICS if spec.field
         }
-        counters = {
+        self.counters = {
             spec.name: metrics.Counter(spec.name, description=spec.description, tag_keys=(RUN_LABEL,))
             for spec in METRICS if not spec.field
         }
-        self.wait_seconds = counters["eagle3_disk_wait_seconds_total"]
-        self.tokens = counters["eagle3_tokens_written_total"]
+        self.wait_seconds = self.counters["eagle3_disk_wait_seconds_total"]
+        self.tokens = self.counters["eagle3_tokens_written_total"]
+        self._hold: Optional[threading.Event] = None
+
+    def start(self, snapshot: ProgressSnapshot) -> None:
+        """Every gauge at ``snapshot``'s value and every counter at 0, then kept so until ``stop_holding``:
+        the driver sits in Ray calls while the models load (minutes for a large model), longer than Ray
+        keeps a gauge nobody sets."""
+        self.report(snapshot)
+        for counter in self.counters.values():
+            # Counter.inc refuses 0 (Ray 2.60); its _record takes it and exports the series at 0.
+            record = getattr(counter, "_record", None)
+            if record is not None:
+                record(0.0, tags=self.tags)
+        self._hold = threading.Event()
+        threading.Thread(target=self._keep, args=(snapshot, self._hold), name="eagle3-metrics", daemon=True).start()
+
+    def _keep(self, snapshot: ProgressSnapshot, hold: threading.Event) -> None:
+        while not hold.wait(METRICS_REFRESH_S):
+            self.report(snapshot)
+
+    def stop_holding(self) -> None:
+        """The driver sets the metrics itself from now on."""
+        if self._hold is not None:
+            self._hold.set()
+            self._hold = None
 
     def report(self, snapshot: ProgressSnapshot) -> None:
         for field, gauge in self.gauges.items():
@@ -167,26 +204,91 @@ class _RunMetrics:
             counter.inc(value, tags=self.tags)
 
 
+class LiveLine:
+    """One line on a terminal, redrawn in place (``show``) and left on the screen at the end (``end``).
+
+    After each redraw the cursor goes back to the line's start, so that whatever else writes to the
+    terminal (Ray prints its workers' log lines from a thread of its own) overwrites the line rather
+    than continuing it; the next redraw puts it back below. While the line is shown, a log record of
+    this process first erases it (a filter on the root logger's handlers), so records print whole.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._shown = False
+        self._filter = _EraseBefore(self)
+        self._handlers = list(logging.getLogger().handlers)
+        for handler in self._handlers:
+            handler.addFilter(self._filter)
+
+    def show(self, text: str) -> None:
+        self._write("\r" + _fit(text, self._stream) + "\x1b[K\r")
+        self._shown = True
+
+    def erase(self) -> None:
+        if self._shown:
+            self._write("\r\x1b[K")
+            self._shown = False
+
+    def end(self, text: str) -> None:
+        """The last redraw, kept: the cursor goes to the next line."""
+        self._write("\r" + text + "\x1b[K\n")
+        self._shown = False
+        for handler in self._handlers:
+            handler.removeFilter(self._filter)
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):  # the terminal went away: the run goes on, its summary still says it
+            pass
+
+
+class _EraseBefore(logging.Filter):
+    def __init__(self, line: LiveLine) -> None:
+        super().__init__()
+        self._line = line
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self._line.erase()
+        return True
+
+
+def _fit(text: str, stream: TextIO) -> str:
+    """``text`` cut to the terminal's width (a wrapped line could not be redrawn in place); whole where the
+    width is unknown (a terminal that reports 0 columns)."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return text[: columns - 1] if columns > 1 else text
+
+
 class RunProgress:
     """Counts what this run wrote and reports where the run stands every ``interval_s``.
 
     Reads ``manifest`` and ``budget`` (owned by the driver) at each report; changes neither.
+    The metrics exist from construction on, at their initial values.
     """
 
     def __init__(
         self, manifest: Manifest, budget: DiskBudget, shard_tokens: dict[int, int], to_run: list[int],
         run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
+        stream: Optional[TextIO] = None,
     ) -> None:
+        """``interactive``: a live line on ``stream`` (default stderr) rather than log lines; default: whether
+        stderr is a terminal."""
         self.manifest = manifest
         self.budgets = [budget]
         """Budgets whose bytes the run reports: output.dir's, then every node directory's (``begin``)."""
         self.shard_tokens = shard_tokens
         self.to_run = list(to_run)
         self.interval_s = interval_s
-        self.refresh_s = min(interval_s, METRICS_REFRESH_S)
+        self.stream = stream if stream is not None else sys.stderr
+        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self.refresh_s = min(interval_s, METRICS_REFRESH_S, *((LIVE_REFRESH_S,) if self.interactive else ()))
         self.sink = sink
-        self.interactive = sys.stderr.isatty() if interactive is None else interactive
-        self.metrics = _RunMetrics(run)
         self.written = 0
         """Tokens this run wrote, failed shards' included: the rate."""
         self.open_tokens: dict[int, int] = {}
@@ -197,23 +299,21 @@ class RunProgress:
         self.started: Optional[float] = None
         self.last_metrics: Optional[float] = None
         self.last_report: Optional[float] = None
-        self.bars: list[Any] = []
+        self.live: Optional[LiveLine] = None
+        self.metrics = _RunMetrics(run)
+        self.metrics.start(self.snapshot())
 
     def begin(self, budgets: Sequence[DiskBudget] = ()) -> None:
-        """The first batch is about to go out: the rate's clock starts; bars on a terminal.
+        """The first batch is about to go out: the rate's clock starts; the live line on a terminal.
 
         ``budgets``: one per node directory of the run, once the data-parallel groups stand.
         """
         if budgets:
             self.budgets = list(budgets)
+        self.metrics.stop_holding()
         self.started = time.monotonic()
         if self.interactive:
-            from ray.experimental.tqdm_ray import tqdm
-
-            self.bars = [
-                tqdm(total=len(self.to_run), desc="shards"),
-                tqdm(total=sum(self.shard_tokens[index] for index in self.to_run), desc="tokens"),
-            ]
+            self.live = LiveLine(self.stream)
         self.tick(force=True)
 
     def tokens_written(self, shard: int, tokens: int) -> None:
@@ -223,15 +323,17 @@ class RunProgress:
         if shard not in self.settled:
             self.open_tokens[shard] = self.open_tokens.get(shard, 0) + tokens
         self.metrics.add(self.metrics.tokens, tokens)
-        if self.bars:
-            self.bars[1].update(tokens)
 
     def shard_settled(self, shard: int) -> None:
         """The shard is done or failed, and the manifest says which."""
         self.open_tokens.pop(shard, None)
         self.settled.add(shard)
-        if self.bars:
-            self.bars[0].update(1)
+
+    def shard_reopened(self, shard: int) -> None:
+        """A done shard is to be written again in this run (its file was lost)."""
+        self.settled.discard(shard)
+        if shard not in self.to_run:
+            self.to_run.append(shard)
 
     def shard_discarded(self, shard: int) -> None:
         """A fault cut the shard's attempt short: what it wrote is gone, the shard runs again."""
@@ -246,17 +348,20 @@ class RunProgress:
         self.metrics.add(self.metrics.wait_seconds, seconds)
         self.tick(force=True)
 
-    def tick(self, force: bool = False) -> None:
-        """Set the metrics every ``refresh_s``, write the summary and log every ``interval_s`` (``force``: now)."""
+    def tick(self, force: bool = False) -> Optional[ProgressSnapshot]:
+        """Set the metrics (and redraw the live line) every ``refresh_s``, write the summary and log every
+        ``interval_s`` (``force``: now); returns the snapshot it reported, if any."""
         now = time.monotonic()
         report = force or _due(self.last_report, self.interval_s, now)
         if not (report or _due(self.last_metrics, self.refresh_s, now)):
-            return
+            return None
         snapshot = self.snapshot()
         self.metrics.report(snapshot)
         self.last_metrics = now
+        if self.live is not None:
+            self.live.show(snapshot.describe())
         if not report:
-            return
+            return snapshot
         self.last_report = now
         if self.sink is not None:
             try:
@@ -265,13 +370,15 @@ class RunProgress:
                 logger.warning("could not write the progress to .summary.json: %s", error)
         if not self.interactive and self.started is not None:
             logger.info("%s", snapshot.describe())
+        return snapshot
 
     def close(self) -> None:
-        """The last report of this run; bars closed."""
-        self.tick(force=True)
-        for bar in self.bars:
-            bar.close()
-        self.bars = []
+        """The last report of this run; the live line stays on the screen with it."""
+        self.metrics.stop_holding()
+        last = self.tick(force=True)
+        if self.live is not None and last is not None:
+            self.live.end(last.describe())
+            self.live = None
 
     def snapshot(self) -> ProgressSnapshot:
         records = self.manifest.shards
@@ -285,6 +392,8 @@ class RunProgress:
             shards_done=len(done),
             shards_failed=sum(record.state == FAILED for record in records.values()),
             shards_total=len(records),
+            samples_done=sum(record.stop - record.start for record in done),
+            samples_planned=sum(record.stop - record.start for record in records.values()),
             tokens_done=sum(record.tokens for record in done) + in_flight,
             tokens_planned=sum(self.shard_tokens.values()),
             bytes_written=sum(record.bytes for record in done),

@@ -1,10 +1,13 @@
-"""The periodic look at the run's directories: files a consumer deleted, uploads to offer again.
+"""The periodic look at the run's directories: files consumed or lost, uploads to offer again.
 
 A trainer may consume committed shard files while the run goes on (that is how a
-run larger than its disk budget gets written): every ``output.rescan_s`` each
-node directory's committed files are counted again, a file that is gone frees
-its bytes and is recorded as consumed, and every local file still waiting for
-the sink is offered to the upload queue (failed uploads come back this way).
+run larger than its disk budget gets written), declaring each one first
+(``storage.consumed.consume_shard``). Every ``output.rescan_s`` each node
+directory's committed files are counted again: a file that is gone frees its
+bytes; declared consumed, it is recorded as consumed into what the declaration
+names (and the declaration removed); gone without one, it was lost, and the shard
+is extracted again. Every local file still waiting for the sink is offered to the
+upload queue (failed uploads come back this way).
 """
 
 from __future__ import annotations
@@ -12,19 +15,23 @@ from __future__ import annotations
 import logging
 import time
 
-from jobs.driver.lanes import Lanes
+from jobs.driver.lanes import Lane, Lanes
+from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
-from storage import shard_file_name
+from storage.consumed import record_name
 from storage.manifest import CONSUMED, DONE, LOCAL, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
 
 
 class Rescanner:
-    def __init__(self, manifest: Manifest, lanes: Lanes, uploads: UploadQueue, rescan_s: float) -> None:
+    def __init__(
+        self, manifest: Manifest, lanes: Lanes, uploads: UploadQueue, scheduler: Scheduler, rescan_s: float,
+    ) -> None:
         self._manifest = manifest
         self._lanes = lanes
         self._uploads = uploads
+        self._scheduler = scheduler
         self.rescan_s = rescan_s
         self._last = float("-inf")
 
@@ -42,12 +49,29 @@ class Rescanner:
                     by_budget.setdefault(id(lane.budget), []).append(record)
         for lane in self._lanes.by_budget():
             records = by_budget.get(id(lane.budget), [])
-            for shard in lane.budget.rescan((r.index, r.file, r.bytes) for r in records):
-                logger.info("shard %d: %s was removed from %s; its bytes are free", shard, shard_file_name(shard),
-                            lane.group.directory)
-                self._manifest.update(shard, location=CONSUMED)
-                self._uploads.gone(shard)
+            gone = lane.budget.rescan((r.index, r.file, r.bytes) for r in records)
+            if gone:
+                self._settle_gone(lane, [self._manifest.shards[shard] for shard in gone])
             for record in records:
                 current = self._manifest.shards[record.index]
-                if current.location == LOCAL:
+                if current.state == DONE and current.location == LOCAL:
                     self._uploads.offer(current, self._lanes.home(current))
+
+    def _settle_gone(self, lane: Lane, records: list[ShardRecord]) -> None:
+        """Done shards whose files are gone from the lane's directory: consumed if declared, else lost."""
+        disk = lane.budget.disk
+        declared = disk.consumed(record.file for record in records)
+        for record in records:
+            self._uploads.gone(record.index)
+            where = disk.directory / record.file
+            declaration = declared.get(record.file)
+            if declaration is None:
+                reason = (f"{where} is gone and no consumer declared it consumed (storage.consumed.consume_shard): "
+                          "lost, not consumed; the shard is extracted again")
+                logger.warning("shard %d: %s", record.index, reason)
+                self._scheduler.extract_again(record.index, reason)
+                continue
+            logger.info("shard %d: %s was consumed into %s; its bytes are free", record.index, where,
+                        declaration["into"])
+            self._manifest.update(record.index, location=CONSUMED, consumed_into=declaration["into"])
+        disk.remove(record_name(name) for name in declared)

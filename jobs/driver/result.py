@@ -32,6 +32,8 @@ class RunResult:
     """Times an extractor was started again after a fault in this run (all groups)."""
     nodes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per data-parallel group's node: its directory, node id, writers, budget peak and overshoot, restarts."""
+    extracted_again: tuple[int, ...] = ()
+    """Done shards whose files were lost while the run went on (gone, not declared consumed): written again."""
 
 
 def node_figures(lanes: Lanes) -> dict[str, dict[str, Any]]:

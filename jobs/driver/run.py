@@ -5,7 +5,7 @@ and then loops over small owners, each of which alone changes what it holds:
 the scheduler opens shards and sends their batches (lanes, attempts, the shards'
 life in the manifest), ``Completions`` hands each finished piece of work to the one
 it concerns, the upload queue carries committed files to the sink, the rescanner
-notices files a consumer deleted, and ``DiskWait`` keeps the clock of a wait for
+notices files consumed (or lost: written again), and ``DiskWait`` keeps the clock of a wait for
 disk. At most ``output.max_inflight_batches`` batches per lane sit between its
 extractor and a finished write, which bounds the states held in its node's
 memory: a disk slower than the extractor holds the extractor back.
@@ -116,7 +116,7 @@ class ExtractionRun:
             self._started.bytes_per_token, self._extract.max_attempts,
         )
         self._completions = Completions(self._scheduler, self._uploads, self._work, lanes)
-        rescanner = Rescanner(self._manifest, lanes, self._uploads, self._output.rescan_s)
+        rescanner = Rescanner(self._manifest, lanes, self._uploads, self._scheduler, self._output.rescan_s)
         self._clock["first_batch"] = time.perf_counter()
         self._progress.begin(lanes.budgets())
         DriverLoop(
@@ -144,6 +144,7 @@ class ExtractionRun:
             writer_seconds=writer_seconds,
             extractor_restarts=sum(lane.extractor.generation for lane in lanes),
             nodes=node_figures(lanes),
+            extracted_again=tuple(sorted(self._scheduler.extracted_again)),
         )
 
     def _exhausted(self, lane: Lane, state: str) -> str:

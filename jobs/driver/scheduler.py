@@ -15,7 +15,8 @@ and only the batch's own rows are read.
 
 The shard's life in the manifest follows the scheduler: pending when opened,
 done when published, failed when its writer reports an error or faults cut it
-short ``extract.max_attempts`` times.
+short ``extract.max_attempts`` times; pending again when its file is lost
+(``jobs.driver.rescan``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Scheduler:
         self._waiting = ShardQueue(shards, max_attempts)
         self._active: dict[int, ShardAttempt] = {}
         """Attempts not settled yet: open, finishing, or being discarded after a fault."""
+        self.extracted_again: set[int] = set()
+        """Done shards whose files were lost while the run went on: this run writes them again too."""
         self.peak_open_shards = 0
 
     @property
@@ -219,6 +222,21 @@ class Scheduler:
                 f"run (extract.max_attempts={self._waiting.max_attempts}); last: {attempt.lost}. {RERUN}"
             )
         self._waiting.first(self._manifest.update(attempt.index, error=attempt.lost))
+
+    # -- files lost ------------------------------------------------------------------------------
+
+    def extract_again(self, index: int, reason: str) -> None:
+        """A done shard's file was lost (gone, and no consumer declared it consumed; its bytes are free already):
+        pending again and extracted again in this run, before the shards not started yet; failed once it has had
+        ``extract.max_attempts`` tries in this run."""
+        self.extracted_again.add(index)
+        self._progress.shard_reopened(index)
+        if not self._waiting.tries_left(index):
+            self._manifest.update(index, state=FAILED, error=f"{reason}; it was written {self._waiting.tries(index)} "
+                                  "times in this run (extract.max_attempts): something deletes the run's files")
+            self._progress.shard_settled(index)
+            return
+        self._waiting.first(self._manifest.update(index, state=PENDING, error=reason))
 
     def _settled(self, attempt: ShardAttempt) -> None:
         attempt.lane.close(attempt)

@@ -3,7 +3,7 @@
 Takes the job's own config and reads what the job reads before Ray starts: the
 checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
 nothing is written. Prints samples, tokens, invalid rows, shards and batches, bytes
-per token, the predicted bytes against ``output.disk_budget`` and the free space,
+per token, which trainers' exports the run serves, the predicted bytes against ``output.disk_budget`` and the free space,
 the layers SGLang will capture and the drafter ids, and what will not fit. Each
 number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
 ``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
@@ -35,6 +35,7 @@ from jobs.planning.preflight import check_shards_fit, free_bytes, planned_metada
 from jobs.planning.shards import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
 from storage.writer import state_bytes_per_token
+from training.final_state import served_exports
 
 logger = logging.getLogger("jobs.plan")
 
@@ -82,6 +83,8 @@ class DryRun:
     max_samples_per_batch: int
     state_dtype: str
     final_state: str
+    exports: dict[str, str]
+    """Trainer -> how the run will serve its export (``training.final_state.served_exports``)."""
     state_bytes_per_token: int
     """Bytes of states one token adds (fp8 scales included); ids, mask and Parquet come on top."""
     predicted_bytes: int
@@ -98,6 +101,8 @@ class DryRun:
     min_free_bytes: int
     layers: Layers
     problems: list[Problem]
+    serving: list[str] = dataclasses.field(default_factory=list)
+    """What model.serving applies, leaves to the model.* keys, gives way to and leaves out (``extractor.serving``)."""
 
     @property
     def exit_code(self) -> int:
@@ -139,11 +144,14 @@ def dry_run(config: JobConfig) -> DryRun:
         on_invalid=on_invalid, shard_size=config.data.shard_size, shards=len(plan),
         batches=sum(len(shard.batches) for shard in plan), max_tokens_per_batch=config.extract.max_tokens_per_batch,
         max_samples_per_batch=config.extract.max_samples_per_batch, state_dtype=metadata.state_dtype,
-        final_state=metadata.last_hidden_state, state_bytes_per_token=bytes_per_token,
+        final_state=metadata.last_hidden_state,
+        exports=served_exports(metadata.last_hidden_state, checkpoint.language_model_architecture, config.model.path),
+        state_bytes_per_token=bytes_per_token,
         predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
         done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
         sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
         min_free_bytes=config.output.free_floor_bytes, layers=_layers(inputs), problems=[],
+        serving=inputs.serving.describe() if inputs.serving else [],
     )
     report.problems = _problems(report, to_write, budget, metadata)
     return report

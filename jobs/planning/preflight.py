@@ -14,6 +14,7 @@ import dataclasses
 import fnmatch
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -161,9 +162,9 @@ def check_output_dir(output_dir: Path, data_path: str) -> None:
             )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".eagle3-write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".eagle3-write-probe-", dir=output_dir)  # new, never through a link
+        os.close(fd)
+        os.unlink(probe)
     except OSError as error:
         raise ConfigError(
             f"output.dir={output_dir}: cannot write there ({type(error).__name__}: {error.strerror or error}); "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -135,7 +136,7 @@ class OutputLock:
         """The lock file, open and flock'ed. A releasing owner removes the file while it still holds the
         lock: a lock won on a file that is no longer the one at the path is worth nothing, so try again."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock_file()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -147,6 +148,19 @@ class OutputLock:
             except FileNotFoundError:
                 pass
             os.close(fd)
+
+    def _open_lock_file(self) -> int:
+        """The lock file, opened (created if missing) without following a link: a symbolic link at its name is
+        never a lock file (a job's lock is a plain file), so it is removed (the link, not what it points to)."""
+        while True:
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise
+            logger.warning("%s is a symbolic link, not a lock file: removed (what it points to is untouched)",
+                           self.path)
+            self.path.unlink(missing_ok=True)
 
     def release(self) -> None:
         """Remove the lock file (a refused or finished run leaves nothing), then let the kernel lock go."""

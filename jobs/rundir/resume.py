@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
+from storage.consumed import record_name
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
 
@@ -63,26 +64,31 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
 def check_done_files(
     disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
 ) -> list[int]:
-    """Before a rerun trusts them: every done shard's file in this node's directory is of the size the
-    manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending again
-    (the clean-up removes what is left of it) and is written again; returns those shards.
+    """Before a rerun trusts them: every done shard's file in this node's directory is there, of the size the
+    manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending again (the
+    clean-up removes what is left of it) and is written again; returns those shards.
 
-    A file that is gone is recorded as consumed, as the running job's rescan records a file a trainer
-    deleted: writing it again would hand the trainer its samples twice (``shards=[i]`` rewrites one)."""
+    A file that is gone was consumed only if a consumer declared it (``storage.consumed.consume_shard``): then it
+    is recorded as consumed into what the declaration names, and the declaration removed. Gone without one, it was
+    lost: written again like a damaged one (``shards=[i]`` rewrites a consumed one on request)."""
     records = [
         record for record in manifest.in_state(DONE)
         if record.location == LOCAL and (record.node == node or (not record.node and holds_unnamed))
     ]
     facts = disk.file_facts([record.file for record in records], checksum)
+    declared = disk.consumed(record.file for record in records if record.file not in facts)
     damaged = []
     for record in records:
         size, sha256 = facts.get(record.file, (None, ""))
-        if size is None:
-            logger.warning("shard %d: %s is gone; recorded as consumed (rerun with shards=[%d] to write it again)",
-                           record.index, disk.directory / record.file, record.index)
-            manifest.update(record.index, location=CONSUMED)
+        if size is None and record.file in declared:
+            logger.info("shard %d: %s was consumed into %s (declared by its consumer)", record.index,
+                        disk.directory / record.file, declared[record.file]["into"])
+            manifest.update(record.index, location=CONSUMED, consumed_into=declared[record.file]["into"])
             continue
-        if size != record.bytes:
+        if size is None:
+            problem = ("is gone and no consumer declared it consumed (storage.consumed.consume_shard): lost, not "
+                       "consumed")
+        elif size != record.bytes:
             problem = f"{size} bytes, the manifest recorded {record.bytes}"
         elif checksum and sha256 != record.sha256:
             problem = "its sha256 is not the one the manifest recorded"
@@ -92,6 +98,7 @@ def check_done_files(
         logger.warning("shard %d: %s", record.index, message)
         manifest.update(record.index, state=PENDING, error=message)
         damaged.append(record.index)
+    disk.remove(record_name(name) for name in declared)
     return damaged
 
 

@@ -6,7 +6,9 @@ every ``progress.interval_s`` while it runs (its ``progress`` block: done, rate,
 ETA, disk; ``jobs.driver.progress``), and again when it ends, whatever the end: complete,
 shards failed, budget exhausted, a fault or a signal. Totals cover every done shard of the output directory; the
 ``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
-run's time. Both names start with a dot, so that Parquet dataset readers skip them.
+run's time. Both names start with a dot, so that Parquet dataset readers skip them. Room
+for the final summary is set aside when the run starts (``.summary.json.reserve``), so
+that a run stopped by a full disk still writes how it ended.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from jobs.config import JobConfig
 from jobs.inputs.dataset import InvalidRow
-from storage.atomic import replace_atomically
+from storage.atomic import replace_atomically, reserve_space
 from storage.manifest import DONE, FAILED, SINK, Manifest
 from storage.nonfinite import KEPT, SKIPPED
 
@@ -31,6 +33,9 @@ INVALID_ROWS_IN_SUMMARY = 5
 NONFINITE_IN_SUMMARY = 5
 """Non-finite samples listed in the summary; the manifest lists them all, shard by shard."""
 DRAFTER_CONFIG_FILE = ".drafter_config.json"
+SUMMARY_RESERVE_FILE = ".summary.json.reserve"
+SUMMARY_RESERVE_BYTES = 256 * 1024
+"""Room for the final summary beyond twice the size of the first (what a finished run adds: timings, nodes)."""
 
 RUNNING = "running"
 COMPLETE = "complete"
@@ -44,9 +49,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically: a reader sees the old file or the new one."""
-    replace_atomically(path, json.dumps(payload, indent=2) + "\n")
+def write_json(path: Path, payload: dict[str, Any], reserve: Optional[Path] = None) -> None:
+    """Write atomically: a reader sees the old file or the new one (``reserve``: see ``storage.atomic``)."""
+    replace_atomically(path, json.dumps(payload, indent=2) + "\n", reserve=reserve)
 
 
 def manifest_totals(manifest: Manifest) -> dict[str, Any]:
@@ -109,6 +114,9 @@ class RunSummary:
         self.config = config
         self.invalid = list(invalid)
         self.path = output_dir / SUMMARY_FILE
+        self.reserve = output_dir / SUMMARY_RESERVE_FILE
+        """Blocks set aside when the run starts, which the first final summary is written into: a run stopped by a
+        full disk (another process filled it, or this run's own writers took the last blocks) still says so."""
         self.shard_tokens = shard_tokens
         self.to_run = set(to_run)
         self.started_at = _now()
@@ -117,8 +125,15 @@ class RunSummary:
         """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
         self._ended = False
 
+    def include(self, shards: Sequence[int]) -> None:
+        """Shards this run wrote beyond those it set out to: done ones whose files were lost meanwhile."""
+        self.to_run.update(shards)
+
     def start(self, manifest: Manifest) -> None:
-        write_json(self.path, self._build(manifest, RUNNING, None, "", None))
+        """The summary of a run that starts; and room set aside for its final summary (``reserve``)."""
+        summary = self._build(manifest, RUNNING, None, "", None)
+        write_json(self.path, summary)
+        reserve_space(self.reserve, SUMMARY_RESERVE_BYTES + 2 * len(json.dumps(summary, indent=2)))
 
     def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
         """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval);
@@ -134,7 +149,7 @@ class RunSummary:
         then once its open shards are wound down, with the final counts."""
         self._ended = True
         summary = self._build(manifest, outcome, exit_code, message, result)
-        write_json(self.path, summary)
+        write_json(self.path, summary, reserve=self.reserve)
         return summary
 
     def _build(self, manifest: Manifest, outcome: str, exit_code: Optional[int], message: str, result: Any) -> dict:

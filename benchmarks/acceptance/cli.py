@@ -1,0 +1,79 @@
+"""The command line: which stages to run, the recipe, the deadline; exit 75 when a deadline stopped it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Optional, Sequence
+
+import benchmarks.acceptance
+from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, OutOfTime, Pipeline
+from benchmarks.acceptance.serving import SERVE_PARALLEL
+from benchmarks.acceptance.stages import STAGE_FUNCTIONS, STAGES
+from benchmarks.acceptance.trainer import Recipe
+
+logger = logging.getLogger("benchmarks.acceptance")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance",
+                                     description=benchmarks.acceptance.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", required=True, help="working directory (kept: every step's output and record)")
+    parser.add_argument("--out", default="", help="results JSON (default DIR/results.json); the table beside it (.md)")
+    parser.add_argument("--stages", default="all", help=f"comma-separated, in order: {','.join(STAGES)} (default all)")
+    parser.add_argument("--deadline-s", type=float, default=0, help="start no step after this many seconds (0: none)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--gguf", default="", help="SmolLM2's GGUF file (a machine without the package registry)")
+    parser.add_argument("--train-prompts", type=int, default=4000)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length, regenerating and serving")
+    parser.add_argument("--epochs", type=int, default=Recipe.epochs)
+    parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
+    parser.add_argument("--learning-rate", type=float, default=Recipe.learning_rate)
+    parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="cap every arm's training at this many steps (0: none; bounds a device call's training time)")
+    parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
+    parser.add_argument("--serve-parallel", type=int, default=SERVE_PARALLEL, help="serving engines at once on the GPU")
+    args = parser.parse_args(argv)
+    stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        parser.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+    needs_gpu = [s for s in stages if s in ("prepare", "train", "serve")]
+    if args.device != "cuda" and needs_gpu:
+        parser.error(f"stages {needs_gpu} run on CUDA only (SGLang's EAGLE3 serving and regeneration, SpecForge's "
+                     "FSDP trainer); on CPU run the others, or tests/test_acceptance_cpu.py")
+    args.stages = stages
+    return args
+
+
+def print_steps(p: Pipeline) -> None:
+    """Every step recorded so far, one line each (what a device call that ends before the report shows)."""
+    for path in sorted((p.work / "steps").glob("*.json"), key=lambda path: path.stat().st_mtime):
+        record = json.loads(path.read_text())
+        print(f"{path.stem}: {record.pop('seconds')} s {json.dumps(record)[:300]}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    pipeline = Pipeline(args)
+    try:
+        for stage in args.stages:
+            STAGE_FUNCTIONS[stage](pipeline)
+    except OutOfTime as stopped:
+        logger.warning("stopped before step %s (--deadline-s %.0f): rerun the same command to go on", stopped,
+                       args.deadline_s)
+        return EXIT_MORE_TO_DO
+    except ValueError as error:  # a setting or an input the benchmark cannot use
+        logger.error("%s", error)
+        return 2
+    except RuntimeError as error:  # a step's command failed; its log is named
+        logger.error("%s", error)
+        return 1
+    finally:
+        print_steps(pipeline)
+    return 0

@@ -1,0 +1,90 @@
+"""Serving: each arm's drafter with SGLang's EAGLE3 over the held-out prompts, in a process of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from benchmarks.acceptance.prompts import render_prompts
+
+SPEC_STEPS, SPEC_TOPK, SPEC_DRAFT_TOKENS = 3, 1, 4
+SERVE_MEMORY = 0.75
+"""Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
+SERVE_PARALLEL = 2
+"""Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptResult:
+    verify_ct: int
+    correct_drafts: int
+    completion_tokens: int
+    output_sha: str
+
+
+def prompt_results(outputs: Iterable[dict[str, Any]]) -> list[PromptResult]:
+    """Per prompt, from SGLang's ``meta_info``: verify steps, correct drafts (SGLang omits both when no
+    verify step ran), completion tokens, and a hash of the output ids (greedy serving is lossless: every
+    arm should give the target's own answers)."""
+    results = []
+    for out in outputs:
+        meta = out["meta_info"]
+        ids = json.dumps(out.get("output_ids", [])).encode()
+        results.append(PromptResult(int(meta.get("spec_verify_ct", 0)), int(meta.get("spec_num_correct_drafts", 0)),
+                                    int(meta["completion_tokens"]), hashlib.sha256(ids).hexdigest()[:16]))
+    return results
+
+
+def engine_args(target: Path, drafter: Path, attention_backend: str, mem_fraction_static: float) -> dict[str, Any]:
+    """``sglang.Engine``'s arguments for one arm: EAGLE3 with the drafter, bf16, greedy-ready."""
+    return dict(
+        model_path=str(target), dtype="bfloat16", speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(drafter), speculative_num_steps=SPEC_STEPS,
+        speculative_eagle_topk=SPEC_TOPK, speculative_num_draft_tokens=SPEC_DRAFT_TOKENS,
+        # flashinfer: the default FA3 (sgl_kernel's flash_ops) is what the Hopper trim of the carried
+        # sglang-kernel leaves out (benchmarks/gpu/stage.py); CUDA graphs: the draft worker's capture imports
+        # deep_gemm, which the GPU lock does not install (requirements/gpu-lock.txt).
+        attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=mem_fraction_static,
+        random_seed=0, log_level="warning")
+
+
+def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
+              attention_backend: str, mem_fraction_static: float) -> None:
+    """GPU only, in a process of its own: SGLang's EAGLE3 over the held-out prompts, all submitted at once
+    (greedy: batching changes no answer); writes per-prompt results."""
+    import sglang
+    import transformers
+
+    input_ids = render_prompts(transformers.AutoTokenizer.from_pretrained(str(target)), prompts)
+    engine = sglang.Engine(**engine_args(target, drafter, attention_backend, mem_fraction_static))
+    started = time.perf_counter()
+    try:
+        outputs = engine.generate(input_ids=input_ids,
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens})
+    finally:
+        engine.shutdown()
+    results = [dataclasses.asdict(r) for r in prompt_results(outputs)]
+    out.write_text(json.dumps({"seconds": time.perf_counter() - started, "prompts": results}) + "\n")
+
+
+def start_serving(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
+                  attention_backend: str, mem_fraction_static: float) -> multiprocessing.Process:
+    """``serve_arm`` in a fresh spawned process (each arm's engine starts clean and frees the GPU after)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=serve_arm, args=(target, drafter, prompts, out, max_new_tokens, attention_backend, mem_fraction_static))
+    process.start()
+    return process
+
+
+def served_results(process: multiprocessing.Process, out: Path) -> list[PromptResult]:
+    process.join()
+    if process.exitcode != 0 or not out.is_file():
+        raise RuntimeError(f"serving for {out.stem} failed (exit {process.exitcode}); its log is above. Rerun "
+                           "with --serve-parallel 1 if engines sharing the GPU were the cause")
+    return [PromptResult(**r) for r in json.loads(out.read_text())["prompts"]]

@@ -1,0 +1,137 @@
+"""Training: SpecForge 0.2.0's own trainer, its run.yaml, where it is imported from, its console metrics,
+and arm E's untrained checkpoint."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import fcntl
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.acceptance.files import save_torch
+
+SPECFORGE = "specforge==0.2.0"
+SPECFORGE_CACHE = Path("~/.cache/eagle3-extract/specforge-0.2.0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What every arm trains with (SpecForge ``training.*``)."""
+
+    epochs: int = 2
+    batch_size: int = 4
+    learning_rate: float = 1e-4
+    seed: int = 0
+    ttt_length: int = 7
+    max_length: int = 2048
+    log_interval: int = 10
+    max_steps: int = 0
+    """A cap on optimizer steps (SpecForge ``training.max_steps``), the same for every arm; 0: none (the epochs)."""
+
+
+def specforge_run_config(arm: str, features: Path, target: Path, draft_config: Path, output_dir: Path,
+                         recipe: Recipe) -> dict[str, Any]:
+    """SpecForge 0.2.0's ``run.yaml`` for one arm, offline from ``features``.
+
+    Its target-head loader reads the lm_head through the target's one ``*.index.json`` and ignores tied
+    embeddings: SmolLM2's head is ``model.embed_tokens.weight``. ``vocab_mapping_path`` empty: the draft
+    keeps the full vocabulary (``draft_vocab_size`` = ``vocab_size``), so no mapping is derived. sdpa
+    attention: the default flex_attention compiles."""
+    return {
+        "run_id": f"arm-{arm}",
+        "output_dir": str(output_dir),
+        "model": {"target_model_path": str(target), "draft_model_config": str(draft_config),
+                  "embedding_key": "model.embed_tokens.weight", "lm_head_key": "model.embed_tokens.weight",
+                  "vocab_mapping_path": "", "torch_dtype": "bfloat16"},
+        "data": {"hidden_states_path": str(features), "max_length": recipe.max_length,
+                 "cache_dir": str(output_dir / "cache"), "dataloader_num_workers": 2},
+        "training": {"strategy": "eagle3", "ttt_length": recipe.ttt_length, "attention_backend": "sdpa",
+                     "num_epochs": recipe.epochs, "batch_size": recipe.batch_size,
+                     "learning_rate": recipe.learning_rate, "seed": recipe.seed,
+                     "log_interval": recipe.log_interval, "save_interval": 0,
+                     **({"max_steps": recipe.max_steps} if recipe.max_steps else {})},
+        "tracking": {"report_to": "none"},
+        "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
+    }
+
+
+def specforge_pythonpath() -> str:
+    """The directory SpecForge 0.2.0 imports from: where it is installed (the CPU lock installs it with
+    --no-deps; on a GPU node, the offline install's ``acceptance`` lock), else a cache holding its wheel
+    unpacked, made once (``pip download --no-deps``; the wheel is pure Python). Never with its dependencies:
+    its metadata pins sglang 0.5.14, torch 2.11.0 and transformers 5.8.1, which must not replace ours (its
+    training path needs none of them)."""
+    if (spec := importlib.util.find_spec("specforge")) is not None and spec.origin:
+        return str(Path(spec.origin).parent.parent)
+    site = SPECFORGE_CACHE.expanduser()
+    site.parent.mkdir(parents=True, exist_ok=True)
+    with open(site.parent / f".{site.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several test processes may ask at once: one downloads
+        if not (site / "specforge" / "cli.py").is_file():
+            _unpack_specforge(site)
+    return str(site)
+
+
+def _unpack_specforge(site: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=site.parent) as temp:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                   SPECFORGE, "-d", temp]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        wheels = sorted(Path(temp).glob("specforge-0.2.0-*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"`{' '.join(command)}` failed: {result.stderr.strip()[-1000:]}; on a machine "
+                               "without the package registry, install it from a wheelhouse built where the "
+                               "registry is reachable (scripts/wheelhouse.sh --extra acceptance, docs/install.md)")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(Path(temp) / "site")
+        os.replace(Path(temp) / "site", site)  # the cache appears whole or not at all
+
+
+def specforge_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment SpecForge's commands run in: its import path before the project's."""
+    env = dict(os.environ, **(extra or {}))
+    paths = [p for p in (specforge_pythonpath(), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def specforge_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "specforge.cli", *args]
+
+
+STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$", re.MULTILINE)
+
+
+def last_train_metrics(log: str) -> dict[str, Any]:
+    """The last ``step N: {...}`` line SpecForge's console logger printed: step, loss, acc, per-position acc."""
+    matches = STEP_LINE.findall(log)
+    if not matches:
+        return {}
+    step, values = matches[-1]
+    return {"step": int(step), **ast.literal_eval(values)}
+
+
+def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path:
+    """Arm E: SpecForge's own initialisation of the draft model (seeded), as the training state its exporter
+    reads: what a trained checkpoint holds, before any step (embeddings left out, as the trainer leaves
+    them out)."""
+    import torch
+
+    if (path := specforge_pythonpath()) not in sys.path:
+        sys.path.insert(0, path)
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    torch.manual_seed(seed)
+    model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(str(draft_config)), torch_dtype=torch.bfloat16)
+    state = {name: tensor for name, tensor in model.state_dict().items() if "embed" not in name.lower()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_torch({"strategy": "eagle3", "draft_state_dict": state, "global_step": 0}, out / "training_state.pt")
+    return out / "training_state.pt"

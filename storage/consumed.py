@@ -1,0 +1,108 @@
+"""Consuming a run's shard files: declared first, then deleted; a file gone without a declaration is damage.
+
+A trainer may take committed shard files out of a run's directory while the run goes on
+(that is how a run larger than its disk budget gets written) or after it. It declares
+each one first: ``consume_shard(path, into)`` durably writes a small record beside the
+file (``.shard-00007.parquet.consumed``: the file, its size, where its samples went,
+who and when), then deletes the file. Only the job writes the manifest: the running
+job's rescan (or a rerun's start-up) finds the file gone and the record there, records
+the shard as consumed into ``into``, and removes the record. A done shard's file that is
+gone without a record was lost, not consumed: the shard is extracted again, and
+``jobs.verify`` reports it missing until it is.
+
+The record is written like every file here (``storage.atomic``: new temp file, fsync,
+rename; a link planted at its name is replaced, never followed) and read without
+following a link; its leading dot makes Parquet dataset readers skip it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from storage.atomic import fsync_path, replace_atomically
+
+CONSUMED_SUFFIX = ".consumed"
+RECORD_GLOB = ".shard-*.parquet" + CONSUMED_SUFFIX
+RECORD_BYTES_MAX = 64 * 1024
+"""A record is a few hundred bytes; anything larger at its name is not one."""
+_SHARD_FILE = re.compile(r"shard-(\d{5,})\.parquet")
+
+
+def record_name(file_name: str) -> str:
+    """The consumption record of the shard file ``file_name`` (beside it, hidden)."""
+    return f".{file_name}{CONSUMED_SUFFIX}"
+
+
+def file_of_record(name: str) -> Optional[str]:
+    """The shard file a record's name declares consumed, or None when ``name`` is not a record's."""
+    if not (name.startswith(".") and name.endswith(CONSUMED_SUFFIX)):
+        return None
+    file_name = name[1 : -len(CONSUMED_SUFFIX)]
+    return file_name if _SHARD_FILE.fullmatch(file_name) else None
+
+
+def consume_shard(path: str | os.PathLike, into: str) -> None:
+    """Declare the committed shard file ``path`` consumed, then delete it (both durable when this returns).
+
+    ``into`` says where its samples went or who took them (``"trainer run 17 on gpu-node-3"``): the run's
+    manifest records it as the shard's ``consumed_into``. Call it only once the samples are safe wherever they
+    went: the job never writes them again. A file already gone after an earlier call is fine (nothing happens);
+    a file gone without one raises FileNotFoundError.
+    """
+    path = Path(path)
+    if not _SHARD_FILE.fullmatch(path.name):
+        raise ValueError(f"{path}: not a shard file of a run (shard-NNNNN.parquet)")
+    if not into or not into.strip():
+        raise ValueError("into: say where the shard's samples went (or who took them); the manifest records it")
+    record = path.with_name(record_name(path.name))
+    try:
+        size = os.stat(path, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        if read_record(record) is not None:
+            return  # declared and deleted by an earlier call
+        raise
+    replace_atomically(record, json.dumps({
+        "file": path.name, "bytes": size, "into": into, "host": socket.gethostname(), "pid": os.getpid(),
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }) + "\n", temp_suffix=".tmp")
+    path.unlink()
+    fsync_path(path.parent)
+
+
+def read_record(path: Path) -> Optional[dict[str, Any]]:
+    """A consumption record, or None when there is none at ``path`` (or what is there is not one: a link, a
+    directory, something else)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing, a link (ELOOP), ...
+        return None
+    try:
+        data = os.read(fd, RECORD_BYTES_MAX + 1)
+    except OSError:  # a directory
+        return None
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("file") != path.name[1 : -len(CONSUMED_SUFFIX)] \
+            or not isinstance(record.get("into"), str) or not record["into"]:
+        return None
+    return record
+
+
+def read_records(directory: Path, file_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """File name -> its consumption record, for those of ``file_names`` declared consumed in ``directory``."""
+    found = {}
+    for name in file_names:
+        record = read_record(Path(directory) / record_name(name))
+        if record is not None:
+            found[name] = record
+    return found

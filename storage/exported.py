@@ -1,0 +1,85 @@
+"""What an export holds of a shard it consumed: each file's size and sha256, listed in the export.
+
+``jobs.export consume=true`` deletes a run's shard file once its samples are exported and
+verified: the export is then the only copy of them. Before the run's manifest records the
+shard as consumed, the export writes the list of the files it made of the shard, with
+their sizes and sha256, into itself (``.export-files/shard-00007.json``, whole and fsynced),
+and the manifest records the list's own sha256 with the shard
+(``ShardRecord.exported_files_sha256``). ``jobs.verify`` and the export's rerun check the
+list against the manifest and every listed file against the list: a byte changed in an
+export that is the only copy is found, named, and never taken for whole.
+
+A consumed shard's ``consumed_into`` is ``<format>:<dest>`` (``training.export.export_key``):
+the export's directory is what follows the first colon.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Iterable, Mapping
+
+import fsspec
+
+from storage.sink import remote_sha256
+
+EXPORTED_FILES_DIR = ".export-files"
+"""In the export: one list per consumed shard (hidden: the trainers' loaders and listings skip it)."""
+
+
+def list_path(shard_file: str) -> str:
+    """Where, relative to the export's directory, the list of the files made of ``shard_file`` is."""
+    return f"{EXPORTED_FILES_DIR}/{shard_file.removesuffix('.parquet')}.json"
+
+
+def list_bytes(shard_file: str, files: Mapping[str, tuple[int, str]]) -> bytes:
+    """The list's bytes: ``files`` maps a path relative to the export's directory to (size, sha256)."""
+    payload = {"shard_file": shard_file, "files": {path: list(files[path]) for path in sorted(files)}}
+    return (json.dumps(payload, indent=1) + "\n").encode()
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_directory(consumed_into: str) -> str:
+    """The export's directory (a local path or a URL) in a consumed shard's ``consumed_into``."""
+    return consumed_into.split(":", 1)[1] if ":" in consumed_into else ""
+
+
+def check_exported_files(
+    fs: fsspec.AbstractFileSystem, root: str, shard_file: str, list_sha256: str,
+    map_: Callable[..., Iterable[Any]] = map,
+) -> tuple[int, list[tuple[str, str]]]:
+    """How many files the export at ``root`` lists for ``shard_file``, and every problem with them, as (path relative
+    to root, what is wrong): the list missing or not the one the manifest recorded (``list_sha256``), a listed file
+    missing, of another size or sha256. No problem when every file is as it was when the shard was consumed.
+    ``map_`` checks the files (a thread pool's map: reading and hashing wait on the storage)."""
+    where = list_path(shard_file)
+    try:
+        with fs.open(f"{root}/{where}", "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        return 0, [(where, f"missing: the list of the files made of {shard_file}, written when it was consumed")]
+    if sha256_of(data) != list_sha256:
+        return 0, [(where, f"the list of the files made of {shard_file} is not the one the run's manifest recorded "
+                           "when the shard was consumed (changed or replaced since)")]
+    try:
+        files: dict[str, Any] = json.loads(data)["files"]
+    except (ValueError, KeyError, TypeError):
+        return 0, [(where, "not a list of exported files (its sha256 matches the manifest's: report it)")]
+
+    def check(item: tuple[str, Any]) -> str:
+        path, (size, sha256) = item
+        try:
+            found = fs.info(f"{root}/{path}")["size"]
+        except FileNotFoundError:
+            return f"missing: exported from {shard_file}, which was then consumed"
+        if found != size:
+            return f"{found} bytes; {size} were exported from {shard_file}"
+        if remote_sha256(fs, f"{root}/{path}") != sha256:
+            return f"its sha256 is not the one recorded when {shard_file} was exported and consumed (changed since)"
+        return ""
+
+    items = sorted(files.items())
+    return len(items), [(path, what) for (path, _), what in zip(items, map_(check, items)) if what]
