@@ -55,7 +55,8 @@ def serving_command(serving: Any) -> Optional[tuple[str, ...]]:
 @dataclasses.dataclass
 class ModelConfig:
     path: str = ""
-    """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
+    """Local HF checkpoint directory, or a hub id (org/name) in the local Hugging Face cache. Empty: run the embedded
+    demo (a tiny random model)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
     dp_size: int = 0
@@ -114,7 +115,7 @@ class ModelConfig:
 @dataclasses.dataclass
 class ExtractConfig:
     layers: Optional[list[int]] = None
-    """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
+    """Canonical ids (output of decoder layer k, 0-based): [2,30,58] or 2,30,58. Default [2, N//2, N-3]."""
     last_hidden_state: str = "pre_norm"
     """Also store a final hidden state per token: pre_norm (the residual stream entering the final norm; speculators'
     verifier state; SpecForge's export applies the final norm to it, so the run serves both trainers), post_norm

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from typing import Sequence
 
 from jobs.cli import console_entry, run_command
@@ -69,8 +68,6 @@ def format_report(report: DryRun) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    # SGLang's model registry warns about every model file it cannot import on this machine: not this model.
-    logging.getLogger("sglang.srt.models.registry").setLevel(logging.ERROR)
     return run_command(_plan, argv)
 
 

@@ -165,7 +165,7 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_p
     outside = [socket for socket in seen if not is_loopback(socket[1])]
     assert not outside, f"listening beyond loopback: {outside}"
 
-    out = tmp_path / "demo" / "hidden_states"
+    out = tmp_path / "demo" / "hidden_states-llama-12-seed0"
     assert f"1 shards done in {out}: 12 samples" in stdout  # the absolute path
     # Piped, not a terminal: progress as log lines, from the first batch to the end.
     logged = [match.group(0) for match in PROGRESS_LINE.finditer(stderr)]
@@ -308,7 +308,7 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     assert "demo.dir=eagle3-demo: relative paths under `ray job submit`" in logs and "pass absolute paths" in logs
 
     samples, demo = 200, tmp_path / "demo"
-    out = demo / "hidden_states"
+    out = demo / f"hidden_states-llama-{samples}-seed0"
     args = [f"demo.dir={demo}", f"demo.num_samples={samples}", "data.shard_size=4",
             "output.max_inflight_batches=1", "extract.max_tokens_per_batch=64", "progress.interval_s=0.5"]
     submit(ray_head, "eagle3-first", args)

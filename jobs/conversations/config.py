@@ -27,8 +27,8 @@ def _is_int(value: object) -> bool:
 @dataclasses.dataclass
 class PrepareModelConfig:
     path: str = ""
-    """Checkpoint directory holding the tokenizer (and its chat template); with regenerate=true also the model
-    SGLang runs. Empty, with data.path empty too: the demo."""
+    """Checkpoint directory holding the tokenizer (and its chat template), or a hub id (org/name) in the local
+    Hugging Face cache; with regenerate=true also the model SGLang runs. Empty, with data.path empty too: the demo."""
     chat_template: str = ""
     """A Jinja chat-template file to render with instead of the checkpoint's own (the file SGLang is given with
     --chat-template when it serves, if any). Empty: the tokenizer's template."""

@@ -41,7 +41,7 @@ from jobs.errors import (
 )
 from jobs.planning.capture import check_capture
 from jobs.planning.engine import build_engine_spec
-from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
@@ -74,6 +74,7 @@ def run(config: JobConfig) -> dict:
     inputs = read_inputs(config)
     config = inputs.config
     check_output_dir(inputs.output_dir, config.data.path)
+    check_resumable(inputs)
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options)
@@ -286,19 +287,14 @@ def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code
 
 
 def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
-    """The existing manifest, when its content is known to match before Ray starts.
+    """The existing manifest (its content is checked before Ray starts: ``check_resumable``).
 
-    With ``model.device=auto`` the device (and so the content) is known only once Ray
-    reports the cluster's GPUs; the stored device is assumed here and checked after.
+    With ``model.device=auto`` the device is known only once Ray reports the cluster's GPUs;
+    the stored device is assumed here and checked after.
     """
     if not (inputs.output_dir / MANIFEST_FILE).exists():
         return None
     requested = inputs.config.model.device
     if requested == "auto":
         requested = str(read_manifest(inputs.output_dir)["content"].get("model.device", "cpu"))
-    try:
-        return Manifest.open(inputs.output_dir, inputs.content(requested), plan)
-    except ValueError:
-        if inputs.config.model.device != "auto":
-            raise  # the content is fully known: refuse now, before Ray starts
-        return None
+    return Manifest.open(inputs.output_dir, inputs.content(requested), plan)

@@ -8,8 +8,9 @@ the layers SGLang will capture and the drafter ids, and what will not fit. Each
 number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
 ``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
 from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
-does (``extractor.drafter_check.plan_capture``: about a second for Kimi-K2.5, plus
-SGLang's import). ``--json`` prints the same as one JSON object.
+does, asked in a child process and cached with the job's own check
+(``jobs.planning.capture``): the first time about 15 s on 2 cores (SGLang's import),
+then well under a second. ``--json`` prints the same as one JSON object.
 
 Exit codes (``jobs.errors``): 0 the run fits; 2 the job would refuse it (bad config or
 input, invalid rows with ``data.on_invalid=fail``, a shard larger than the budget);
@@ -28,7 +29,8 @@ from jobs.config import ConfigError, JobConfig
 from jobs.driver.budget import DiskBudget, format_bytes
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
-from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.capture import ProbeFailed, capture_plan
+from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_shards_fit, free_bytes, planned_metadata
 from jobs.planning.shards import Shard, plan_shards
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
@@ -115,6 +117,7 @@ def dry_run(config: JobConfig) -> DryRun:
     # Every invalid row is counted; data.on_invalid=fail is judged below, as the job would judge it.
     on_invalid = config.data.on_invalid
     inputs = read_inputs(dataclasses.replace(config, data=dataclasses.replace(config.data, on_invalid="skip")))
+    check_resumable(inputs)
     config, checkpoint, dataset = inputs.config, inputs.checkpoint, inputs.dataset
     plan = plan_shards(
         dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
@@ -173,20 +176,22 @@ def _layers(inputs: RunInputs) -> Layers:
         drafter_ids, captured = resolve_drafter_layer_ids(llama_convention, inputs.layer_ids)
         return Layers(inputs.layer_ids, captured, drafter_ids, "the synthetic states source (no model)")
     try:
-        from extractor.drafter_check import plan_capture  # imports SGLang (and torch) only now
-    except ImportError as error:
-        return Layers(inputs.layer_ids, None, None, f"not checked: SGLang cannot be imported here ({error})")
-    plan = plan_capture(config.model.path, inputs.layer_ids, config.model.dtype)
-    served = plan.served_drafter
-    if served.error or served.layers_to_capture != plan.layers_to_capture:
+        plan = capture_plan(config.model.path, inputs.layer_ids, config.model.dtype)
+    except ProbeFailed as error:
+        return Layers(inputs.layer_ids, None, None, f"not checked: {error}")
+    if "refused" in plan:
+        raise ConfigError(f"extract.layers={inputs.layer_ids}: {plan['refused']}")
+    served = plan["served_drafter"]
+    if served["error"] or served["layers_to_capture"] != plan["layers_to_capture"]:
+        finding = served["error"] or f"it captures {served['layers_to_capture']}"
         raise ValueError(
-            f"SGLang {plan.target.sglang_version} would not read back the drafter config the job writes "
-            f"(ids {plan.drafter_layer_ids}): {served.error or f'it captures {served.layers_to_capture}'}; "
+            f"SGLang {plan['sglang_version']} would not read back the drafter config the job writes "
+            f"(ids {plan['drafter_layer_ids']}): {finding}; "
             "check the installed SGLang against docs/install.md, 'Supported versions'"
         )
     return Layers(
-        plan.layer_ids, plan.layers_to_capture, plan.drafter_layer_ids,
-        f"SGLang {plan.target.sglang_version}, {plan.target.architecture} built on the meta device; "
+        plan["layer_ids"], plan["layers_to_capture"], plan["drafter_layer_ids"],
+        f"SGLang {plan['sglang_version']}, {plan['architecture']} built on the meta device; "
         "a drafter config with these ids captures the same layers",
     )
 

@@ -11,14 +11,16 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from extractor.checkpoint import CheckpointInfo, read_checkpoint_info, read_config, text_config
+from extractor.checkpoint import CheckpointInfo, local_checkpoint, read_checkpoint_info, read_config, text_config
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.serving import ServingSettings, effective_model, parse_serving
+from jobs.cluster.node_disk import read_claim
 from jobs.cluster.session import inside_ray_job
 from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
+from storage.manifest import MANIFEST_FILE, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class RunInputs:
 
 def read_inputs(config: JobConfig) -> RunInputs:
     """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    config = dataclasses.replace(config, model=model)
     config = resolve_paths(config, inside_ray_job())
     if config.is_demo:
         config = demo_config(config)
@@ -85,3 +89,30 @@ def read_inputs(config: JobConfig) -> RunInputs:
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
     return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir), serving)
+
+
+def check_resumable(inputs: RunInputs) -> None:
+    """A run already in output.dir must have this run's content, or a resume would mix two runs' states, and
+    output.dir must not be another run's node directory (its claim): refused here, before Ray starts (the
+    claims of other nodes' directories are read once Ray is up). With ``model.device=auto`` the device is
+    known only once Ray reports the cluster's GPUs: the stored one is assumed here."""
+    exists = (inputs.output_dir / MANIFEST_FILE).exists()
+    claim = read_claim(inputs.output_dir)
+    if claim and claim.get("run_id") != (read_manifest(inputs.output_dir).get("run_id") if exists else None):
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} belongs to the run whose output.dir is {claim.get('output_dir')} on "
+            f"{claim.get('host', '?')}; nothing there was touched. Give this run a directory of its own, or rerun "
+            "that run's own command"
+        )
+    if not exists:
+        return
+    stored = read_manifest(inputs.output_dir)["content"]
+    device = inputs.config.model.device
+    content = inputs.content(str(stored.get("model.device", "cpu")) if device == "auto" else device)
+    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    if differing:
+        details = "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} holds a run with different content ({details}). Resume with the "
+            "same settings, or write to a new output.dir"
+        )

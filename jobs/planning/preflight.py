@@ -31,7 +31,9 @@ from storage.manifest import MANIFEST_FILE, read_manifest
 from storage.sink import probe as probe_sink
 from storage.writer import state_bytes_per_token
 
-DEMO_OUTPUT = "hidden_states"
+DEMO_OUTPUT = "hidden_states-{arch}-{num_samples}-seed{seed}"
+"""The demo's own output.dir under demo.dir, one per demo model and dataset (like theirs: model-{arch}-seed{seed},
+data-{num_samples}-seed{seed}): each demo resumes in its own, whatever ran before."""
 DEMO_SHARD_SIZE = 16
 # Weight files torch.load unpickles: loading them can run code stored in them.
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")
@@ -42,12 +44,15 @@ SINK_PROBE_TIMEOUT_S = 30.0
 def demo_config(config: JobConfig) -> JobConfig:
     """The demo's model, data and output paths filled in (model and data built once, then reused).
 
-    The demo resumes like any run: nothing is deleted. A user-named ``output.dir`` that
-    holds anything but a demo's output is refused: with model.path and data.path both
-    empty, the likelier story is a forgotten ``--config``.
+    The demo resumes like any run: nothing is deleted. Each demo model and dataset has its own
+    output directory, so the demos run in any order. A user-named ``output.dir`` that holds
+    anything but a demo's output is refused: with model.path and data.path both empty, the
+    likelier story is a forgotten ``--config``.
     """
-    demo_dir = Path(config.demo.dir)
-    output_dir = Path(config.output.dir) if config.output.dir else demo_dir / DEMO_OUTPUT
+    demo = config.demo
+    demo_dir = Path(demo.dir)
+    default_output = demo_dir / DEMO_OUTPUT.format(arch=demo.arch, num_samples=demo.num_samples, seed=demo.seed)
+    output_dir = Path(config.output.dir) if config.output.dir else default_output
     if config.output.dir:
         _refuse_foreign_demo_output(output_dir, demo_dir)
     model_dir, data_path = prepare_demo(demo_dir, config.demo.arch, config.demo.num_samples, config.demo.seed)
