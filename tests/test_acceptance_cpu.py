@@ -162,7 +162,8 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
         parse_arms("A,F")
     # Q-bf16 needs A's drafter (so A trains) and Q's run (its states are compared with Q's): the quantized run first
     assert trained(("Q-bf16",)) == ("A",) and runs_needed(("Q-bf16",)) == ("Q", "A")
-    assert quantized_runs(("A", "Q", "Q-bf16")) == ("Q", "A") and quantized_runs(("A", "B")) == ()
+    assert quantized_runs(("A", "Q", "Q-bf16")) == quantized_runs(("Q-bf16",)) == ("Q", "A")
+    assert quantized_runs(("Q",)) == ("Q",) and quantized_runs(("A", "B")) == ()
     assert trained(("A", "Q", "Q-bf16")) == ("A", "Q") and drafters_needed(("E",)) == ("E",) and trained(("E",)) == ()
     assert runs_needed(("B",)) == ("A", "B") and runs_needed(("C",)) == ("A",) and runs_needed(("D",)) == ("D",)
     assert trained(tuple(ARMS)) == ("A", "B", "C", "D", "Q") and runs_needed(tuple(ARMS)) == ("Q", "A", "B", "D")
@@ -641,7 +642,7 @@ def test_the_quantized_run_its_serving_checks_and_how_far_a_bf16_run_is(ray_clus
                              "--extract-set", "output.min_free_bytes=1GB"]))
     _record(work, "extract-A", {})
     stage_extract(p)
-    assert p.record("extract-Q")["samples_done"] == 8
+    assert p.record("extract-Q")["samples"] == 8
     content = read_manifest(work / "runs" / "Q")["content"]
     assert content["model.serving"] == {"json_model_override_args": STAND_IN[-1]}
     assert content["model.dtype"] == "float32"

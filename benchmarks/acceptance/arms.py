@@ -85,9 +85,11 @@ def runs_needed(arms: Sequence[str]) -> tuple[str, ...]:
 
 
 def quantized_runs(arms: Sequence[str]) -> tuple[str, ...]:
-    """The runs whose states feed a drafter served on the quantized target: ``jobs.check_serving`` compares the
-    quantized server's command with each (the quantized run passes; a bf16 run names what differs)."""
-    return tuple(run for run in RUNS if run in {ARMS[arm].run for arm in arms if ARMS[arm].quantized})
+    """The quantized run and those whose states feed a drafter served on the quantized target:
+    ``jobs.check_serving`` compares the quantized server's command with each (the quantized run passes; a bf16
+    run names what differs)."""
+    served = {ARMS[arm].run for arm in arms if ARMS[arm].quantized}
+    return tuple(run for run in RUNS if run in served | ({"Q"} if served else set()))
 
 
 def arm_b_layers(layers: Sequence[int]) -> list[int]:
