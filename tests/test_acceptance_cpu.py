@@ -33,6 +33,7 @@ from benchmarks.acceptance.arms import (
 )
 from benchmarks.acceptance.cli import parse_args
 from benchmarks.acceptance.data import data_stats, prepared_data
+from benchmarks.acceptance.differences import main as differences_main
 from benchmarks.acceptance.differences import run_differences
 from benchmarks.acceptance.drafters import check_drafters, served_config
 from benchmarks.acceptance.hf_states import write_hf_features
@@ -46,7 +47,7 @@ from benchmarks.acceptance.prompts import (
     write_conversations,
 )
 from benchmarks.acceptance.serving import PromptResult, engine_args, prompt_results
-from benchmarks.acceptance.stages import serving_checks, stage_extract, stage_report
+from benchmarks.acceptance.stages import serving_checks, stage_extract, stage_report, state_difference
 from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
     Recipe,
@@ -538,6 +539,8 @@ def test_how_far_one_runs_states_are_from_anothers_per_layer(tmp_path):
         assert report[name]["mean"] == pytest.approx(expected, abs=1e-6), (name, report[name])
         assert report[name]["max"] == pytest.approx(expected, abs=1e-6) and report[name]["tokens"] == tokens
     assert all(d["mean"] == 0 for d in run_differences(tmp_path / "A", tmp_path / "A").values())
+    assert differences_main([str(tmp_path / "Q"), str(tmp_path / "A"), str(tmp_path / "out.json")]) == 0
+    assert json.loads((tmp_path / "out.json").read_text()) == report
 
     _write_run(tmp_path / "other", {"shard-00000.parquet": [0, 1, 2], "shard-00001.parquet": [3, 5]}, {})
     with pytest.raises(ValueError, match="different samples per shard file"):
@@ -647,11 +650,11 @@ def test_the_quantized_run_its_serving_checks_and_how_far_a_bf16_run_is(ray_clus
     assert content["model.serving"] == {"json_model_override_args": STAND_IN[-1]}
     assert content["model.dtype"] == "float32"
 
-    p.run_jobs(serving_checks(p), at_once=2)
+    p.run_jobs({**serving_checks(p), **state_difference(p)}, at_once=3)  # as the drafters and train stages run them
     passed, failed = p.record("check-serving-Q"), p.record("check-serving-A")
     assert passed["passed"] and passed["differences"] == [] and passed["lines"][-1].startswith("PASS"), passed
     assert not failed["passed"] and failed["differences"] == ["--json-model-override-args"], failed
 
-    report = run_differences(work / "runs" / "Q", work / "runs" / "A")
+    report = p.record("states-Q-bf16-vs-Q")["q_bf16_vs_q"]
     tokens = sum(sample.input_ids.numel() for path in run_a.glob("shard-*.parquet") for sample in ShardReader(path))
     assert all(entry["tokens"] == tokens and entry["mean"] > 1e-3 for entry in report.values()), report

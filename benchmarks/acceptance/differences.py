@@ -1,9 +1,15 @@
 """How far one set of states is from another, per layer: arm C's HF states from ours, and our bf16 states
-(what Q-bf16's drafter trained on) from the quantized target's own (Q's)."""
+(what Q-bf16's drafter trained on) from the quantized target's own (Q's).
+
+    python -m benchmarks.acceptance.differences REFERENCE_RUN OTHER_RUN OUT.json
+
+(a process of its own, so that it runs on the CPU while the GPU trains)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -83,3 +89,13 @@ def run_differences(reference_run: Path, other_run: Path) -> dict[str, dict[str,
                        theirs.last_hidden_state)
     return {name: difference.report() for name, difference in differences.items()}
 
+
+
+def main(argv: list[str]) -> int:
+    reference, other, out = map(Path, argv)
+    out.write_text(json.dumps(run_differences(reference, other), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -25,7 +25,6 @@ from benchmarks.acceptance.arms import (
     trained,
 )
 from benchmarks.acceptance.data import data_stats, prepare_command, prepared_data
-from benchmarks.acceptance.differences import run_differences
 from benchmarks.acceptance.drafters import (
     check_drafter_command,
     check_serving_command,
@@ -81,7 +80,8 @@ def stage_prompts(p: Pipeline) -> None:
 
 def stage_prepare(p: Pipeline) -> None:
     def make() -> dict[str, Any]:
-        p.command(prepare_command(p.model, p.train_conversations, p.data, p.args.max_new_tokens), "prepare")
+        p.command(prepare_command(p.model, p.train_conversations, p.data, p.args.max_new_tokens,
+                                  p.args.regenerate_cuda_graph), "prepare")
         return data_stats(p.data, Recipe.max_length)
     p.step("prepare", make)
 
@@ -139,28 +139,39 @@ def stage_probe(p: Pipeline) -> None:
 
 
 def stage_features(p: Pipeline) -> None:
-    """SpecForge's features of every trained arm (jobs.export of its run; arm C's from HF), and how far our bf16
-    states are from the quantized target's."""
+    """SpecForge's features of every trained arm (jobs.export of its run, side by side; arm C's from HF)."""
     wanted = {ARMS[arm].features for arm in trained(p.args.arms)}
     p.run_jobs({f"export-{run}": Job(
         [sys.executable, "-m", "jobs.export", f"output.dir={p.run_dir(run)}", "to=specforge",
          f"dest={p.features(run)}"],
-        result=lambda output, code: {"log": output.strip().splitlines()[-1]})
+        result=lambda output, code: {"log": (output.strip().splitlines() or [""])[-1]})
         for run in sorted(wanted - {"C"})}, at_once=SIDE_BY_SIDE)
     if "C" in wanted:
         p.step("features-C", lambda: {"c_vs_a": write_hf_features(
             p.model, p.run_dir("A"), p.features("C"), p.args.device, "bfloat16")})
-    if "Q-bf16" in p.args.arms:
-        p.step("states-Q-bf16-vs-Q", lambda: {"q_bf16_vs_q": run_differences(p.run_dir("Q"), p.run_dir("A"))})
+
+
+def state_difference(p: Pipeline) -> dict[str, Job]:
+    """With Q-bf16: how far our bf16 states (A's run) are from the quantized target's (Q's), per layer; CPU work
+    in a process of its own, run beside the trainings."""
+    if "Q-bf16" not in p.args.arms:
+        return {}
+    out = p.work / "differences" / "q_bf16_vs_q.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return {"states-Q-bf16-vs-Q": Job(
+        [sys.executable, "-m", "benchmarks.acceptance.differences", str(p.run_dir("Q")), str(p.run_dir("A")), str(out)],
+        result=lambda output, code: {"q_bf16_vs_q": json.loads(out.read_text())})}
 
 
 def stage_train(p: Pipeline) -> None:
     """Every trained arm once per seed, ``--train-parallel`` SpecForge processes at once on the one GPU (each is
-    small and mostly waits on kernel launches), then arm E's untrained checkpoints."""
+    small and mostly waits on kernel launches) with Q-bf16's state comparison beside them, then arm E's
+    untrained checkpoints."""
     pending = [(arm, seed) for seed in p.args.seeds for arm in trained(p.args.arms)
                if p.record(f"train-{arm}-s{seed}") is None]
     steps_per_epoch = p.steps_per_epoch() if pending else 0
-    jobs = {}
+    beside = state_difference(p)
+    jobs = dict(beside)
     for (arm, seed), port in zip(pending, free_ports(len(pending))):
         directory = p.train_dir(arm, seed)
         directory.mkdir(parents=True, exist_ok=True)
@@ -172,7 +183,7 @@ def stage_train(p: Pipeline) -> None:
         jobs[f"train-{arm}-s{seed}"] = Job(
             specforge_command("train", "-c", str(directory / "run.yaml")), env,
             lambda output, code: {"metrics": last_train_metrics(output), "curve": train_curve(output, steps_per_epoch)})
-    p.run_jobs(jobs, at_once=p.args.train_parallel)
+    p.run_jobs(jobs, at_once=p.args.train_parallel + len(beside))
     if UNTRAINED in {unit.arm for unit in p.drafters()}:
         for seed in p.args.seeds:
             p.step(f"train-{UNTRAINED}-s{seed}", lambda seed=seed: {"checkpoint": str(write_untrained_checkpoint(
