@@ -557,14 +557,15 @@ def test_commands_side_by_side_are_each_recorded_and_every_failure_named(tmp_pat
 
     jobs = {
         "said": Job(python("print('hello')"), result=lambda output, code: {"said": output.strip()}),
-        "verdict": Job(python("import sys; print('FAIL x'); sys.exit(1)"), ok=(0, 1),
+        "verdict": Job(python("import sys, time; time.sleep(2); print('FAIL x'); sys.exit(1)"), ok=(0, 1),
                        result=lambda output, code: {"code": code}),
         "broken": Job(python("import sys; print('no luck'); sys.exit(3)")),
         "late": Job(python("import time; time.sleep(0.5); print('late')"), result=lambda output, code: {"ok": 1}),
     }
     with pytest.raises(RuntimeError, match=r"broken \(exit 3\): .*broken.log\nno luck"):
         p.run_jobs(jobs, at_once=3)
-    # the others ran to their end and are recorded; no job starts after a failure
+    # the others ran to their end and are recorded; no job starts after a failure (though a slot was free while
+    # "verdict" still ran)
     assert p.record("said")["said"] == "hello" and p.record("verdict")["code"] == 1 and p.record("broken") is None
     assert p.record("late") is None and (p.work / "logs" / "verdict.log").read_text() == "FAIL x\n"
     # a rerun runs only what is not recorded

@@ -19,6 +19,7 @@ died without an exit record (killed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -48,16 +49,17 @@ def _write(value: dict[str, Any], path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: an ended process that nobody reaped yet (a zombie) still answers signal 0."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a child of this process that ended but was not reaped yet still answers signal 0
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def start(argv: Sequence[str]) -> int:
