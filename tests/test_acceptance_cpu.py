@@ -1,7 +1,9 @@
-"""The pieces of the acceptance benchmark (benchmarks/acceptance/) that run without a GPU: the prompts,
-the arms' layers and HF-path states, SpecForge 0.2.0's own config, trainer (up to FSDP, which needs an
-accelerator) and exporter on our export, the served configs through jobs.check_drafter, and the
-bootstrap. Serving with SGLang's EAGLE3 and the regeneration (jobs.prepare) run on the H200 only."""
+"""The pieces of the acceptance benchmark (benchmarks/acceptance/) that run without a GPU: the prompts and
+their split, the arms (what a selection extracts, trains and serves), the HF-path states, SpecForge 0.2.0's
+own config, trainer (up to FSDP, which needs an accelerator) and exporter on our export, the served configs
+through jobs.check_drafter, arm Q's run with a stand-in serving command and jobs.check_serving of it, the
+state comparison, the bootstrap per seed and pooled, the report, commands side by side, the background run.
+Serving with SGLang's EAGLE3, training and the regeneration (jobs.prepare) run on the H200 only."""
 
 from __future__ import annotations
 

@@ -129,8 +129,8 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     quantized = results.get("serving", {}).get("quantized_serving")
     if quantized and any(ARMS[arm].quantized for arm in acceptance["arms"]):
-        lines += [f"Quantized target: the bf16 checkpoint served with `{' '.join(quantized)}` (the drafter as SGLang "
-                  "serves it beside that target).", ""]
+        lines += [f"Quantized target: the bf16 checkpoint served with `{' '.join(quantized)}` (SGLang quantizes the "
+                  "drafter the same way unless the command sets --speculative-draft-model-quantization).", ""]
     lines += _data_line(results) + _arm_rows(results) + _difference_rows(results) + _checks(results)
     if "c_vs_a" in results:
         lines += _layer_table("C vs A", results["c_vs_a"])
