@@ -84,7 +84,7 @@ def start(argv: Sequence[str]) -> int:
     out = Path(args.out).absolute() if args.out else work / "results.json"
     _write({"pid": process.pid, "started": time.time(), "argv": list(argv), "out": str(out)}, here / "started.json")
     print(f"started the benchmark in the background (pid {process.pid}, its own session); log {here / 'log.txt'}; "
-          f"follow it with `python -m benchmarks.acceptance.background status --work {work} --wait-s 540`")
+          f"follow it with `python -m benchmarks.acceptance.background status --work {work} --wait-s 560`")
     return 0
 
 
