@@ -49,7 +49,7 @@ from benchmarks.acceptance.prompts import (
     write_conversations,
 )
 from benchmarks.acceptance.serving import PromptResult, engine_args, prompt_results
-from benchmarks.acceptance.stages import serving_checks, stage_extract, stage_report, state_difference
+from benchmarks.acceptance.stages import serving_batches, serving_checks, stage_extract, stage_report, state_difference
 from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
     Recipe,
@@ -179,6 +179,9 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
     # the quantized target's engines first; Q-bf16 serves A's drafter of the same seed
     assert [unit.name for unit in p.served()] == ["Q-s0", "Q-bf16-s0", "Q-s1", "Q-bf16-s1", "A-s0", "A-s1"]
     assert [unit.name for unit in p.drafters()] == ["Q-s0", "A-s0", "Q-s1", "A-s1"]
+    # an engine on the quantized target needs more than half the GPU's serving memory: it is served alone
+    assert [[unit.name for unit in batch] for batch in serving_batches(p.served(), 2)] == [
+        ["Q-s0"], ["Q-bf16-s0"], ["Q-s1"], ["Q-bf16-s1"], ["A-s0", "A-s1"]]
     assert p.drafter(Served("Q-bf16", 1)) == p.drafter(Served("A", 1)) == p.work / "drafters" / "A-s1"
     assert p.recipe(1) == Recipe(seed=1) and (Recipe.epochs, Recipe.learning_rate, Recipe.batch_size) == (3, 5e-4, 4)
     assert pipeline("--lr", "1e-3", "--epochs", "2", "--max-steps", "9").recipe(0) == Recipe(

@@ -17,7 +17,9 @@ SERVE_MEMORY = 0.75
 """Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
 SERVE_PARALLEL = 2
 """Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
-last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine."""
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine.
+An engine on the quantized target is served alone: two fp8 targets with their drafters at 0.375 each did not
+start ("Raise --mem-fraction-static above 0.381")."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -241,21 +241,27 @@ def stage_serve(p: Pipeline) -> None:
     first."""
     pending = [unit for unit in p.served() if p.record(f"serve-{unit.name}") is None]
     (p.work / "serve").mkdir(parents=True, exist_ok=True)
-    parallel = max(1, p.args.serve_parallel)
-    for start in range(0, len(pending), parallel):
+    for batch in serving_batches(pending, max(1, p.args.serve_parallel)):
         if p.out_of_time():
-            raise OutOfTime(f"serve-{pending[start].name}")
+            raise OutOfTime(f"serve-{batch[0].name}")
         started = time.perf_counter()
-        batch = pending[start : start + parallel]
         p.progress(step=" ".join(f"serve-{unit.name}" for unit in batch))
         processes = {unit: start_serving(ServeSpec(
             p.model, p.drafter(unit), p.eval_prompts, p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens,
-            p.args.attention_backend, SERVE_MEMORY / parallel,
+            p.args.attention_backend, SERVE_MEMORY / len(batch),
             tuple(p.args.quantized_serving) if ARMS[unit.arm].quantized else ())) for unit in batch}
         for unit, process in processes.items():
             results = served_results(process, p.work / "serve" / f"{unit.name}.json")
             p.save(f"serve-{unit.name}", {"prompts": len(results), "engines_at_once": len(batch)},
                    time.perf_counter() - started)
+
+
+def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]]:
+    """Engines started together: each on the quantized target alone (see SERVE_PARALLEL), the rest ``parallel``
+    at a time."""
+    alone = [[unit] for unit in units if ARMS[unit.arm].quantized]
+    shared = [unit for unit in units if not ARMS[unit.arm].quantized]
+    return alone + [shared[start : start + parallel] for start in range(0, len(shared), parallel)]
 
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
