@@ -101,17 +101,7 @@ class Manifest:
             manifest.save()
             return manifest
         stored = _load(path)
-        differing = sorted(
-            key for key in set(stored["content"]) | set(content) if stored["content"].get(key) != content.get(key)
-        )
-        if differing:
-            details = "; ".join(
-                f"{key}: was {stored['content'].get(key)!r}, now {content.get(key)!r}" for key in differing
-            )
-            raise ValueError(
-                f"{path} belongs to a run with different content ({details}). Resume with the same "
-                "settings, or write to a new output.dir"
-            )
+        check_content(path, stored["content"], content)
         shards = {record["index"]: ShardRecord(**record) for record in stored["shards"]}
         manifest = cls(path, content, shards, stored["sequence"], stored.get("run_id", ""))
         manifest.save()  # a journal that ends in a torn line must not be appended to
@@ -185,6 +175,17 @@ class Manifest:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
+
+
+def check_content(path: Path, stored: dict[str, Any], content: dict[str, Any]) -> None:
+    """ValueError naming the keys in which the manifest at ``path`` (its ``stored`` content) is of another run."""
+    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    if differing:
+        details = "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
+        raise ValueError(
+            f"{path} belongs to a run with different content ({details}). Resume with the same "
+            "settings, or write to a new output.dir"
+        )
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -53,6 +53,19 @@ def ray_job_submission_id() -> str:
     return str(metadata.get("job_submission_id", ""))
 
 
+def starts_private_cluster(address: str) -> bool:
+    """Whether a job started now with ``ray.address=address`` runs on a private cluster of this host."""
+    return not (inside_ray_job() or address or os.environ.get("RAY_ADDRESS"))
+
+
+def this_host_cpus() -> int:
+    """The CPUs a private cluster started here would have: Ray's own count (cgroup limits included)."""
+    from ray._private import utils
+
+    count = getattr(utils, "get_num_cpus", None)  # checked on Ray 2.60
+    return int(count()) if count is not None else os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def ray_session(address: str) -> Iterator[None]:
     """Run the body connected to Ray (see the module docstring for which cluster); disconnect after."""

@@ -17,6 +17,8 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
+import ray
+
 from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
 from jobs.cluster.node_disk import LocalDisk, read_claim
@@ -48,6 +50,7 @@ from jobs.rundir.resume import (
     claim_directory,
     clean_output_dir,
     refuse_foreign_output,
+    select_planned,
     select_shards,
 )
 from jobs.rundir.summary import (
@@ -102,7 +105,8 @@ def _run_locked(inputs: RunInputs) -> dict:
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata, reclaimable)
         manifest.close()
     else:
-        check_shards_fit(plan, budget, metadata)
+        selected = set(select_planned(config.shards, len(plan)))
+        check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     write_invalid_rows(output_dir, inputs.dataset.invalid)
     with ray_session(config.ray.address):
         return _extract(inputs, plan, ranges, budget, checked_node)
@@ -119,7 +123,7 @@ def _extract(
         config.output.state_dtype,
     )
     groups = plan_groups(
-        config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+        ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
         config.output.node_dir,
     )
     manifest = Manifest.open(output_dir, inputs.content(device), ranges)
