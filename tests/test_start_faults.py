@@ -1,4 +1,5 @@
-"""Faults while the job starts, through real processes: the extractor killed while its model loads.
+"""Faults while the job starts, through real processes: the extractor killed while its model loads, a signal
+while the driver starts its private Ray cluster.
 
 The extractor is this test session's own Ray worker (a descendant of this process), found by the title
 Ray gives it while its constructor runs (``ray::ExtractorActor.__init__``: the model is loading).
@@ -9,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,8 +23,10 @@ import pytest
 from jobs.errors import EXIT_OK
 from jobs.extract import main
 from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
-from tests.helpers import assert_every_sample_once
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_every_sample_once, python_env
 
 LOADING = "ray::ExtractorActor.__init__"
 """Ray's title for the extractor's process while its constructor (the model load) runs."""
@@ -89,3 +94,78 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     died = [record.getMessage() for record in caplog.records if "starting it again (1 of at most 1" in record.getMessage()]
     assert died and "while loading the model" in died[0], died
     assert_every_sample_once(out, dataset)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(processes: dict[int, psutil.Process]) -> list[str]:
+    """What of ``processes`` still runs (a zombie has ended)."""
+    left = []
+    for process in processes.values():
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("signum", [
+    signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended),
+])
+def test_a_signal_while_ray_starts_ends_the_run_interrupted_with_no_process_left(llama_fp32, demo_dataset, tmp_path,
+                                                                                 signum):
+    """The signal comes while the driver starts its private cluster (its GCS is up, the raylet and the
+    dashboard's agents are starting): the cluster comes up whole, is shut down, and the run ends as
+    interrupted with its summary; every process it started is gone."""
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={out}", "model.device=cpu",
+            "output.min_free_bytes=0", "data.shard_size=8"]
+    with open(tmp_path / "stderr", "w+") as stderr:
+        job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=python_env(),
+                               stdout=subprocess.DEVNULL, stderr=stderr)
+        started: dict[int, psutil.Process] = {}  # every process of the driver's tree, seen while it ran
+        names: set[str] = set()
+        sent = False
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            for process in descendants(job.pid):
+                if process.pid not in started:
+                    started[process.pid] = process
+                    names.add(_name(process))
+            if not sent and any(_is_gcs(process) for process in started.values()):
+                job.send_signal(signum)  # ray.init has started the GCS and goes on with the rest
+                sent = True
+            time.sleep(0.02)
+        job.wait(timeout=60)
+        stderr.seek(0)
+        errors = stderr.read()
+    assert sent, "the driver's GCS was never seen"
+    assert job.returncode == 128 + signum, errors[-3000:]
+    assert f"error: stopped by {signal.Signals(signum).name}" in errors, errors[-3000:]
+    assert "Traceback" not in errors, errors[-3000:]
+    summary = read_summary(out)
+    assert summary is not None, "no .summary.json"
+    assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 128 + signum)
+    assert not (out / LOCK_FILE).exists()
+    assert "raylet" in names, names  # the cluster really was starting
+    gone_by = time.monotonic() + 30
+    while alive(started) and time.monotonic() < gone_by:
+        time.sleep(0.5)
+    assert not alive(started), alive(started)
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_gcs(process: psutil.Process) -> bool:
+    return "gcs_server" in _name(process)

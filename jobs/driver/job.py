@@ -21,6 +21,7 @@ import ray
 
 from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
+from extractor.types import EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
@@ -36,9 +37,11 @@ from jobs.errors import (
     EXIT_UPLOADS_FAILED,
     RERUN,
     JobFault,
+    JobInterrupted,
     JobStopped,
     stop_in,
 )
+from jobs.interrupts import held
 from jobs.planning.capture import check_capture
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.inputs import RunInputs, read_inputs
@@ -78,12 +81,12 @@ def run(config: JobConfig) -> dict:
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options)
-    with OutputLock(inputs.output_dir, ray_job_submission_id()):
+    with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
         refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
-        return _run_locked(inputs)
+        return _run_locked(inputs, lock)
 
 
-def _run_locked(inputs: RunInputs) -> dict:
+def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
     budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
     plan = plan_shards(
@@ -108,60 +111,87 @@ def _run_locked(inputs: RunInputs) -> dict:
         selected = set(select_planned(config.shards, len(plan)))
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     write_invalid_rows(output_dir, inputs.dataset.invalid)
-    with ray_session(config.ray.address):
-        return _extract(inputs, plan, ranges, budget, checked_node)
+    summary = RunSummary(config, output_dir, {s.index: s.tokens for s in plan}, sorted(selected), inputs.dataset.invalid)
+    before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+    try:
+        with ray_session(config.ray.address):
+            try:
+                return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
+            finally:
+                with held():  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+                    lock.release()
+    except BaseException as error:  # a signal while Ray started (the lock is still held then): recorded too
+        _record_early_stop(summary, before, error)
+        raise
 
 
 def _extract(
     inputs: RunInputs, plan: list[Shard], ranges: list[tuple[int, int, int]], budget: DiskBudget,
-    checked_node: Optional[str],
+    checked_node: Optional[str], summary: RunSummary, before: Manifest,
 ) -> dict:
+    """The run on Ray: the directories of every node, the actors, the summary. ``before`` is what output.dir
+    held before (a stop before this run's own manifest is open is recorded against it)."""
     config, output_dir = inputs.config, inputs.output_dir
-    device = resolve_device(config.model.device, config.model.tp_size)
-    spec = build_engine_spec(
-        config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
-        config.output.state_dtype,
-    )
-    groups = plan_groups(
-        ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
-        config.output.node_dir,
-    )
-    manifest = Manifest.open(output_dir, inputs.content(device), ranges)
+    manifest = before
     try:
-        to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
-        logger.info(
-            "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
-            len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+        device = resolve_device(config.model.device, config.model.tp_size)
+        spec = build_engine_spec(
+            config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
+            config.output.state_dtype,
         )
-        shard_tokens = {s.index: s.tokens for s in plan}
-        indices = [record.index for record in to_run]
-        summary = RunSummary(config, output_dir, shard_tokens, indices, inputs.dataset.invalid)
-        summary.start(manifest)
-        progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
-                               interval_s=config.progress.interval_s, sink=summary)
-        extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
-                                   manifest, budget, groups, progress)
+        groups = plan_groups(
+            ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+            config.output.node_dir,
+        )
+        manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         try:
-            with extraction:
-                try:
-                    extraction.run()
-                except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
-                    _record_end(summary, manifest, *_ending(error))
-                    raise
-            result = extraction.result()
-            outcome, code, message = _outcome(manifest, indices, config.output.sink)
-        except BaseException as error:  # again, with what the wind-down recorded
-            _record_end(summary, manifest, *_ending(error))
-            stop = stop_in(error)
-            if stop is not error:  # a signal seen through a Ray call: the command ends as interrupted
-                raise stop from None
-            raise
-        write_drafter_config(output_dir, _drafter_config(config, result.engine))
-        final = summary.finish(manifest, outcome, code, message, result)
-    finally:
-        manifest.close()
+            final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
+        finally:
+            with held():
+                manifest.close()
+    except BaseException as error:
+        _record_early_stop(summary, manifest, error)
+        raise
     _count_tokens(output_dir, config.output.sink_options)
     return final
+
+
+def _extract_shards(
+    inputs: RunInputs, plan: list[Shard], spec: EngineSpec, groups: list[NodeGroup], manifest: Manifest,
+    budget: DiskBudget, checked_node: Optional[str], summary: RunSummary,
+) -> dict:
+    """Prepare every node's directory, run the shards, record how the run ended; returns the final summary."""
+    config, output_dir = inputs.config, inputs.output_dir
+    to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
+    logger.info(
+        "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
+        len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+    )
+    shard_tokens = {s.index: s.tokens for s in plan}
+    indices = [record.index for record in to_run]
+    summary.select(indices)
+    summary.start(manifest)
+    progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
+                           interval_s=config.progress.interval_s, sink=summary)
+    extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
+                               manifest, budget, groups, progress)
+    try:
+        with extraction:
+            try:
+                extraction.run()
+            except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
+                _record_end(summary, manifest, *_ending(error))
+                raise
+        result = extraction.result()
+        outcome, code, message = _outcome(manifest, indices, config.output.sink)
+    except BaseException as error:  # again, with what the wind-down recorded
+        _record_end(summary, manifest, *_ending(error))
+        stop = stop_in(error)
+        if stop is not error:  # a signal seen through a Ray call: the command ends as interrupted
+            raise stop from None
+        raise
+    write_drafter_config(output_dir, _drafter_config(config, result.engine))
+    return summary.finish(manifest, outcome, code, message, result)
 
 
 def _count_tokens(output_dir: Path, sink_options: dict) -> None:
@@ -257,11 +287,20 @@ def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
 
 
 def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
-    """The summary of a run that ended early; failing to write it must not hide why the run ended."""
+    """The summary of a run that ended early, written whole (a second signal waits); failing to write it
+    must not hide why the run ended."""
     try:
-        summary.finish(manifest, outcome, exit_code, message)
+        with held(reraise=False):
+            summary.finish(manifest, outcome, exit_code, message)
     except OSError as error:
         logger.warning("could not write %s: %s", summary.path, error)
+
+
+def _record_early_stop(summary: RunSummary, manifest: Manifest, error: BaseException) -> None:
+    """A signal before the run's summary started (Ray starting, the looks at every node's directory) ends
+    it as interrupted all the same, recorded against what output.dir holds; a refusal leaves it as it was."""
+    if not summary.ended and isinstance(stop_in(error), JobInterrupted):
+        _record_end(summary, manifest, *_ending(error))
 
 
 def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
