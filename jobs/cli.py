@@ -16,12 +16,11 @@ hands it to ``run_command``:
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from typing import Callable, Sequence
 
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobStopped, stop_in
-from jobs.interrupts import stop_on_signal
+from jobs.interrupts import held, signals_stop
 
 logger = logging.getLogger("jobs.cli")
 
@@ -39,26 +38,28 @@ def run_command(
     ``fault_hint`` ends the line printed after an unexpected error (e.g. "rerun the same command: it resumes").
     """
     logging.basicConfig(level=level, format=fmt)
-    previous = {signum: signal.signal(signum, stop_on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return body(argv)
-    except BaseException as raised:  # noqa: BLE001 - every way out gets its exit code here
-        error = stop_in(raised)
-        if isinstance(error, JobStopped):
-            print(f"error: {error}", file=sys.stderr)
-            return error.exit_code
-        if isinstance(error, ValueError):
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt with the handlers gone
-            raise
-        logger.error("the command failed", exc_info=error)
-        hint = f"; {fault_hint}" if fault_hint else ""
-        print(f"error: the command failed ({type(error).__name__}: {error}){hint}", file=sys.stderr)
-        return EXIT_FAULT
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with signals_stop():
+        try:
+            return body(argv)
+        except BaseException as raised:  # noqa: BLE001 - every way out gets its exit code here
+            with held(reraise=False):  # the command is ending: a further signal must not cut its last line short
+                return _exit_code(raised, fault_hint)
+
+
+def _exit_code(raised: BaseException, fault_hint: str) -> int:
+    error = stop_in(raised)
+    if isinstance(error, JobStopped):
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    if isinstance(error, ValueError):
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt with the handlers gone
+        raise raised
+    logger.error("the command failed", exc_info=error)
+    hint = f"; {fault_hint}" if fault_hint else ""
+    print(f"error: the command failed ({type(error).__name__}: {error}){hint}", file=sys.stderr)
+    return EXIT_FAULT
 
 
 def console_entry(main: Callable[[Sequence[str]], int]) -> Callable[[], None]:

@@ -135,9 +135,8 @@ def test_a_signal_while_ray_starts_ends_the_run_interrupted_with_no_process_left
         deadline = time.monotonic() + 300
         while job.poll() is None and time.monotonic() < deadline:
             for process in descendants(job.pid):
-                if process.pid not in started:
-                    started[process.pid] = process
-                    names.add(_name(process))
+                started.setdefault(process.pid, process)
+                names.add(_name(process))  # again each time: a process seen between its fork and exec is "python"
             if not sent and any(_is_gcs(process) for process in started.values()):
                 job.send_signal(signum)  # ray.init has started the GCS and goes on with the rest
                 sent = True

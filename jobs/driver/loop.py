@@ -20,6 +20,7 @@ from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
+from jobs.interrupts import raise_if_stopped
 
 
 class DriverLoop:
@@ -42,6 +43,7 @@ class DriverLoop:
             # Before the first turn: a rerun may have nothing to extract, only done files the sink still lacks.
             self._rescanner.rescan()
             while scheduler.has_work or work or self._uploads.retries:
+                raise_if_stopped()
                 self._progress.tick()
                 self._rescanner.rescan_if_due()
                 self._disk_wait.update(scheduler.open_what_fits())
