@@ -388,6 +388,7 @@ def test_ray_job_stop_while_writers_wait_tells_one_story(ray_head, tmp_path):
     assert "interrupted (exit code 143)" in report, report
     assert "killed?" not in report and "unrecorded" not in report and "temp files" not in report, report
     records = read_manifest(out)["shards"]
-    assert sorted(p.name for p in out.glob("shard-*.parquet")) == sorted(r["file"] for r in records if r["state"] == DONE)
+    recorded = sorted(record["file"] for record in records if record["state"] == DONE)
+    assert sorted(path.name for path in out.glob("shard-*.parquet")) == recorded
     assert not list(out.glob(TEMP_GLOB))
     assert summary["shards_done"] == done_shards(out) < len(records)

@@ -91,7 +91,8 @@ def test_every_refusal_of_the_job_is_the_dry_runs(ray_cluster, capsys, synthetic
     cases["a manifest of other content"] = (["data.shard_size=4", f"output.dir={resumed}"],
                                             "belongs to a run with different content (data.shard_size: was 8, now 4")
     cases["more writers than the cluster's CPUs (once Ray is up)"] = (
-        ["output.num_writers=64", f"output.dir={tmp_path / 'writers'}"], "output.num_writers=64, but node 127.0.0.1 has")
+        ["output.num_writers=64", f"output.dir={tmp_path / 'writers'}"],
+        "output.num_writers=64, but node 127.0.0.1 has")
 
     base = [f"model.path={synthetic_model}", f"data.path={demo_dataset}", *SETTINGS]
     for name, (overrides, phrase) in cases.items():

@@ -36,9 +36,8 @@ SHARD_SIZE = 4
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    return build_synthetic_dataset(
-        tmp_path_factory.mktemp("start-faults") / "data.parquet", num_samples=NUM_SAMPLES, min_len=20, max_len=60, seed=5
-    )
+    return build_synthetic_dataset(tmp_path_factory.mktemp("start-faults") / "data.parquet", num_samples=NUM_SAMPLES,
+                                   min_len=20, max_len=60, seed=5)
 
 
 def loading_extractors() -> list[psutil.Process]:
@@ -78,7 +77,8 @@ class KillWhileLoading(threading.Thread):
         self.join()
 
 
-def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster, llama_fp32, dataset, tmp_path,
+                                                                    caplog):
     """A death during the first load counts as one of extract.max_restarts, as a death later does; the run
     completes in the same process, every sample once."""
     caplog.set_level(logging.INFO)
@@ -91,7 +91,8 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     summary = read_summary(out)
     assert code == EXIT_OK, summary["message"]
     assert summary["extractor_restarts"] == 1 and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
-    died = [record.getMessage() for record in caplog.records if "starting it again (1 of at most 1" in record.getMessage()]
+    logged = [record.getMessage() for record in caplog.records]
+    died = [text for text in logged if "starting it again (1 of at most 1" in text]
     assert died and "while loading the model" in died[0], died
     assert_every_sample_once(out, dataset)
 

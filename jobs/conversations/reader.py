@@ -288,8 +288,8 @@ def read_conversations(
     conversation_id = 0
     for file in files:
         fmt = file_format(fs, file, requested_format)
-        columns = [] if file.format == JSONL else [
-            name for name in (FIELDS[fmt], SYSTEM_FIELD, ID_FIELD) if name in table_columns(fs, file)]  # type: ignore[index]
+        wanted = (FIELDS[fmt], SYSTEM_FIELD, ID_FIELD) if fmt else ()  # JSONL under auto: decided below
+        columns = [] if file.format == JSONL else [name for name in wanted if name in table_columns(fs, file)]
         for source, record, error in iter_records(fs, file, columns):
             if fmt is None and error is None and isinstance(record, dict):
                 try:

@@ -111,14 +111,15 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
         selected = set(select_planned(config.shards, len(plan)))
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     write_invalid_rows(output_dir, inputs.dataset.invalid)
-    summary = RunSummary(config, output_dir, {s.index: s.tokens for s in plan}, sorted(selected), inputs.dataset.invalid)
+    shard_tokens = {s.index: s.tokens for s in plan}
+    summary = RunSummary(config, output_dir, shard_tokens, sorted(selected), inputs.dataset.invalid)
     before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
     try:
         with ray_session(config.ray.address):
             try:
                 return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
-            finally:
-                with held():  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+            finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+                with held(reraise=False):
                     lock.release()
     except BaseException as error:  # a signal while Ray started (the lock is still held then): recorded too
         _record_early_stop(summary, before, error)
@@ -147,7 +148,7 @@ def _extract(
         try:
             final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
         finally:
-            with held():
+            with held(reraise=False):
                 manifest.close()
     except BaseException as error:
         _record_early_stop(summary, manifest, error)

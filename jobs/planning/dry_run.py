@@ -132,7 +132,9 @@ def dry_run(config: JobConfig) -> DryRun:
     )
     if manifest is not None:
         selected = {record.index for record in select_shards(manifest, config.shards)}
-        done = {r.index: r.bytes if r.location == LOCAL else 0 for r in manifest.in_state(DONE) if r.index not in selected}
+        done = {
+            r.index: r.bytes if r.location == LOCAL else 0 for r in manifest.in_state(DONE) if r.index not in selected
+        }
     else:
         selected, done = set(select_planned(config.shards, len(plan))), {}
     metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
