@@ -379,8 +379,6 @@ def test_ray_job_stop_while_writers_wait_tells_one_story(ray_head, tmp_path):
     stop = ray_head.cli("job", "stop", "eagle3-stop-mid-shard")
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert wait_for_status(client, "eagle3-stop-mid-shard", {"STOPPED", "SUCCEEDED", "FAILED"}) == "STOPPED"
-    logs = client.get_job_logs("eagle3-stop-mid-shard")
-    assert "error: stopped by SIGTERM" in logs, logs[-3000:]  # the driver ended before the SIGKILL
     summary = read_summary(out)
     assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 143)
     assert not (out / LOCK_FILE).exists()
