@@ -372,7 +372,7 @@ def test_ray_job_stop_while_writers_wait_tells_one_story(ray_head, tmp_path):
 
     client = JobSubmissionClient(ray_head.dashboard_url)
     demo = tmp_path / "demo"
-    out = demo / "hidden_states"
+    out = demo / "hidden_states-llama-80-seed0"
     submit(ray_head, "eagle3-stop-mid-shard", [
         f"demo.dir={demo}", "demo.num_samples=80", "data.shard_size=8", "model.engine=synthetic",
         "model.synthetic_tokens_per_s=300", "extract.max_tokens_per_batch=600",
