@@ -1,8 +1,8 @@
 """``python -m jobs.plan [--config FILE] [--json] [key=value ...]`` (or ``eagle3-plan``): the dry run.
 
 What a run of ``python -m jobs.extract`` with the same config would do, before it does it: no weight
-loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes:
-0 the run fits, 2 the job would refuse it, 3 it would stop for disk.
+loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes: the
+job's own: 0 the run fits, 2 the job would refuse it, 3 it would stop for disk, 5 another job holds output.dir.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jobs.planning.dry_run import DryRun, dry_run
 
 DESCRIPTION = (
     "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
-    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space."
+    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space, 5 another "
+    "job holds output.dir."
 )
 
 

@@ -29,7 +29,7 @@ from jobs.cluster.session import ray_session, resolve_device
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.progress import Progress
-from jobs.conversations.reader import ConversationRow, count_rows, read_conversations
+from jobs.conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
 from jobs.conversations.regenerate import regenerated_rows, start_regenerator
 from jobs.conversations.template import ChatTemplate
 from jobs.conversations.tokenize import (
@@ -135,7 +135,8 @@ def shards_of(rows: Iterator[ConversationRow], size: int) -> Iterator[tuple[int,
 
 def input_rows(inputs: Inputs, regenerate: bool) -> Iterator[ConversationRow]:
     data = inputs.config.data
-    return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate)
+    return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate,
+                              inputs.max_length * MAX_CHARS_PER_TOKEN)
 
 
 # -- tokenizing ---------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], re
     records = []
     for row in rows:
         record = by_id.get(row.conversation_id) or {"conversation_id": row.conversation_id, "invalid": row.reason}
-        records.append({**record, "source": dataclasses.asdict(row.source)})
+        records.append({**record, "source": dataclasses.asdict(row.source), "id": row.row_id})
     out_dir.write_regenerated(inputs.out, shard, records)
     stats["shards"] += 1
     for key in ("answers", "generated_tokens", "seconds", "cut_at_max_new_tokens"):

@@ -20,7 +20,7 @@ from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
-from storage.manifest import MANIFEST_FILE, read_manifest
+from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +109,9 @@ def check_resumable(inputs: RunInputs) -> None:
     stored = read_manifest(inputs.output_dir)["content"]
     device = inputs.config.model.device
     content = inputs.content(str(stored.get("model.device", "cpu")) if device == "auto" else device)
-    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    differing = content_differences(stored, content)
     if differing:
-        details = "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
         raise ConfigError(
-            f"output.dir={inputs.output_dir} holds a run with different content ({details}). Resume with the "
+            f"output.dir={inputs.output_dir} holds a run with different content ({differing}). Resume with the "
             "same settings, or write to a new output.dir"
         )
