@@ -11,16 +11,17 @@ numbers, so that prompts and answers vary in length), then, in one run:
    generated tokens over the time from the first shard sent to the last published;
 2. SGLang's own offline throughput: one ``Engine.generate`` over all the same prompts, rendered with
    the same chat template, with the same sampling parameters (greedy by default, the same stop
-   tokens and max_new_tokens), the same engine settings (``jobs.conversations.pipeline.generator_spec``
-   of the same keys: CUDA graphs as ``model.cuda_graph`` says, on by default) and the same process
+   tokens and max_new_tokens), the same engine settings (``Inputs.generator_spec`` of the same keys:
+   CUDA graphs as ``model.cuda_graph`` says, on by default) and the same process
    settings (a Ray actor with the regenerator's CPUs and GPUs); its rate is the generated tokens
    over that call's time.
 
 It prints both rates, their ratio, and how many answers are the same text in both (greedy: all,
 unless batch-dependent numerics flip a token). The default model is SmolLM2-135M-Instruct
 (``testbeds.smollm2``; ``--gguf FILE`` builds it from a carried GGUF on a machine without a
-registry), and then it fails (exit 1) if the answer to "What is the capital of France?" does not
-name Paris: a trained model answers that. On CPU the engine computes in float32.
+registry); on CPU, where the engine computes in float32, it fails (exit 1) if the answer to "What is
+the capital of France?" does not name Paris, as the trained model answers there (in bf16 on the H200
+it answered otherwise, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ import ray
 
 from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.session import ray_session, resolve_device
-from jobs.conversations.pipeline import generator_spec
+from jobs.conversations.pipeline import read_inputs
 from jobs.conversations.regenerate import REGENERATOR_CPUS
-from jobs.conversations.template import ChatTemplate
 from jobs.prepare import load_config
 from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
@@ -89,17 +89,17 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[fl
     return seconds, json.loads((out / "_prepare.json").read_text())
 
 
-def sglang_offline(keys: list[str], model: Path, asked: list[str]) -> dict[str, Any]:
-    """SGLang's own rate on the prompts ``jobs.prepare`` answered, with the engine and sampling it used."""
-    config = load_config([f"model.path={model}", "data.path=unused", "output.path=unused", *keys])
-    chat = ChatTemplate.load(str(model), config.model.chat_template, config.model.trust_remote_code,
-                             config.model.stop_tokens, config.model.chat_template_kwargs)
+def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -> dict[str, Any]:
+    """SGLang's own rate on the prompts ``jobs.prepare`` answered, with the engine, chat template and sampling it
+    used (its own ``read_inputs`` and ``generator_spec``)."""
+    inputs = read_inputs(load_config([f"model.path={model}", f"data.path={data}", "output.path=unused", *keys]))
+    config, chat = inputs.config, inputs.chat
     context = read_checkpoint_info(str(model)).max_position_embeddings
     prompts = chat.prompt_ids([[{"role": "user", "content": text}] for text in asked])
     sampling = dict(config.generation.sampling_params(), stop_token_ids=sorted(chat.stop_ids))
     params = [dict(sampling, max_new_tokens=min(config.generation.max_new_tokens, context - len(ids))) for ids in prompts]
     with ray_session(""):
-        spec = generator_spec(config, resolve_device(config.model.device, config.model.tp_size))
+        spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
         actor = ray.remote(OfflineEngine).options(
             num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
         try:
@@ -140,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stats = record["regeneration_stats"]
     regenerated = [json.loads(line) for path in sorted((out / "_regenerated").glob("part-*.jsonl"))
                    for line in path.read_text().splitlines()]
-    own = sglang_offline(keys, model, asked)
+    own = sglang_offline(keys, model, data, asked)
     own_rate = own["generated_tokens"] / own["seconds"]
     answers = [r["messages"][-1]["content"] if "messages" in r else None for r in regenerated]
     same = sum(a == b for a, b in zip(answers, own["answers"]))
@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {question!r} -> {answer!r}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    if not args.model and "paris" not in (answers[0] or "").lower():
+    if not args.model and args.device == "cpu" and "paris" not in (answers[0] or "").lower():
         print("the answer to the capital of France does not name Paris: is this a trained model?", file=sys.stderr)
         return 1
     return 0

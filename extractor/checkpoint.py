@@ -1,11 +1,16 @@
-"""What the driver needs to know about a checkpoint, read from its config.json alone."""
+"""What the driver needs to know about a checkpoint, read from its config.json alone, and where it is:
+``model.path`` is a directory, or a Hugging Face hub id found in the local Hugging Face cache."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""``org/name``: what model.path is when no such directory exists (as SGLang and transformers read it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +24,24 @@ class CheckpointInfo:
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int
+
+
+def local_checkpoint(model_path: str) -> str:
+    """``model_path`` itself when it exists or is no hub id; else the hub id's snapshot in the local Hugging Face
+    cache (``HF_HUB_CACHE``; revision ``main``), found offline: nothing is downloaded."""
+    if Path(model_path).expanduser().exists() or not HUB_ID.fullmatch(model_path):
+        return model_path
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model_path, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ValueError(
+            f"model.path={model_path}: no such directory, and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}). Download it first (hf download {model_path}), or name the checkpoint's "
+            "directory"
+        ) from None
 
 
 def read_config(model_path: str) -> dict[str, Any]:

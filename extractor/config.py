@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import shlex
+from typing import Any, Mapping, Optional
 
 from common.checks import check_choice, check_int, check_number
 
@@ -24,10 +25,38 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def serving_command(serving: Any) -> Optional[tuple[str, ...]]:
+    """``model.serving`` as command-line words (``()``: none given); None for a mapping of ServerArgs fields.
+    Raises ValueError for any other shape."""
+    if serving is None or serving == "" or serving == [] or serving == {}:
+        return ()
+    if isinstance(serving, Mapping):
+        return None
+    if isinstance(serving, str):
+        try:
+            words = shlex.split(serving)
+        except ValueError as error:
+            raise ValueError(f"model.serving={serving!r}: cannot split it into words like a shell ({error})") from None
+    elif isinstance(serving, (list, tuple)) and all(
+            isinstance(word, (str, int, float)) and not isinstance(word, bool) for word in serving):
+        words = [str(word) for word in serving]
+    else:
+        raise ValueError(
+            f"model.serving={serving!r}: give the SGLang server's command line as one string "
+            "('--quantization fp8 --tp-size 8'), a list of its words, or a mapping of ServerArgs fields "
+            "({quantization: fp8, tp_size: 8})"
+        )
+    # A pasted command starts with its program (``python -m sglang.launch_server``, ``sglang serve``);
+    # every ServerArgs flag is a long option.
+    first_flag = next((index for index, word in enumerate(words) if word.startswith("--")), len(words))
+    return tuple(words[first_flag:])
+
+
 @dataclasses.dataclass
 class ModelConfig:
     path: str = ""
-    """Local HF checkpoint directory. Empty: run the embedded demo (a tiny random model)."""
+    """Local HF checkpoint directory, or a hub id (org/name) in the local Hugging Face cache. Empty: run the embedded
+    demo (a tiny random model)."""
     tp_size: int = 1
     """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
     dp_size: int = 0
@@ -52,8 +81,17 @@ class ModelConfig:
     device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
     synthetic_tokens_per_s: float = 0.0
     """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
+    serving: Any = None
+    """The SGLang server's settings the states must match (docs/serving.md): its command line as one string
+    ('--quantization fp8 --kv-cache-dtype fp8_e4m3 --tp-size 8'; a leading `sglang serve` or `python -m
+    sglang.launch_server` is dropped), a list of its words, or a mapping of ServerArgs fields ({quantization: fp8}).
+    The installed SGLang parses it; what changes the numerics is applied and recorded in the manifest, the rest is
+    left out and logged (ports, keys, logging, scheduling, the drafter). Its --dtype, --tp-size, --attention-backend,
+    --device, --context-length, --load-format, --trust-remote-code decide the model.* keys of the same name (a
+    conflicting one is refused); without --dtype, SGLang's auto dtype for the checkpoint."""
 
     def __post_init__(self) -> None:
+        serving_command(self.serving)
         check_choice("model.device", self.device, DEVICES)
         check_choice("model.dtype", self.dtype, DTYPES)
         check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
@@ -77,7 +115,7 @@ class ModelConfig:
 @dataclasses.dataclass
 class ExtractConfig:
     layers: Optional[list[int]] = None
-    """Canonical ids (output of decoder layer k, 0-based). Default [2, N//2, N-3]."""
+    """Canonical ids (output of decoder layer k, 0-based): [2,30,58] or 2,30,58. Default [2, N//2, N-3]."""
     last_hidden_state: str = "pre_norm"
     """Also store a final hidden state per token: pre_norm (the residual stream entering the final norm; speculators'
     verifier state; SpecForge's export applies the final norm to it, so the run serves both trainers), post_norm

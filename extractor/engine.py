@@ -80,6 +80,8 @@ class CaptureEngine:
         if spec.device == "cuda":
             self._warm_up()
         logger.info("TP rank %d ready: %s", tp_rank, self.info)
+        if spec.server_args:
+            logger.info("TP rank %d runs the serving settings %s", tp_rank, dict(spec.server_args))
 
     @property
     def max_batch_bytes(self) -> int:

@@ -26,13 +26,14 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class GeneratorSpec:
     trust_remote_code: bool = False
     seed: int = 0
     """SGLang's random_seed (sampled answers also depend on how the engine batches the requests)."""
+    server_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The serving command's applied settings (``extractor.serving``), under the engine's own above."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,9 @@ class Completion:
 
 
 def _engine_args(spec: GeneratorSpec) -> dict[str, Any]:
-    args: dict[str, Any] = dict(
+    """The serving command's applied settings, then the engine's own: ids in and out, where it listens, its memory."""
+    args: dict[str, Any] = dict(spec.server_args)
+    args.update(
         model_path=spec.model_path,
         dtype=spec.dtype,
         device=spec.device,
@@ -144,6 +149,8 @@ class Generator:
         self._loop_thread.start()
         logger.info("SGLang %s engine for %s (%s, tp %d) ready in %.0f s", self.sglang_version, spec.model_path,
                     spec.device, spec.tp_size, time.perf_counter() - started)
+        if spec.server_args:
+            logger.info("the engine runs the serving settings %s", json.dumps(dict(spec.server_args), sort_keys=True))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict[str, Any]]) -> list[Completion]:
         """One answer per prompt, in order. ``sampling_params`` are SGLang's (max_new_tokens, temperature,

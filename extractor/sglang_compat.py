@@ -6,17 +6,30 @@ returns the post-norm final state) and 0.5.17 (``ParallelState`` passed to
 the installed SGLang offers (``runtime_context.SpawnRanks``; ``ModelRunner``'s
 ``ps`` parameter), never by comparing version strings. ``MetaModels`` starts the
 same runtime without a ModelRunner to build model classes on the meta device.
+``ServingParser`` reads a serving command (``model.serving``) with the installed
+release's own ``sglang serve`` parser: 0.5.17's ServerArgs is a dataclass,
+0.5.23's a record of namespaced fields, and SGLang's ``--config`` reader moved.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import difflib
 import inspect
+import io
+import json
 import logging
+import re
 import warnings
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Mapping, Sequence
 
+from extractor.serving import ServingSettings, runner_server_args
 from extractor.types import EngineSpec
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
@@ -80,42 +93,19 @@ def import_sglang() -> SimpleNamespace:
 
 
 def build_model_runner(sgl: SimpleNamespace, spec: EngineSpec, tp_rank: int, nccl_port: int) -> Any:
-    """A loaded ModelRunner for ``tp_rank`` with memory pools, attention backend and eager runner."""
-    server_args = sgl.ServerArgs(
-        model_path=spec.model_path,
-        device=spec.device,
-        dtype=spec.dtype,
-        tp_size=spec.tp_size,
-        attention_backend=spec.attention_backend,
-        load_format=spec.load_format,
-        trust_remote_code=spec.trust_remote_code,
-        skip_tokenizer_init=True,
-        disable_cuda_graph=True,  # EXTEND batches of varying shape never use graphs
-        disable_radix_cache=True,
-        disable_custom_all_reduce=spec.device == "cpu",
-        chunked_prefill_size=-1,  # a batch is one forward, never split
-        context_length=spec.context_length,
-        max_total_tokens=spec.max_tokens_per_batch,
-        max_running_requests=spec.max_samples_per_batch,
-        mem_fraction_static=spec.mem_fraction_static,
-        nccl_port=nccl_port,
-        host="127.0.0.1",
-        **(_capture_only_mode() if sgl.publishes_runtime else {}),
-    )
+    """A loaded ModelRunner for ``tp_rank`` with memory pools, attention backend and eager runner.
+
+    Its ServerArgs: the serving command's applied settings (``spec.server_args``), then the
+    extractor's own (``extractor.serving.runner_server_args``); 0.5.23 captures in its
+    capture-only mode (EAGLE-3 hooks on, no drafter loaded, the post-norm final state kept).
+    """
+    server_args = sgl.ServerArgs(**runner_server_args(spec, nccl_port, capture_only=sgl.publishes_runtime))
     bootstrap = _bootstrap_0523 if sgl.publishes_runtime else _bootstrap_0517
     runner = bootstrap(sgl, spec, server_args, tp_rank)
     runner.alloc_memory_pool()
     runner.init_attention_backends()
     runner.init_cuda_graphs()  # with graphs disabled this installs the eager runner
     return runner
-
-
-def _capture_only_mode() -> dict[str, Any]:
-    # 0.5.23: EAGLE-3 capture hooks on, no drafter loaded, and the logits processor
-    # keeps the post-norm final state of every token (LogitsProcessorOutput.last_hidden_states).
-    return dict(
-        enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3", return_aux_hidden_state_layer_ids=None
-    )
 
 
 def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
@@ -308,3 +298,140 @@ class FinalStateTap:
             returned = getattr(logits_output, "last_hidden_states", None)
             return returned if returned is not None else kept
         return kept
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """argparse's complaints as ValueError, never its SystemExit or its usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise ValueError((message or "").strip() or f"SGLang's argument parser exited with status {status}")
+
+
+class ServingParser:
+    """The installed SGLang's own ``sglang serve`` parser (``ServerArgs.add_cli_args``), for ``model.serving``.
+
+    Both releases register every ServerArgs flag there; 0.5.23's ServerArgs is a record of
+    namespaced fields (``arg_groups.arg_utils.record_fields``), 0.5.17's a dataclass. No flag is
+    required here (the extractor names the model itself), and ``--help`` is an unknown flag.
+    """
+
+    def __init__(self) -> None:
+        quiet_import_noise()
+        import sglang
+        from sglang.srt.server_args import ServerArgs
+
+        self.version = sglang.__version__
+        self._parser = _RefusingParser(prog="sglang serve", add_help=False)
+        ServerArgs.add_cli_args(self._parser)
+        self._actions = [action for action in self._parser._actions if action.option_strings]
+        for action in self._actions:
+            action.required = False
+        self._fields = set(_server_args_fields(ServerArgs))
+        self._defaults = vars(self._parser.parse_args([]))
+
+    def words_of(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
+        """A mapping of ServerArgs fields as the command-line words that set them."""
+        words: list[str] = []
+        for name, value in fields.items():
+            action = self._action(name)
+            flag = _long_flag(action)
+            if action.nargs == 0:  # store_true, store_false, store_const
+                if value == action.const:
+                    words.append(flag)
+                elif value != action.default:
+                    raise ValueError(f"model.serving: {name}={value!r}: {flag} takes no value; give true or false")
+            elif isinstance(value, (list, tuple)) and action.nargs not in (None, "?"):
+                words += [flag, *(_word(item) for item in value)]
+            else:
+                words += [flag, _word(value)]
+        return tuple(words)
+
+    def _action(self, name: str) -> argparse.Action:
+        for action in self._actions:
+            if action.dest == name:
+                return action
+        if name in self._fields:
+            raise ValueError(f"model.serving: {name} has no command-line flag in SGLang {self.version}; the "
+                             "extractor takes what `sglang serve` takes")
+        close = difflib.get_close_matches(name, sorted(self._fields), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"model.serving: {name} is not a ServerArgs field of SGLang {self.version}{hint}")
+
+    def parse(self, words: Sequence[str]) -> ServingSettings:
+        """The command as ``sglang serve`` reads it; ValueError with SGLang's own complaint, naming the flag."""
+        words = list(words)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                if "--config" in words:  # as SGLang's prepare_server_args: the file's options join the words
+                    words = _config_merger()(self._parser).merge_config_with_args(words)
+                namespace = self._parser.parse_args(words)
+        except ValueError as error:
+            raise ValueError(f"model.serving: SGLang {self.version} refuses the serving command: {error}") from None
+        except (OSError, SystemExit) as error:
+            said_lines = " ".join(filter(None, map(_plain_text, said.getvalue().splitlines())))
+            raise ValueError(f"model.serving: SGLang {self.version} cannot read the serving command: "
+                             f"{said_lines or error}") from None
+        for line in filter(None, (_plain_text(line) for line in said.getvalue().splitlines())):
+            logger.warning("SGLang %s on the serving command: %s", self.version, line)
+        given, flags, ignored = {}, {}, {}
+        for name, value in vars(namespace).items():
+            if value == self._defaults.get(name):
+                continue
+            flag = _long_flag(next(action for action in self._actions if action.dest == name))
+            if name not in self._fields:
+                if name != "config":
+                    ignored[flag] = f"SGLang {self.version} parses it but has no ServerArgs field for it"
+                continue
+            if not _is_json(value):
+                raise ValueError(f"model.serving: {flag} {value!r} cannot be recorded as JSON")
+            given[name], flags[name] = json.loads(json.dumps(value)), flag
+        defaults = {name: value for name, value in self._defaults.items() if name in self._fields and _is_json(value)}
+        return ServingSettings(tuple(words), self.version, given, flags, defaults, ignored)
+
+
+def _server_args_fields(server_args_class: type) -> list[str]:
+    if dataclasses.is_dataclass(server_args_class):  # 0.5.17
+        return [field.name for field in dataclasses.fields(server_args_class)]
+    from sglang.srt.arg_groups.arg_utils import record_fields  # 0.5.23
+
+    return [field.name for field in record_fields(server_args_class)]
+
+
+def _config_merger() -> Any:
+    try:
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger  # 0.5.23
+    except ImportError:
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger  # 0.5.17
+    return ConfigArgumentMerger
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next((option for option in action.option_strings if option.startswith("--")), action.option_strings[0])
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _word(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def _plain_text(line: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+
+
+def auto_dtype(checkpoint_config: Mapping[str, Any]) -> str:
+    """What ``--dtype auto`` computes in for a checkpoint (its text config), by SGLang's own rule."""
+    quiet_import_noise()
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    return str(_get_and_verify_dtype(dict(checkpoint_config), "auto")).removeprefix("torch.")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class EngineSpec:
     engine: str = "sglang"
     """sglang | synthetic (no model: states of the checkpoint's shape from device memory)."""
     synthetic_tokens_per_s: float = 0.0
+    server_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The serving command's applied settings (``extractor.serving``): ServerArgs fields -> values."""
 
     @property
     def has_last_hidden_state(self) -> bool:

@@ -22,10 +22,13 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from extractor.checkpoint import local_checkpoint
+from extractor.drafter_check import DrafterCapture, TargetModel
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
 from jobs.config import CommandParser, config_keys, describe, program_name
 from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
+from jobs.planning.capture import drafter_captures
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
@@ -140,12 +143,11 @@ def judge(name: str, config: dict[str, Any], capture: Any, target: Any, run: Run
 def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[str] = None) -> list[Verdict]:
     run = read_run(output_dir)
     configs = [read_drafter_config(path) for path in drafter_paths]
-    target_path = model_path or run.model_path
+    target_path = local_checkpoint(model_path) if model_path else run.model_path
     if not (Path(target_path) / "config.json").is_file():
         raise ValueError(f"the run's target {target_path} has no config.json here; pass model.path=DIR")
-    from extractor.drafter_check import capture_with_drafters  # starts SGLang
-
-    target, captures = capture_with_drafters(target_path, configs)
+    answer = drafter_captures(target_path, configs)
+    target, captures = TargetModel(**answer["target"]), [DrafterCapture(**c) for c in answer["captures"]]
     return [judge(str(path), config, capture, target, run)
             for path, config, capture in zip(drafter_paths, configs, captures)]
 

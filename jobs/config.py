@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import textwrap
+import typing
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -138,7 +139,7 @@ def build_config(schema: type[T], config_file: str | None, overrides: Sequence[s
     try:
         if config_file:
             merged = OmegaConf.merge(merged, _read_config_file(config_file))
-        merged = OmegaConf.merge(merged, _parse_overrides(overrides))
+        merged = OmegaConf.merge(merged, _parse_overrides([_list_syntax(item, schema) for item in overrides]))
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigError:
         raise
@@ -175,6 +176,27 @@ def _parse_overrides(overrides: Sequence[str]) -> Any:
         except (OmegaConfBaseException, yaml.YAMLError) as error:
             raise ConfigError(f"cannot parse {item!r} as key=YAML value: {_first_line(error)}") from None
     return OmegaConf.from_dotlist(list(overrides))
+
+
+def _list_syntax(item: str, schema: type) -> str:
+    """A list-typed key given as ``extract.layers=2,15,27`` (or one value, ``extract.layers=5``) means the list:
+    written as the YAML list OmegaConf reads, ``[2,15,27]``."""
+    key, _, value = item.partition("=")
+    if not value.strip() or value.lstrip().startswith("[") or value.strip() in ("null", "~"):
+        return item
+    return f"{key}=[{value}]" if _is_list_key(schema, key) else item
+
+
+def _is_list_key(schema: type, key: str) -> bool:
+    section, *rest = key.split(".", 1)
+    fields = {field.name: field for field in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    if section not in fields:
+        return False
+    if rest:
+        inner = _section_type(fields[section])
+        return inner is not None and _is_list_key(inner, rest[0])
+    kind = typing.get_type_hints(schema).get(section)
+    return any(typing.get_origin(option) is list for option in (kind, *typing.get_args(kind)))
 
 
 def _explain(error: OmegaConfBaseException, schema: type, prog: str, given: Sequence[str]) -> str:

@@ -1,15 +1,14 @@
 """``python -m jobs.plan [--config FILE] [--json] [key=value ...]`` (or ``eagle3-plan``): the dry run.
 
 What a run of ``python -m jobs.extract`` with the same config would do, before it does it: no weight
-loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes:
-0 the run fits, 2 the job would refuse it, 3 it would stop for disk.
+loaded, no Ray, nothing written (``jobs.planning.dry_run`` says what it reads and prints). Exit codes: the
+job's own: 0 the run fits, 2 the job would refuse it, 3 it would stop for disk, 5 another job holds output.dir.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from typing import Sequence
 
 from jobs.cli import console_entry, run_command
@@ -19,7 +18,8 @@ from jobs.planning.dry_run import DryRun, dry_run
 
 DESCRIPTION = (
     "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
-    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space."
+    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space, 5 another "
+    "job holds output.dir."
 )
 
 
@@ -43,6 +43,7 @@ def format_report(report: DryRun) -> str:
         "dry run: config.json and the dataset only; no weights, no Ray, nothing written",
         f"model    {report.model_path}: {report.architecture} (language model {report.language_model_architecture}), "
         f"{report.num_layers} layers, hidden {report.hidden_size}, context length {report.context_length:,}",
+        *(f"serving  {line}" for line in report.serving),
         f"data     {report.data_path}: {report.samples:,} samples, {report.tokens:,} tokens "
         f"(mean {report.tokens / max(1, report.samples):,.0f}, longest {report.longest_sample:,})",
         f"invalid  {invalid}",
@@ -68,8 +69,6 @@ def format_report(report: DryRun) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    # SGLang's model registry warns about every model file it cannot import on this machine: not this model.
-    logging.getLogger("sglang.srt.models.registry").setLevel(logging.ERROR)
     return run_command(_plan, argv)
 
 

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from extractor.checkpoint import local_checkpoint
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.cluster.session import inside_ray_job, ray_job_submission_id
 from jobs.config import ConfigError, parse_command
@@ -41,7 +42,10 @@ def load_config(argv: Sequence[str]) -> PrepareConfig:
 
 
 def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
-    """Local paths made absolute once (under ``ray job submit`` relative ones are refused, as by jobs.extract)."""
+    """Local paths made absolute once (under ``ray job submit`` relative ones are refused, as by jobs.extract); a hub
+    id as model.path is its snapshot in the local Hugging Face cache."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    config = dataclasses.replace(config, model=model)
     keys = {"model.path": config.model.path, "data.path": config.data.path, "output.path": config.output.path,
             "model.chat_template": config.model.chat_template}
     relative = [f"{key}={value}" for key, value in keys.items()

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from jobs import errors
 from jobs.check_drafter import CheckDrafterConfig
+from jobs.check_serving import CheckServingConfig
 from jobs.config import JobConfig, key_docs
 from jobs.conversations.config import PrepareConfig
 from jobs.status import StatusConfig
@@ -47,6 +48,7 @@ COMMANDS = (
     Command(("jobs.verify",), VerifyConfig),
     Command(("jobs.export",), ExportConfig),
     Command(("jobs.check_drafter",), CheckDrafterConfig),
+    Command(("jobs.check_serving",), CheckServingConfig),
 )
 
 SIGNAL_CODES = {errors.EXIT_SIGNAL_BASE + signum: f"EXIT_SIGNAL_BASE + {signal.Signals(signum).name}"

@@ -109,16 +109,11 @@ class Manifest:
             manifest.save()
             return manifest
         stored = _load(path)
-        differing = sorted(
-            key for key in set(stored["content"]) | set(content) if stored["content"].get(key) != content.get(key)
-        )
+        differing = content_differences(stored["content"], content)
         if differing:
-            details = "; ".join(
-                f"{key}: was {stored['content'].get(key)!r}, now {content.get(key)!r}" for key in differing
-            )
             raise ValueError(
-                f"{path} belongs to a run with different content ({details}). Resume with the same "
-                "settings, or write to a new output.dir"
+                f"{path} belongs to a run with different content ({differing}). Resume with the same settings, or "
+                "write to a new output.dir"
             )
         shards = {record["index"]: ShardRecord(**record) for record in stored["shards"]}
         manifest = cls(path, content, shards, stored["sequence"], stored.get("run_id", ""))
@@ -201,6 +196,13 @@ class Manifest:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
+
+
+def content_differences(stored: dict[str, Any], content: dict[str, Any]) -> str:
+    """``key: was X, now Y`` for each key in which a manifest's ``stored`` content and a run's ``content`` differ,
+    joined by ``; ``; empty when they are the same run's."""
+    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    return "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
 
 
 def _load(path: Path) -> dict[str, Any]:

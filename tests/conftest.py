@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import os
 import shutil
 import socket
@@ -105,3 +107,61 @@ def s3_server():
     yield options
     process.terminate()
     process.wait(timeout=10)
+
+
+# -- checkouts and the shared virtualenv (scripts/setup.sh) ------------------------------------------------
+
+def shared_site() -> Path:
+    """site-packages of the shared virtualenv with the locked packages (the tests run in it, or in a checkout's
+    .venv over it)."""
+    import omegaconf
+
+    return Path(omegaconf.__file__).parents[1]
+
+
+@pytest.fixture
+def private_shared_venv(tmp_path) -> Path:
+    """A virtualenv at a path of its own with the shared one's packages (their files hard-linked: whatever a
+    setup.sh might write there lands in this copy only), stamped as holding this checkout's lock: scripts/setup.sh
+    finds it installed and goes on to the checkout's own virtualenv."""
+    shared = shared_site().parents[2]
+    lock = hashlib.sha256((REPO_ROOT / "requirements" / "cpu-lock.txt").read_bytes()).hexdigest()[:16]
+    venv = tmp_path / "shared"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = site_of(venv)
+    shutil.rmtree(site)
+    subprocess.run(["cp", "-al", str(shared_site().resolve()), str(site)], check=True)
+    for command in (shared / "bin").iterdir():
+        if not (venv / "bin" / command.name).exists():
+            (venv / "bin" / command.name).symlink_to(command)
+    (venv / f".installed-{lock}").touch()
+    return venv
+
+
+def site_of(venv: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                               check=True).stdout.strip())
+
+
+def clone_checkout(destination: Path) -> Path:
+    """A copy of this checkout's files (tracked and untracked, not ignored), as a second clone would hold them."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        if (REPO_ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, destination / name)
+    return destination
+
+
+def readme_commands() -> list[str]:
+    """Every command of README.md's bash blocks as a user pastes it: continued lines joined, comments dropped."""
+    text = (REPO_ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+        for line in re.sub(r"\\\n", " ", block).splitlines():
+            command = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+            if command:
+                commands.append(command)
+    return commands

@@ -1,12 +1,18 @@
-"""The pieces of the acceptance benchmark (benchmarks/acceptance/) that run without a GPU: the prompts,
-the arms' layers and HF-path states, SpecForge 0.2.0's own config, trainer (up to FSDP, which needs an
-accelerator) and exporter on our export, the served configs through jobs.check_drafter, and the
-bootstrap. Serving with SGLang's EAGLE3 and the regeneration (jobs.prepare) run on the H200 only."""
+"""The pieces of the acceptance benchmark (benchmarks/acceptance/) that run without a GPU: the prompts and
+their split, the arms (what a selection extracts, trains and serves), the HF-path states, SpecForge 0.2.0's
+own config, trainer (up to FSDP, which needs an accelerator) and exporter on our export, the served configs
+through jobs.check_drafter, arm Q's run with a stand-in serving command and jobs.check_serving of it, the
+state comparison, the bootstrap per seed and pooled, the report, commands side by side, the background run.
+Serving with SGLang's EAGLE3, training and the regeneration (jobs.prepare) run on the H200 only."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +22,34 @@ import pytest
 import torch
 import yaml
 
-from benchmarks.acceptance.arms import DRAFT_CONFIG_RUN, LAYERS, arm_b_layers, extract_overrides, states_run
+from benchmarks.acceptance.arms import (
+    ARMS,
+    LAYERS,
+    arm_b_layers,
+    drafters_needed,
+    extract_overrides,
+    parse_arms,
+    quantized_runs,
+    runs_needed,
+    trained,
+)
+from benchmarks.acceptance.cli import parse_args
 from benchmarks.acceptance.data import data_stats, prepared_data
+from benchmarks.acceptance.differences import main as differences_main
+from benchmarks.acceptance.differences import run_differences
 from benchmarks.acceptance.drafters import check_drafters, served_config
 from benchmarks.acceptance.hf_states import write_hf_features
-from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, project_env
-from benchmarks.acceptance.prompts import compose_prompts, render_prompts, split_prompts, write_conversations
-from benchmarks.acceptance.report import markdown
+from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, Job, OutOfTime, Pipeline, Served, project_env
+from benchmarks.acceptance.prompts import (
+    KINDS,
+    TEMPLATES,
+    render_prompts,
+    split_prompts,
+    split_prompts_composed,
+    write_conversations,
+)
 from benchmarks.acceptance.serving import PromptResult, engine_args, prompt_results
+from benchmarks.acceptance.stages import serving_batches, serving_checks, stage_extract, stage_report, state_difference
 from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
     Recipe,
@@ -32,16 +58,20 @@ from benchmarks.acceptance.trainer import (
     specforge_env,
     specforge_pythonpath,
     specforge_run_config,
+    train_curve,
     write_untrained_checkpoint,
 )
-from storage import ShardReader
+from storage import ShardMetadata, ShardReader, ShardWriter
+from storage.manifest import read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     POST_NORM_LAYERS,
     PRE_NORM_LAYERS,
+    chat_dataset,
     checkpoint_dir,
     post_norm_run,
     pre_norm_run,
+    session_ray_address,
 )
 
 FSDP_STOP = "FSDP needs a non-CPU accelerator device"
@@ -83,17 +113,23 @@ def export_a(run_a, tmp_path_factory):
     return dest
 
 
-def test_prompts_are_varied_distinct_disjoint_and_reproducible():
-    train, held_out = split_prompts(3000, 256, seed=0)
-    assert (len(train), len(held_out)) == (3000, 256)
-    assert len(set(train)) == 3000 and len(set(held_out)) == 256 and not set(train) & set(held_out)
-    assert split_prompts(3000, 256, seed=0) == (train, held_out)
+def test_prompts_are_varied_distinct_disjoint_reproducible_and_held_out_of_another_distribution():
+    training, held_out = split_prompts_composed(3000, 256, seed=0)
+    train, evaluation = [p.text for p in training], [p.text for p in held_out]
+    assert split_prompts(3000, 256, seed=0) == (train, evaluation)
+    assert (len(train), len(evaluation)) == (3000, 256)
+    assert len(set(train)) == 3000 and len(set(evaluation)) == 256 and not set(train) & set(evaluation)
+    # every kind of task on both sides, in proportion to its phrasings; most phrasings used
+    assert len(TEMPLATES) >= 50 and {"code", "math", "rewrite", "list", "explain", "instructions"} <= set(KINDS)
+    assert {p.kind for p in training} == {p.kind for p in held_out} == set(KINDS)
+    assert len({p.template for p in training}) + len({p.template for p in held_out}) == len(TEMPLATES)
+    # another distribution: no phrasing, topic or other pool entry of the held-out prompts is in a training prompt
+    assert not {p.template for p in training} & {p.template for p in held_out}
+    drawn_train = {entry for p in training for entry in p.drawn}
+    drawn_held = {entry for p in held_out for entry in p.drawn}
+    assert not drawn_train & drawn_held and len({value for pool, value in drawn_held if pool == "topic"}) >= 25
     _, other_held_out = split_prompts(3000, 256, seed=1)
-    assert other_held_out != held_out and len(set(other_held_out) & set(held_out)) < 50
-    # the kinds of task (a template's opening word: 13 of them) on both sides of the split
-    kinds = {prompt.split()[0] for prompt in compose_prompts(400, 5)}
-    assert len(kinds) == 13 and {prompt.split()[0] for prompt in train} == kinds
-    assert len({prompt.split()[0] for prompt in held_out}) >= 11
+    assert len(set(other_held_out) & set(evaluation)) < 20
     with pytest.raises(ValueError, match="at least 200"):
         split_prompts(1000, 100, seed=0)
 
@@ -114,10 +150,53 @@ def test_arm_layers_and_the_runs_they_are_checked_against():
         arm_b_layers([0, 5])
     assert extract_overrides("B", LAYERS)[0] == "extract.layers=[0, 13, 25]"
     assert "output.state_dtype=float8_e4m3fn" in extract_overrides("D", LAYERS)
-    assert "output.state_dtype=float8_e4m3fn" not in extract_overrides("A", LAYERS)
-    # B is served claiming A's ids but checked against its own run; C and E have A's states' layers
-    assert DRAFT_CONFIG_RUN["B"] == "A" and states_run("B") == "B"
-    assert states_run("C") == states_run("E") == "A"
+    assert extract_overrides("A", LAYERS) == extract_overrides("Q", LAYERS)  # Q differs by its serving command only
+    # B is served claiming A's ids but checked against its own run; C and E have A's states' layers; Q-bf16 serves
+    # A's drafter on the quantized target
+    assert ARMS["B"].draft_config_run == "A" and ARMS["B"].run == "B"
+    assert ARMS["C"].run == ARMS["E"].run == ARMS["Q-bf16"].run == "A"
+    assert ARMS["Q-bf16"].drafter_of == "A" and ARMS["Q-bf16"].quantized and ARMS["Q"].quantized
+    assert not any(ARMS[arm].quantized for arm in "ABCDE")
+
+
+def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
+    assert parse_arms("Q-bf16,A , Q") == ("A", "Q", "Q-bf16") and parse_arms("all") == tuple(ARMS)
+    with pytest.raises(ValueError, match="unknown arms \\['F'\\]"):
+        parse_arms("A,F")
+    # Q-bf16 needs A's drafter (so A trains) and Q's run (its states are compared with Q's): the quantized run first
+    assert trained(("Q-bf16",)) == ("A",) and runs_needed(("Q-bf16",)) == ("Q", "A")
+    assert quantized_runs(("A", "Q", "Q-bf16")) == quantized_runs(("Q-bf16",)) == ("Q", "A")
+    assert quantized_runs(("Q",)) == ("Q",) and quantized_runs(("A", "B")) == ()
+    assert trained(("A", "Q", "Q-bf16")) == ("A", "Q") and drafters_needed(("E",)) == ("E",) and trained(("E",)) == ()
+    assert runs_needed(("B",)) == ("A", "B") and runs_needed(("C",)) == ("A",) and runs_needed(("D",)) == ("D",)
+    assert trained(tuple(ARMS)) == ("A", "B", "C", "D", "Q") and runs_needed(tuple(ARMS)) == ("Q", "A", "B", "D")
+
+    def pipeline(*args: str) -> Pipeline:
+        return Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts", *args]))
+
+    p = pipeline("--arms", "A,Q,Q-bf16", "--seeds", "0,1")
+    assert p.args.quantized_serving == ("--quantization", "fp8", "--attention-backend", "flashinfer")
+    # the quantized target's engines first; Q-bf16 serves A's drafter of the same seed
+    assert [unit.name for unit in p.served()] == ["Q-s0", "Q-bf16-s0", "Q-s1", "Q-bf16-s1", "A-s0", "A-s1"]
+    assert [unit.name for unit in p.drafters()] == ["Q-s0", "A-s0", "Q-s1", "A-s1"]
+    # an engine on the quantized target needs more than half the GPU's serving memory: it is served alone
+    assert [[unit.name for unit in batch] for batch in serving_batches(p.served(), 2)] == [
+        ["Q-s0"], ["Q-bf16-s0"], ["Q-s1"], ["Q-bf16-s1"], ["A-s0", "A-s1"]]
+    assert p.drafter(Served("Q-bf16", 1)) == p.drafter(Served("A", 1)) == p.work / "drafters" / "A-s1"
+    assert p.recipe(1) == Recipe(seed=1) and (Recipe.epochs, Recipe.learning_rate, Recipe.batch_size) == (3, 5e-4, 4)
+    assert pipeline("--lr", "1e-3", "--epochs", "2", "--max-steps", "9").recipe(0) == Recipe(
+        epochs=2, learning_rate=1e-3, max_steps=9)
+    # the drafter at each earlier epoch's end, for the arms trained on their own states
+    (p.work / "steps" / "prepare.json").write_text(json.dumps({"samples": 403, "seconds": 1}))
+    epochs = pipeline("--arms", "Q-bf16,E", "--epoch-acceptance",
+                      "--quantized-serving", "--json-model-override-args {}")
+    assert epochs.args.quantized_serving == ("--json-model-override-args", "{}")
+    assert [unit.name for unit in epochs.served()] == ["Q-bf16-s0", "E-s0"]
+    epochs = pipeline("--arms", "A,E", "--epoch-acceptance")
+    assert [unit.name for unit in epochs.served()] == ["A-s0", "E-s0", "A-s0-e1", "A-s0-e2"]
+    assert epochs.recipe(0).save_interval == 100
+    assert epochs.checkpoint(Served("A", 0, 2)) == p.work / "train" / "A-s0" / "out" / "arm-A-step200"
+    assert epochs.checkpoint(Served("E", 0)) == p.work / "train" / "E-s0" / "training_state.pt"
 
 
 @pytest.mark.extended
@@ -209,16 +288,19 @@ def test_prompt_results_read_sglang_meta_info():
     assert first.output_sha != second.output_sha
 
 
-def test_acceptance_length_and_its_bootstrap():
-    def arm(verify, correct):
-        return [PromptResult(v, c, v + c, "") for v, c in zip(verify, correct)]
+def _results(verify, correct, sha: str = "") -> list[PromptResult]:
+    return [PromptResult(int(v), int(c), int(v + c), sha) for v, c in zip(verify, correct)]
 
+
+def test_acceptance_length_and_its_bootstrap():
     # every prompt the same: the interval is the point
-    exact = bootstrap_acceptance({"A": arm([10] * 50, [15] * 50), "E": arm([10] * 50, [0] * 50)},
-                                 resamples=500)
-    assert exact["arms"]["A"]["acceptance_length"] == 2.5 and exact["arms"]["A"]["ci95"] == [2.5, 2.5]
-    assert exact["arms"]["E"]["acceptance_length"] == 1.0
-    assert exact["differences"]["A-E"] == {"estimate": 1.5, "ci95": [1.5, 1.5]}
+    exact = bootstrap_acceptance({"A": {0: _results([10] * 50, [15] * 50)}, "E": {0: _results([10] * 50, [0] * 50)}},
+                                 pairs=[("A", "E")], resamples=500)
+    assert exact["arms"]["A"]["seeds"]["0"]["acceptance_length"] == 2.5
+    assert exact["arms"]["A"]["seeds"]["0"]["ci95"] == [2.5, 2.5] and "pooled" not in exact["arms"]["A"]
+    assert exact["arms"]["E"]["seeds"]["0"]["acceptance_length"] == 1.0
+    assert exact["differences"]["A-E"]["seeds"]["0"] == {"estimate": 1.5, "ci95": [1.5, 1.5]}
+    assert "pooled" not in exact["differences"]["A-E"] and not exact["differences"]["A-E"]["main"]
 
     # a ratio of sums over prompts, not a mean of per-prompt ratios
     assert acceptance_length(np.array([1, 9]), np.array([3, 0])) == 1.3
@@ -227,45 +309,131 @@ def test_acceptance_length_and_its_bootstrap():
     verify = rng.integers(20, 80, 400)
     a_correct = rng.binomial(verify * 3, 0.5)
     b_correct = np.maximum(a_correct - rng.integers(0, 10, 400), 0)
-    report = bootstrap_acceptance({"A": arm(verify, a_correct), "B": arm(verify, b_correct)}, seed=3)
-    for name, stats in report["arms"].items():
+    report = bootstrap_acceptance({"A": {0: _results(verify, a_correct)}, "B": {0: _results(verify, b_correct)}},
+                                  pairs=[("A", "B")], main=[("A", "B")], seed=3)
+    for name, entry in report["arms"].items():
+        stats = entry["seeds"]["0"]
         low, high = stats["ci95"]
         assert low < stats["acceptance_length"] < high and high - low < 0.2, (name, stats)
-    low, high = report["differences"]["A-B"]["ci95"]
-    assert 0 < low < report["differences"]["A-B"]["estimate"] < high  # paired: B is below A on every prompt
-    assert bootstrap_acceptance({"A": arm(verify, a_correct), "B": arm(verify, b_correct)}, seed=3) == report
+    difference = report["differences"]["A-B"]
+    low, high = difference["seeds"]["0"]["ci95"]
+    assert difference["main"] and 0 < low < difference["seeds"]["0"]["estimate"] < high  # paired: B below A
+    assert bootstrap_acceptance({"A": {0: _results(verify, a_correct)}, "B": {0: _results(verify, b_correct)}},
+                                pairs=[("A", "B")], main=[("A", "B")], seed=3) == report
     # fewer prompts: a wider interval
-    small = bootstrap_acceptance({"A": arm(verify[:40], a_correct[:40])}, seed=3)["arms"]["A"]["ci95"]
-    assert small[1] - small[0] > report["arms"]["A"]["ci95"][1] - report["arms"]["A"]["ci95"][0]
+    small = bootstrap_acceptance({"A": {0: _results(verify[:40], a_correct[:40])}}, seed=3)
+    width = report["arms"]["A"]["seeds"]["0"]["ci95"][1] - report["arms"]["A"]["seeds"]["0"]["ci95"][0]
+    assert small["arms"]["A"]["seeds"]["0"]["ci95"][1] - small["arms"]["A"]["seeds"]["0"]["ci95"][0] > width
 
     with pytest.raises(ValueError, match="different numbers"):
-        bootstrap_acceptance({"A": arm([1, 2], [0, 0]), "B": arm([1], [0])})
+        bootstrap_acceptance({"A": {0: _results([1, 2], [0, 0])}, "B": {0: _results([1], [0])}})
     with pytest.raises(ValueError, match="no verify step"):
         acceptance_length(np.array([0]), np.array([0]))
 
 
-def test_train_metrics_are_read_from_specforge_console_lines():
+def test_two_seeds_pooled_and_the_paired_difference_of_the_quantized_arms():
+    """Per seed and pooled over seeds (a ratio of sums over every seed's prompts, resampling the same prompts),
+    for each arm and for Q-(Q-bf16); pairs with an arm not served are left out."""
+    verify = np.full(300, 40)
+    q_bf16 = {0: np.full(300, 20), 1: np.full(300, 30)}
+    q = {seed: correct + 4 for seed, correct in q_bf16.items()}  # Q above Q-bf16 on every prompt, by 0.1
+    q[1][::2] += 8  # seed 1 better on half the prompts: its interval is not a point
+    served = {"Q": {s: _results(verify, q[s]) for s in (0, 1)},
+              "Q-bf16": {s: _results(verify, q_bf16[s]) for s in (0, 1)}}
+    report = bootstrap_acceptance(served, pairs=[("A", "B"), ("Q", "Q-bf16")], main=[("Q", "Q-bf16")], seed=1,
+                                  resamples=2000)
+    assert report["seeds"] == [0, 1] and list(report["differences"]) == ["Q-(Q-bf16)"]
+    arm = report["arms"]["Q-bf16"]
+    assert arm["seeds"]["0"]["acceptance_length"] == 1.5 and arm["seeds"]["1"]["acceptance_length"] == 1.75
+    assert arm["pooled"]["acceptance_length"] == 1.625 and arm["pooled"]["ci95"] == [1.625, 1.625]
+    assert arm["pooled"]["verify_steps"] == 2 * 300 * 40
+    difference = report["differences"]["Q-(Q-bf16)"]
+    assert difference["pair"] == ["Q", "Q-bf16"] and difference["main"]
+    assert difference["seeds"]["0"] == {"estimate": pytest.approx(0.1), "ci95": [pytest.approx(0.1)] * 2}
+    low, high = difference["seeds"]["1"]["ci95"]
+    assert difference["seeds"]["1"]["estimate"] == pytest.approx(0.2) and 0.1 < low < 0.2 < high
+    pooled = difference["pooled"]
+    assert pooled["estimate"] == pytest.approx(0.15) and 0.1 < pooled["ci95"][0] < 0.15 < pooled["ci95"][1] < 0.2
+
+
+def test_train_metrics_and_the_curve_are_read_from_specforge_console_lines():
     log = ("noise\nstep 10: {'acc_0': 0.25, 'loss': 3.5, 'acc': 0.2, 'lr': 1e-05}\n"
-           "step 20: {'acc_0': 0.5, 'loss': 2.25, 'acc': 0.4, 'lr': 2e-05}\nSaved checkpoint\n")
-    assert last_train_metrics(log) == {"step": 20, "acc_0": 0.5, "loss": 2.25, "acc": 0.4, "lr": 2e-05}
-    assert last_train_metrics("no steps") == {}
+           "step 20: {'acc_0': 0.5, 'loss': 2.25, 'acc': 0.4, 'lr': 2e-05}\nSaved checkpoint\n"
+           "step 30: {'acc_0': 0.75, 'loss': 1.5, 'acc': 0.6, 'lr': 2e-05, 'perf/optimizer_step_time_s': 0.1}\n")
+    assert last_train_metrics(log) == {"step": 30, "acc_0": 0.75, "loss": 1.5, "acc": 0.6, "lr": 2e-05,
+                                       "perf/optimizer_step_time_s": 0.1}
+    assert last_train_metrics("no steps") == {} and train_curve("no steps", 20) == []
+    first, second = train_curve(log, steps_per_epoch=20)  # steps 1-20 are epoch 1
+    assert first == {"epoch": 1, "steps": [10, 20], "mean_loss": 2.875, "loss": 2.25, "mean_acc": pytest.approx(0.3),
+                     "acc": 0.4, "mean_acc_0": 0.375, "acc_0": 0.5}
+    assert second["epoch"] == 2 and second["steps"] == [30, 30] and second["mean_acc"] == 0.6
+    assert [point["epoch"] for point in train_curve(log, steps_per_epoch=0)] == [1]
 
 
-def test_results_table():
-    results = {
-        "acceptance": {"prompts": 256, "arms": {
-            "A": {"acceptance_length": 2.41, "ci95": [2.3, 2.5]}, "B": {"acceptance_length": 1.02, "ci95": [1.0, 1.05]}},
-            "differences": {"A-B": {"estimate": 1.39, "ci95": [1.25, 1.5]}}},
-        "training": {"A": {"metrics": {"loss": 1.5, "acc": 0.6, "step": 100}}, "B": {"metrics": {"loss": 3.0, "acc": 0.1,
-                                                                                                   "step": 100}}},
-        "check_drafter": {"A": {"passed": True}, "B": {"passed": False}},
-        "c_vs_a": {"layer 1": {"mean": 0.004, "max": 0.02}},
-        "seconds": {"train-A": 60.0}, "versions": {"sglang": "0.5.17"},
-    }
-    table = markdown(results)
-    assert "| A | ours (SGLang, bf16), drafter config as the run wrote it | **2.410** (2.300-2.500) | 1.500 / 0.600 | 100 | PASS |" in table
-    assert "| B |" in table and "| FAIL |" in table and "| A-B | +1.390 (+1.250 to +1.500) |" in table
-    assert "| layer 1 | 0.0040 | 0.0200 |" in table
+def _record(work: Path, name: str, value: dict) -> None:
+    (work / "steps" / f"{name}.json").write_text(json.dumps({**value, "seconds": 1.0}))
+
+
+def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
+    """The report stage over records and served results a run of --arms A,Q,Q-bf16 --seeds 0,1 leaves: each arm
+    per seed and pooled, Q-(Q-bf16) first among the differences, Q-bf16 shown with A's training and A's drafter
+    check, jobs.check_serving per run, the states' difference, the training curve, the tables."""
+    p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "report",
+                             "--arms", "A,Q,Q-bf16", "--seeds", "0,1"]))
+    (p.work / "serve").mkdir()
+    base = {"Q-bf16": 20, "Q": 24, "A": 28}  # correct drafts per 40 verify steps on every prompt (+4 for seed 1)
+    for unit in p.served():
+        shas = ["x", "y"] * 100 if unit.arm == "Q-bf16" else ["x"] * 200
+        prompts = [dataclasses.asdict(PromptResult(40, base[unit.arm] + 4 * unit.seed, 60, sha)) for sha in shas]
+        (p.work / "serve" / f"{unit.name}.json").write_text(json.dumps({"engine": {"quantization": "fp8"},
+                                                                         "prompts": prompts}))
+    _record(p.work, "prompts", {"train": 300, "held_out": 200, "prompt_seed": 0})
+    _record(p.work, "prepare", {"samples": 300, "tokens": 90000, "loss_tokens_per_epoch": 40000})
+    curve = [{"epoch": 1, "steps": [10, 70], "mean_loss": 4.0, "loss": 3.0, "mean_acc": 0.3, "acc": 0.4}]
+    for seed in (0, 1):
+        for arm, acc in (("A", 0.55), ("Q", 0.6)):
+            _record(p.work, f"train-{arm}-s{seed}", {"metrics": {"step": 225, "loss": 1.5, "acc": acc}, "curve": curve})
+            verdict = {"passed": True, "verdict": f"PASS {p.work}/drafters/{arm}-s{seed}: SGLang reads ids [1, 14, 26]"}
+            _record(p.work, f"check-drafter-{arm}-s{seed}", {str(p.work / "drafters" / f"{arm}-s{seed}"): verdict})
+    _record(p.work, "check-serving-Q", {"passed": True, "lines": ["PASS the server runs ..."], "differences": []})
+    _record(p.work, "check-serving-A", {"passed": False, "lines": ["DIFF --quantization: ..."],
+                                        "differences": ["--quantization"]})
+    layers = {"layer 1": {"mean": 0.03, "max": 0.2, "tokens": 1234},
+              "final (post_norm)": {"mean": 0.05, "max": 0.3, "tokens": 1234}}
+    _record(p.work, "states-Q-bf16-vs-Q", {"q_bf16_vs_q": layers})
+    _record(p.work, "probe", {"prompts": 16, "acceptance_length": 1.0})
+
+    results = stage_report(p)
+    assert json.loads((p.work / "results.json").read_text()) == json.loads(json.dumps(results))
+    table = (p.work / "results.md").read_text()
+    assert table in capsys.readouterr().out
+    arms = results["acceptance"]["arms"]
+    assert list(arms) == ["Q", "Q-bf16", "A"] and results["acceptance"]["prompts"] == 200
+    assert [arms["Q"]["seeds"][s]["acceptance_length"] for s in ("0", "1")] == [pytest.approx(1.6), pytest.approx(1.7)]
+    assert arms["Q-bf16"]["pooled"]["acceptance_length"] == pytest.approx(1.55)
+    assert list(results["acceptance"]["differences"]) == ["Q-(Q-bf16)", "A-Q"]
+    assert results["acceptance"]["differences"]["Q-(Q-bf16)"]["pooled"]["estimate"] == pytest.approx(0.1)
+    assert results["check_drafter"]["Q-bf16-s1"] == results["check_drafter"]["A-s1"]
+    assert results["check_drafter"]["Q-bf16-s1"]["verdict"].startswith(f"PASS {p.work}/drafters/A-s1:")
+    assert results["check_serving"]["A"]["command"] == ["--quantization", "fp8", "--attention-backend", "flashinfer"]
+    assert results["same_output"] == {"Q-bf16-s0": 0.5, "Q-bf16-s1": 0.5}  # against Q's outputs of the same seed
+    assert set(results["training"]) == {"A-s0", "Q-s0", "A-s1", "Q-s1"} and results["recipe"]["seeds"] == [0, 1]
+    assert results["serving"]["engines"]["Q-s0"] == {"quantization": "fp8"} and results["probe"]["prompts"] == 16
+    for row in ("| Q | ours, extracted with the quantized server's settings (model.serving) | quantized | 0 "
+                "| **1.600** (1.600-1.600) | 1.500 / 0.600 | 225 | PASS |",
+                "| Q-bf16 | A's drafter (our bf16 states: any bf16 path), served on the quantized target "
+                "| quantized | 1 "
+                "| **1.600** (1.600-1.600) | 1.500 / 0.550 (A's) | 225 | PASS |",
+                "| A | | bf16 | pooled | **1.750** (1.750-1.750) | | | |",
+                "| **Q-(Q-bf16)** | 0 | +0.100 (+0.100 to +0.100) |", "| **Q-(Q-bf16)** | pooled | +0.100",
+                "| A-Q | 1 | +0.100", "| A | FAIL | --quantization |", "| Q | PASS | - |",
+                "Q-bf16's states (ours, bf16) vs Q's (the quantized target's), per-token relative difference "
+                "(1,234 tokens) | mean | max |", "| final (post_norm) | 0.0500 | 0.3000 |",
+                "| Q-s1 | 1 | 10-70 | 4.000 | 0.300 |  | 0.400 |",
+                "Quantized target: the bf16 checkpoint served with `--quantization fp8 --attention-backend flashinfer`",
+                "an untrained drafter served on the quantized target over 16 prompts, acceptance 1.000"):
+        assert row in table, row
+    assert table.index("**Q-(Q-bf16)**") < table.index("| A-Q |")
 
 
 def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
@@ -287,9 +455,11 @@ def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
     again = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200")
     assert again.returncode == 0 and {p.name: p.read_text() for p in (work / "steps").iterdir()} == records
     late = run("--stages", "prompts,extract", "--device", "cpu", "--deadline-s", "1e-9")
-    assert late.returncode == EXIT_MORE_TO_DO and "stopped before step extract-A" in late.stderr
+    assert late.returncode == EXIT_MORE_TO_DO and "stopped before step extract-Q" in late.stderr  # Q's run first
     refused = run("--stages", "train", "--device", "cpu")
     assert refused.returncode == 2 and "run on CUDA only" in refused.stderr
+    unknown = run("--stages", "prompts", "--device", "cpu", "--arms", "A,Q-fp16")
+    assert unknown.returncode == 2 and "unknown arms ['Q-fp16']" in unknown.stderr
     too_few = run("--stages", "prompts", "--device", "cpu", "--work", str(tmp_path / "other"), "--eval-prompts", "50")
     assert too_few.returncode == 2 and "at least 200" in too_few.stderr
 
@@ -308,9 +478,9 @@ def test_held_out_prompts_are_rendered_with_the_generation_prompt(tmp_path):
 
 def test_engine_arguments_are_sglang_server_args():
     """Every argument the serving engine gets is a field of the installed SGLang's ServerArgs (0.5.23 here,
-    a msgspec Struct; 0.5.17, which serves on the H200, a dataclass with the same names: checked by hand)."""
-    import dataclasses
-
+    a msgspec Struct; 0.5.17, which serves on the H200, a dataclass with the same names: checked by hand); the
+    quantized target's engine takes what its serving command sets that reaches the forward, as SGLang's parser
+    reads it, and keeps the benchmark's own drafting settings."""
     from sglang.srt.server_args import ServerArgs
 
     fields = set(getattr(ServerArgs, "__struct_fields__", ())) or {field.name for field in dataclasses.fields(ServerArgs)}
@@ -318,6 +488,14 @@ def test_engine_arguments_are_sglang_server_args():
     assert set(args) <= fields, set(args) - fields
     assert (args["speculative_num_steps"], args["speculative_eagle_topk"], args["speculative_num_draft_tokens"]) == (3, 1, 4)
     assert args["speculative_algorithm"] == "EAGLE3" and args["disable_cuda_graph"] is True
+    assert (args["dtype"], args["attention_backend"]) == ("bfloat16", "flashinfer") and "quantization" not in args
+
+    serving = ["sglang", "serve", "--quantization", "fp8", "--attention-backend", "triton", "--port", "30000",
+               "--speculative-num-steps", "5", "--speculative-draft-model-quantization", "unquant"]
+    quantized = engine_args(Path("/target"), Path("/drafter"), "flashinfer", 0.375, serving)
+    assert set(quantized) <= fields, set(quantized) - fields
+    assert quantized == {**args, "quantization": "fp8", "attention_backend": "triton", "mem_fraction_static": 0.375,
+                         "speculative_draft_model_quantization": "unquant"}
 
 
 def test_data_stats_count_the_tokens_specforge_trains_on(tmp_path):
@@ -331,3 +509,158 @@ def test_data_stats_count_the_tokens_specforge_trains_on(tmp_path):
     # SpecForge cuts each sample to max_length and zeroes the last loss-mask entry
     assert data_stats(tmp_path, max_length=3) == {"samples": 2, "tokens": 7, "loss_tokens_per_epoch": 2}
     assert data_stats(tmp_path, max_length=2048)["loss_tokens_per_epoch"] == 3
+
+
+def _write_run(run: Path, shards: dict[str, list[int]], scale: dict[str, float], seed: int = 0) -> None:
+    """Shard files of a run (float32, layers [1, 14, 26] of width 8, post-norm final state); every state
+    multiplied by ``scale`` of its layer (or of "final")."""
+    meta = ShardMetadata(dtype="float32", state_dtype="float32", hidden_size=8, layer_ids=[1, 14, 26],
+                         layers_to_capture=[2, 15, 27], drafter_layer_ids=[1, 14, 26], last_hidden_state="post_norm",
+                         model_path="/m", model_architecture="LlamaForCausalLM", sglang_version="0.5.23", tp_size=1)
+    generator = torch.Generator().manual_seed(seed)
+    for name, sample_ids in shards.items():
+        lengths = [3 + sample_id % 4 for sample_id in sample_ids]
+        aux = torch.randn(sum(lengths), 24, generator=generator) + 2
+        last = torch.randn(sum(lengths), 8, generator=generator) + 2
+        for j, layer in enumerate((1, 14, 26)):
+            aux[:, j * 8:(j + 1) * 8] *= scale.get(f"layer {layer}", 1.0)
+        last *= scale.get("final", 1.0)
+        with ShardWriter(run / name, meta) as writer:
+            writer.append(sample_ids, [np.arange(n, dtype=np.int32) for n in lengths],
+                          [np.ones(n, dtype=np.uint8) for n in lengths], aux.numpy(), last.numpy())
+            writer.finalize()
+
+
+def test_how_far_one_runs_states_are_from_anothers_per_layer(tmp_path):
+    """What Q-bf16's report row is made of: per layer and for the final state, the mean and largest per-token
+    ||other - reference|| / ||reference|| over every token of two runs of the same samples."""
+    shards = {"shard-00000.parquet": [0, 1, 2], "shard-00001.parquet": [3, 4]}
+    _write_run(tmp_path / "Q", shards, {})
+    _write_run(tmp_path / "A", shards, {"layer 1": 1.01, "layer 26": 0.9, "final": 1.5})  # same draws, scaled
+    tokens = sum(3 + i % 4 for i in range(5))
+    report = run_differences(tmp_path / "Q", tmp_path / "A")
+    assert list(report) == ["layer 1", "layer 14", "layer 26", "final (post_norm)"]
+    for name, expected in (("layer 1", 0.01), ("layer 14", 0.0), ("layer 26", 0.1), ("final (post_norm)", 0.5)):
+        assert report[name]["mean"] == pytest.approx(expected, abs=1e-6), (name, report[name])
+        assert report[name]["max"] == pytest.approx(expected, abs=1e-6) and report[name]["tokens"] == tokens
+    assert all(d["mean"] == 0 for d in run_differences(tmp_path / "A", tmp_path / "A").values())
+    assert differences_main([str(tmp_path / "Q"), str(tmp_path / "A"), str(tmp_path / "out.json")]) == 0
+    assert json.loads((tmp_path / "out.json").read_text()) == report
+
+    _write_run(tmp_path / "other", {"shard-00000.parquet": [0, 1, 2], "shard-00001.parquet": [3, 5]}, {})
+    with pytest.raises(ValueError, match="different samples per shard file"):
+        run_differences(tmp_path / "Q", tmp_path / "other")
+    with pytest.raises(ValueError, match="no shard-"):
+        run_differences(tmp_path / "empty", tmp_path / "Q")
+
+
+def test_commands_side_by_side_are_each_recorded_and_every_failure_named(tmp_path):
+    p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts"]))
+
+    def python(code: str) -> list[str]:
+        return [sys.executable, "-c", code]
+
+    jobs = {
+        "said": Job(python("print('hello')"), result=lambda output, code: {"said": output.strip()}),
+        "verdict": Job(python("import sys, time; time.sleep(2); print('FAIL x'); sys.exit(1)"), ok=(0, 1),
+                       result=lambda output, code: {"code": code}),
+        "broken": Job(python("import sys; print('no luck'); sys.exit(3)")),
+        "late": Job(python("import time; time.sleep(0.5); print('late')"), result=lambda output, code: {"ok": 1}),
+    }
+    with pytest.raises(RuntimeError, match=r"broken \(exit 3\): .*broken.log\nno luck"):
+        p.run_jobs(jobs, at_once=3)
+    # the others ran to their end and are recorded; no job starts after a failure (though a slot was free while
+    # "verdict" still ran)
+    assert p.record("said")["said"] == "hello" and p.record("verdict")["code"] == 1 and p.record("broken") is None
+    assert p.record("late") is None and (p.work / "logs" / "verdict.log").read_text() == "FAIL x\n"
+    # a rerun runs only what is not recorded
+    (p.work / "logs" / "said.log").unlink()
+    jobs["broken"] = Job(python("print('fixed')"))
+    p.run_jobs(jobs, at_once=1)
+    assert not (p.work / "logs" / "said.log").exists() and p.record("broken") is not None and p.record("late")["ok"]
+    # past the deadline nothing starts
+    p.args.deadline_s = 1e-9
+    with pytest.raises(OutOfTime, match="first"):
+        p.run_jobs({"first": Job(python("")), "second": Job(python(""))}, at_once=2)
+    assert p.record("first") is None
+
+
+def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_path):
+    """The benchmark started in a session of its own runs every stage asked for to the end; status waits for
+    it, says where it stands and copies what it left into a folder; a refused start starts nothing; a run that
+    died is told apart."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "model").symlink_to(checkpoint_dir())  # the checkpoint step finds it made
+
+    def background(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "benchmarks.acceptance.background", *args], cwd=tmp_path,
+                              env=project_env(), capture_output=True, text=True, timeout=300)
+
+    arguments = ["--work", str(work), "--device", "cpu", "--stages", "checkpoint,prompts", "--train-prompts", "300",
+                 "--eval-prompts", "200"]
+    refused = background("start", *arguments, "--arms", "Z")
+    assert refused.returncode == 2 and "unknown arms" in refused.stderr and not (work / "background").exists()
+    started = background("start", *arguments)
+    assert started.returncode == 0 and "started the benchmark in the background" in started.stdout, started.stderr
+    pid = json.loads((work / "background" / "started.json").read_text())["pid"]
+    try:
+        done = background("status", "--work", str(work), "--wait-s", "240", "--collect", str(tmp_path / "out"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # only if it outlived the wait
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "finished with exit code 0 after" in done.stdout and "stage finished" in done.stdout
+    assert "steps done (2): checkpoint" in done.stdout and "step prompts done" in done.stdout  # the log's tail
+    collected = sorted(str(path.relative_to(tmp_path / "out")) for path in (tmp_path / "out").rglob("*"))
+    assert collected == ["exit.json", "log-tail.txt", "progress.json", "steps", "steps/checkpoint.json",
+                         "steps/prompts.json"]
+    assert len((work / "prompts" / "train.jsonl").read_text().splitlines()) == 300
+
+    # killed: its pid gone without an exit record
+    (work / "background" / "exit.json").unlink()
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    record = json.loads((work / "background" / "started.json").read_text())
+    (work / "background" / "started.json").write_text(json.dumps({**record, "pid": dead.pid}))
+    lost = background("status", "--work", str(work))
+    assert lost.returncode == 4 and "no exit code recorded: it was killed" in lost.stdout
+    nothing = background("status", "--work", str(tmp_path / "nowhere"))
+    assert nothing.returncode == 4 and "no background run" in nothing.stdout
+
+
+STAND_IN = ["--dtype", "float32", "--json-model-override-args", '{"rms_norm_eps": 0.5}']
+"""The quantized server's command on CPU (fp8 needs AMX, which this CPU lacks): a setting that changes the
+states here as fp8 does on the H200."""
+
+
+@pytest.mark.extended
+def test_the_quantized_run_its_serving_checks_and_how_far_a_bf16_run_is(ray_cluster, run_a, tmp_path,
+                                                                        tmp_path_factory):
+    """On CPU with a stand-in serving command: Q's extraction takes it as model.serving; jobs.check_serving of
+    that command passes on Q's run and names the one setting A's run lacks; A's states differ from Q's."""
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "model").symlink_to(checkpoint_dir())
+    (work / "data").mkdir()
+    (work / "data" / "part-00000.parquet").symlink_to(chat_dataset(tmp_path_factory))  # A's data
+    (work / "runs" / "A").symlink_to(run_a)  # arm A's run as the benchmark would make it, float32 here
+    p = Pipeline(parse_args(["--work", str(work), "--device", "cpu", "--stages", "extract", "--arms", "Q-bf16",
+                             "--dtype", "float32", "--quantized-serving", shlex.join(STAND_IN),
+                             "--extract-set", f"ray.address={session_ray_address()}",
+                             "--extract-set", "output.min_free_bytes=1GB"]))
+    _record(work, "extract-A", {})
+    stage_extract(p)
+    assert p.record("extract-Q")["samples"] == 8
+    content = read_manifest(work / "runs" / "Q")["content"]
+    assert content["model.serving"] == {"json_model_override_args": STAND_IN[-1]}
+    assert content["model.dtype"] == "float32"
+
+    p.run_jobs({**serving_checks(p), **state_difference(p)}, at_once=3)  # as the drafters and train stages run them
+    passed, failed = p.record("check-serving-Q"), p.record("check-serving-A")
+    assert passed["passed"] and passed["differences"] == [] and passed["lines"][-1].startswith("PASS"), passed
+    assert not failed["passed"] and failed["differences"] == ["--json-model-override-args"], failed
+
+    report = p.record("states-Q-bf16-vs-Q")["q_bf16_vs_q"]
+    tokens = sum(sample.input_ids.numel() for path in run_a.glob("shard-*.parquet") for sample in ShardReader(path))
+    assert all(entry["tokens"] == tokens and entry["mean"] > 1e-3 for entry in report.values()), report

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from extractor.checkpoint import text_config
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
 from jobs.errors import EXIT_BAD_INPUT
 from jobs.errors import EXIT_DRAFTER_MISMATCH as EXIT_MISMATCH
@@ -110,3 +111,33 @@ def test_bad_input_exits_2(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == EXIT_BAD_INPUT
     assert "no shard file and no .summary.json" in result.stderr
+
+
+def test_the_check_prints_only_its_verdicts_and_asks_sglang_once(monkeypatch, capsys, llama_fp32, tmp_path):
+    """SGLang is asked in a child process (its import and warnings stay there) and its answer is cached: the
+    command's output is its verdict alone, and the same check again does not ask SGLang again."""
+    from jobs.check_drafter import main
+    from jobs.planning import capture
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".summary.json").write_text(json.dumps({"model_path": str(llama_fp32), "engine": {
+        "hidden_size": 64, "layer_ids": [2, 4, 5], "layers_to_capture": [3, 5, 6], "drafter_layer_ids": [2, 4, 5],
+        "sglang_version": "0.5.23"}}))
+    drafter = tmp_path / "drafter.json"
+    drafter.write_text(json.dumps(build_drafter_config(
+        text_config(json.loads((llama_fp32 / "config.json").read_text())), [2, 4, 5], "float32")))
+    cache = tmp_path / "cache"
+    first = subprocess.run([sys.executable, "-m", "jobs.check_drafter", str(drafter), f"output.dir={run_dir}"],
+                           cwd=REPO_ROOT, env=python_env(EAGLE3_CACHE_DIR=str(cache)), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0 and first.stderr == "", first.stderr[-3000:]
+    assert first.stdout.startswith(f"PASS {drafter}: SGLang ") and len(first.stdout.splitlines()) <= 2, first.stdout
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("SGLang was asked again")
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(cache))
+    monkeypatch.setattr(capture, "_probe", no_probe)
+    assert main([str(drafter), f"output.dir={run_dir}"]) == 0
+    assert capsys.readouterr().out == first.stdout

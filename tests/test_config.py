@@ -171,6 +171,69 @@ def test_ray_job_is_detected_from_the_environment_ray_gives_its_driver(monkeypat
     assert inside_ray_job() and ray_job_submission_id() == "raysubmit_x"
 
 
+def test_a_list_key_takes_its_values_comma_separated():
+    assert load_config(["extract.layers=2,15,27"]).extract.layers == [2, 15, 27]
+    assert load_config(["extract.layers=[2,15,27]"]).extract.layers == [2, 15, 27]
+    assert load_config(["extract.layers=5"]).extract.layers == [5]
+    assert load_config(["extract.layers=null"]).extract.layers is None
+    with pytest.raises(ConfigError, match=r"extract.layers\[1\]: Value 'x'"):
+        load_config(["extract.layers=2,x"])
+
+
+def _into_hub_cache(cache, repo_id: str, model_dir, revision: str = "0123456789abcdef0123456789abcdef01234567"):
+    """Lay ``model_dir``'s files into a Hugging Face cache as huggingface_hub's downloads do, with its own functions:
+    blobs by hash, a snapshot of links to them, refs/main naming the revision."""
+    import hashlib
+
+    from huggingface_hub import file_download
+
+    storage = cache / file_download.repo_folder_name(repo_id=repo_id, repo_type="model")
+    for file in model_dir.iterdir():
+        blob = storage / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(file, blob)
+        (storage / "snapshots" / revision).mkdir(parents=True, exist_ok=True)
+        file_download._create_symlink(str(blob), str(storage / "snapshots" / revision / file.name))
+    file_download._cache_commit_hash_for_specific_revision(str(storage), "main", revision)
+    return storage / "snapshots" / revision
+
+
+def test_a_hub_id_is_found_in_the_local_hugging_face_cache(llama_fp32, demo_dataset, tmp_path):
+    """model.path=org/name (no such directory here) is the hub id's snapshot in HF_HUB_CACHE, found offline as
+    SGLang and transformers find it; a directory of that relative path wins; an id not in the cache is one line
+    saying how to download it."""
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    snapshot = _into_hub_cache(cache, "HuggingFaceTB/tiny-llama", llama_fp32)
+    (repo,) = huggingface_hub.scan_cache_dir(cache).repos  # huggingface_hub reads the cache as its own
+    assert repo.repo_id == "HuggingFaceTB/tiny-llama" and {r.commit_hash for r in repo.revisions} == {snapshot.name}
+
+    def plan(model_path: str, cwd) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "jobs.plan", f"model.path={model_path}", f"data.path={demo_dataset}",
+             f"output.dir={tmp_path / 'out'}", "model.engine=synthetic"],
+            cwd=cwd, env=python_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+            timeout=120)
+
+    found = plan("HuggingFaceTB/tiny-llama", tmp_path)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert f"model    {snapshot}: LlamaForCausalLM" in found.stdout, found.stdout
+
+    local = tmp_path / "HuggingFaceTB" / "tiny-llama"
+    local.mkdir(parents=True)
+    config = json.loads((llama_fp32 / "config.json").read_text())
+    (local / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    here = plan("HuggingFaceTB/tiny-llama", tmp_path)
+    assert here.returncode == 0 and f"model    {local}: LlamaForCausalLM" in here.stdout, here.stderr[-3000:]
+
+    missing = plan("HuggingFaceTB/SmolLM2-135M-Instruct", REPO_ROOT)
+    assert missing.returncode == 2 and missing.stdout == "", missing.stderr
+    assert missing.stderr.splitlines() == [
+        f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and not in the local Hugging Face "
+        f"cache ({cache}). Download it first (hf download HuggingFaceTB/SmolLM2-135M-Instruct), or name the "
+        "checkpoint's directory"]
+
 
 PLACE_WRITER = """
 import json, os, sys, threading

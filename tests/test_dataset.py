@@ -313,3 +313,20 @@ def test_job_skips_invalid_rows_lists_them_and_keeps_sample_ids(ray_cluster, lla
     for sample_id, sample in stored.items():
         assert sample.input_ids.tolist() == rows[sample_id]["input_ids"]
         assert sample.loss_mask.tolist() == rows[sample_id]["loss_mask"]
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+def test_a_conversations_file_is_named_as_such_with_the_command_that_tokenizes_it(tmp_path, mode):
+    """jobs.extract reads token ids; a ShareGPT or OpenAI conversations file given to it says what it is and which
+    command makes the token ids, whatever data.on_invalid says (once: "input_ids is missing" on every row)."""
+    sharegpt = tmp_path / "chat.jsonl"
+    sharegpt.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                                                {"from": "gpt", "value": "hello"}]}) for _ in range(40)))
+    openai = write_parquet(tmp_path / "chat.parquet", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    for path, field in ((sharegpt, "conversations"), (openai, "messages")):
+        with pytest.raises(ValueError) as refused:
+            open_tokenized_dataset(str(path), VOCAB, 100, on_invalid=mode)
+        assert str(refused.value) == (
+            f"{path} is a conversations file ('{field}', no 'input_ids'): jobs.extract reads token ids. Tokenize it "
+            "first with python -m jobs.prepare model.path=MODEL data.path=FILE output.path=DIR, then give jobs.extract "
+            "data.path=DIR (docs/conversations.md)")

@@ -1,6 +1,7 @@
 """The README and docs/ say what the code is: the generated reference is current, every command's ``--help``
 lists exactly the keys it reads, every path, module and name the pages give exists, every link lands, and the
-README fits a screen or two. No Ray, no model."""
+README fits a screen or two; every README command is run as printed by a test or says why not, and parses.
+No Ray, no model."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import ast
 import difflib
 import importlib
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobs.config import config_keys
 from jobs.reference import COMMANDS, PAGE, REGENERATE, exit_codes, render
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, readme_commands
 
 README = REPO_ROOT / "README.md"
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -119,6 +122,95 @@ def test_readme_is_short_and_links_every_docs_page():
     for command in ("bash scripts/demo.sh", "bash scripts/test.sh", "python -m jobs.plan", "ray job submit",
                     "python -m jobs.extract", "python -m jobs.status"):
         assert command in text
+
+
+RUN_AS_PRINTED = {
+    "bash scripts/demo.sh": "tests/test_readme.py::test_the_demos_run_as_printed_in_any_order",
+    "source .venv/bin/activate": "tests/test_readme.py::test_the_demos_run_as_printed_in_any_order",
+}
+"""README commands a test runs exactly as printed, and the test."""
+NOT_RUNNABLE_HERE = {
+    "bash scripts/test.sh": "it is the suite itself (CI runs it: .ci/run)",
+    "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.path=/data/tokens":
+        "a checkpoint at /models/target; tests/test_prepare_extract.py runs prepare -> extract -> verify on a tiny one",
+    "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
+        "the same placeholder checkpoint",
+    "python -m jobs.verify output.dir=/data/states": "the run of the line before",
+    "python -m jobs.plan --config conf/kimi.yaml data.path=/mnt/nvme/data/train.parquet "
+    "output.dir=/mnt/nvme/eagle3/run1": "Kimi-K2.5's checkpoint (tests/test_kimi.py plans its published config.json)",
+    "export RAY_ADDRESS=http://127.0.0.1:8265": "a real cluster's tunnelled Jobs API; tests/test_readme.py exports its "
+                                                "own head's",
+    "ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m jobs.extract --config "
+    "conf/kimi.yaml data.path=/mnt/nvme/data/train.parquet output.dir=/mnt/nvme/eagle3/run1":
+        "Kimi-K2.5 on 8 GPUs; tests/test_readme.py runs it as printed up to the job's keys (the demo's instead)",
+    "ray job logs -f raysubmit_...": "a submission id of a real cluster",
+    "python -m jobs.status output.dir=/mnt/nvme/eagle3/run1": "the real run above",
+    "python -m jobs.verify output.dir=/mnt/nvme/eagle3/run1": "the real run above",
+}
+"""README commands that cannot run on a CPU box as printed, and why; each is checked to parse."""
+
+
+def test_every_readme_command_runs_as_printed_or_says_why_not():
+    commands = readme_commands()
+    assert sorted(set(commands)) == sorted({*RUN_AS_PRINTED, *NOT_RUNNABLE_HERE}), \
+        "a README command must be run by a test as printed (RUN_AS_PRINTED) or say why not (NOT_RUNNABLE_HERE)"
+    for command, test in RUN_AS_PRINTED.items():
+        path, name = test.split("::")
+        assert f"def {name}(" in (REPO_ROOT / path).read_text(), test
+
+
+def _help_of(module: str, capsys) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(module).main(["--help"])
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[str]:
+    return [key for name, value in tree.items()
+            for key in (_leaves(value, f"{prefix}{name}.") if isinstance(value, dict) else [f"{prefix}{name}"])]
+
+
+def _check_job_command(words: list[str], capsys) -> None:
+    """``python -m jobs.X ...``: the module exists and its --help lists every key and option the command gives;
+    a --config file exists and holds only keys the command reads."""
+    assert words[:2] == ["python", "-m"] and _module_file(words[2]), words
+    listed = _help_of(words[2], capsys)
+    keys = set(re.findall(r"^  ([\w.]+) = ", listed, re.MULTILINE))
+    args = iter(words[3:])
+    for word in args:
+        if word.startswith("--"):
+            assert word in listed, f"{words[2]} has no option {word}"
+            if word == "--config":
+                config = REPO_ROOT / next(args)
+                assert set(_leaves(yaml.safe_load(config.read_text()))) <= keys, config
+        else:
+            assert word.split("=", 1)[0] in keys, f"{words[2]} reads no key {word}"
+
+
+@pytest.mark.parametrize("command", NOT_RUNNABLE_HERE)
+def test_each_readme_command_not_run_here_parses(command, capsys):
+    words = command.split()
+    if words[0] == "python":
+        _check_job_command(words, capsys)
+    elif words[:3] == ["ray", "job", "submit"]:
+        from ray.dashboard.modules.job.cli import job_cli_group
+        from ray.runtime_env import RuntimeEnv
+
+        options = {name for param in job_cli_group.commands["submit"].params for name in param.opts}
+        cut = words.index("--")
+        for option in (word for word in words[3:cut] if word.startswith("--")):
+            assert option in options, option
+        RuntimeEnv(**yaml.safe_load((REPO_ROOT / words[words.index("--runtime-env") + 1]).read_text()))
+        _check_job_command(words[cut + 1:], capsys)
+    elif words[:3] == ["ray", "job", "logs"]:
+        from ray.dashboard.modules.job.cli import job_cli_group
+
+        assert "-f" in {name for param in job_cli_group.commands["logs"].params for name in param.opts}
+    elif words[0] == "bash":
+        assert subprocess.run(["bash", "-n", str(REPO_ROOT / words[1])]).returncode == 0
+    else:
+        assert words[0] == "export" and re.fullmatch(r"RAY_ADDRESS=http://[\d.]+:\d+", words[1]), command
 
 
 # -- everything the pages name exists -----------------------------------------------------------

@@ -224,7 +224,7 @@ def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links
     plant(out, ["._prepare.json.tmp", ".part-00000.parquet.tmp", "._skipped_rows.jsonl.tmp", "_prepare.json"],
           victim)
     output.write_record(out, {"format": output.RECORD_FORMAT, "state": output.RUNNING})
-    temp = output.write_part(out, 0, [7], [Encoded([1, 2, 3], bytearray([0, 1, 1]), 1)], {"shard": 0})
+    temp = output.write_part(out, 0, [7], ["row-7"], [Encoded([1, 2, 3], bytearray([0, 1, 1]), 1)], {"shard": 0})
     skipped = output.SkippedRows(out)
     skipped.add(3, RowSource("chat.jsonl", 3, 4), "invalid", "no assistant turn")
     skipped.publish()

@@ -58,7 +58,7 @@ def kimi_demo(tmp_path_factory):
     assert f"{SAMPLES} samples" in result.stdout
     (model,) = demo.glob("model-kimi_k25-*")
     (data,) = demo.glob("data-*.parquet")
-    return model, data, demo / "hidden_states"
+    return model, data, demo / f"hidden_states-kimi_k25-{SAMPLES}-seed0"
 
 
 @pytest.fixture(scope="module")

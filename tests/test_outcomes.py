@@ -49,8 +49,9 @@ def deepseek(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", [
-    "output_dir_unwritable", "output_dir_inside_data", "min_free_above_disk", "negative_shard",
-    "nan_wait", "inf_interval", "sink_unwritable", "unreadable_input",
+    "output_dir_unwritable", "output_dir_inside_data", "output_dir_holds_data", "output_dir_matched_by_glob",
+    "min_free_above_disk", "negative_shard", "unknown_shard", "nan_wait", "inf_interval", "sink_unwritable",
+    "unreadable_input",
 ])
 def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dataset, tmp_path, case):
     out, data = tmp_path / "out", demo_dataset
@@ -64,10 +65,21 @@ def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dat
         data.mkdir()
         shutil.copy2(demo_dataset, data / "part-0.parquet")
         out, key = data / "run", "is inside data.path"
+    elif case == "output_dir_holds_data":  # a glob over it, or the directory as data.path, would read the shards
+        data = tmp_path / "tokens.parquet"
+        shutil.copy2(demo_dataset, data)
+        out, key = tmp_path, f"output.dir={tmp_path} is the directory that holds data.path={data}"
+    elif case == "output_dir_matched_by_glob":
+        (tmp_path / "tokens-a").mkdir()
+        shutil.copy2(demo_dataset, tmp_path / "tokens-a" / "part.parquet")
+        data, out = f"{tmp_path}/tokens-*/*.parquet", tmp_path / "tokens-states"
+        key = f"output.dir={out} is matched by the glob data.path={data}"
     elif case == "min_free_above_disk":
         extra, code, key = ["output.min_free_bytes=1PB"], EXIT_BUDGET_EXHAUSTED, "output.min_free_bytes"
     elif case == "negative_shard":
         extra, key = ["shards=[-1]"], "shards=[-1]"
+    elif case == "unknown_shard":  # a new output.dir: known before Ray from the plan alone
+        extra, key = ["shards=[999]"], "shards=[999]: the plan has shards 0..2, not [999]"
     elif case == "nan_wait":
         extra, key = ["output.budget_wait_s=nan"], "output.budget_wait_s=nan: must be a finite number"
     elif case == "inf_interval":

@@ -1,14 +1,14 @@
 """Packaging: pyproject.toml describes the environment the CPU lock builds, the console entry points
-run once installed, pip check reports only what the lock leaves out on purpose, cluster.yaml is valid."""
+run once installed, each checkout's own virtualenv over the shared one runs that checkout's code, pip check
+reports only what the lock leaves out on purpose, cluster.yaml is valid."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import tomllib
 from pathlib import Path
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, clone_checkout, shared_site, site_of
 
 PIP_CHECK_LINE = re.compile(r"(\S+) (\S+) requires (\S+), which is not installed\.")
 
@@ -28,17 +28,8 @@ def venv_on_main_environment(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("packaging")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    Path(site, "zz_main_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    project = root / "project"
-    for name in files:
-        if (REPO_ROOT / name).is_file():
-            (project / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / name, project / name)
+    (site_of(venv) / "zz_main_environment.pth").write_text(f"{shared_site()}\n")
+    project = clone_checkout(root / "project")
     return venv, project
 
 
@@ -78,29 +69,53 @@ def test_installed_entry_points_run(venv_on_main_environment, tmp_path):
     assert str(venv) in where
 
 
-def test_the_setup_script_gives_the_venv_the_commands_and_reruns_at_once(tmp_path):
-    """scripts/setup.sh (the README's two commands run it first) installs this checkout, editable, into the venv
-    the tests run in: eagle3-extract --help works from anywhere and runs this checkout's code; a rerun returns at
-    once without installing anything."""
-    venv = Path(sys.prefix)
-    assert list(venv.glob(".installed-*")), f"the tests run in {venv}, which scripts/setup.sh did not make"
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "EAGLE3_VENV": str(venv)}
-    setup = ["bash", str(REPO_ROOT / "scripts" / "setup.sh")]
-    for stamp in venv.glob(".project-*"):
-        stamp.unlink()  # as on a machine where the project was never installed: setup.sh installs it (seconds)
-    first = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=300)
-    assert f"setup: installing the project from {REPO_ROOT} into {venv} (editable)" in first.stderr, first.stderr
+def _listing(directory: Path) -> dict[str, int]:
+    return {entry.name: entry.lstat().st_mtime_ns for entry in directory.iterdir()}
+
+
+def test_each_checkout_gets_its_own_venv_and_never_touches_another(private_shared_venv, tmp_path):
+    """scripts/setup.sh (the README's two commands run it first) in two clones over one shared virtualenv: each clone
+    gets .venv/ with the eagle3-* commands and the shared packages, running that clone's code, whichever ran
+    setup last; the shared virtualenv's packages are not touched; a rerun returns at once, installing nothing."""
+    shared_site = site_of(private_shared_venv)
+    before = _listing(shared_site)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "EAGLE3_VENV": str(private_shared_venv)}
+    clones = [clone_checkout(tmp_path / name) for name in ("first", "second")]
+    for clone in clones:
+        setup = subprocess.run(["bash", str(clone / "scripts" / "setup.sh")], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert setup.returncode == 0, setup.stderr[-3000:]
+        assert f"setup: installing the project from {clone} into {clone / '.venv'} (editable)" in setup.stderr
+        assert setup.stdout.strip() == str(clone / ".venv" / "bin" / "python")
+    for clone in clones:
+        venv = clone / ".venv"
+        where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs, omegaconf; print(jobs.__file__)"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert where == str(clone / "jobs" / "__init__.py")
+        on_path = {**env, "PATH": f"{venv / 'bin'}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled"}
+        ran = subprocess.run(["eagle3-extract", "--help"], cwd=tmp_path, env=on_path, capture_output=True, text=True,
+                             timeout=120)
+        assert ran.returncode == 0 and "usage: eagle3-extract " in ran.stdout, ran.stderr[-2000:]
+        ray = subprocess.run(["ray", "--version"], env=on_path, capture_output=True, text=True, timeout=60)
+        assert ray.returncode == 0 and "ray, version" in ray.stdout, ray.stderr[-2000:]
+    assert _listing(shared_site) == before, "setup.sh changed the shared virtualenv's packages"
     started = time.monotonic()
-    again = subprocess.run(setup, cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60)
+    again = subprocess.run(["bash", str(clones[0] / "scripts" / "setup.sh")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True, timeout=60)
     assert time.monotonic() - started < 5 and again.stderr == "", again.stderr
-    assert again.stdout.strip() == str(venv / "bin" / "python")
-    env.update(PATH=f"{venv / 'bin'}:/usr/bin:/bin", RAY_AUTH_MODE="disabled")
-    ran = subprocess.run(["eagle3-extract", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert ran.returncode == 0 and "usage: eagle3-extract " in ran.stdout, ran.stderr[-2000:]
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jobs; print(jobs.__file__)"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert where == str(REPO_ROOT / "jobs" / "__init__.py")
+    assert again.stdout.strip() == str(clones[0] / ".venv" / "bin" / "python")
+
+
+def test_the_commands_check_for_every_dependency():
+    """jobs.environment (a command's one-line refusal on a Python without the project's packages) checks exactly
+    pyproject.toml's dependencies, each through the module the code imports."""
+    from jobs.environment import REQUIRED_MODULES
+
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0] for requirement in declared}
+    assert set(REQUIRED_MODULES) == names
+    for module in REQUIRED_MODULES.values():
+        assert importlib.util.find_spec(module) is not None, module
 
 
 def _listed(name: str) -> list[str]:

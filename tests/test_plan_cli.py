@@ -143,3 +143,62 @@ def test_the_plan_says_which_exports_the_run_serves(capsys, llama_fp32, demo_dat
                  "extract.last_hidden_state=post_norm"]) == EXIT_OK
     printed = capsys.readouterr().out
     assert "\nexports  specforge: as stored\n         speculators: no: speculators reads the state before" in printed
+
+
+def test_a_resume_with_other_content_is_refused_before_ray_starts(capsys, monkeypatch, synthetic_model, demo_dataset,
+                                                                  tmp_path):
+    """output.dir holds a run of other layers; with model.device=auto (the default) the job once found that out
+    only after starting Ray. The job and its dry run both refuse it before, naming the keys that differ; so is
+    an output.dir that another run claims as its node directory."""
+    from jobs.cluster.node_disk import LocalDisk
+    from jobs.driver import job
+    from jobs.planning.inputs import read_inputs
+    from storage.manifest import Manifest
+
+    out = tmp_path / "out"
+    earlier = read_inputs(job_config(synthetic_model, demo_dataset, out, *SETTINGS, "model.device=auto"))
+    out.mkdir()
+    Manifest.open(out, earlier.content("cpu"), []).close()
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(job, "ray_session", no_ray)
+    again = job_config(synthetic_model, demo_dataset, out, *SETTINGS, "model.device=auto", "extract.layers=1,4,5")
+    with pytest.raises(ConfigError, match=r"different content \(extract.layers: was \[2, 4, 5\], now \[1, 4, 5\]\)"):
+        run(again)
+    assert main([f"model.path={synthetic_model}", f"data.path={demo_dataset}", f"output.dir={out}", *SETTINGS,
+                 "model.device=auto", "extract.layers=1,4,5"]) == EXIT_BAD_INPUT
+    assert "different content (extract.layers: was [2, 4, 5], now [1, 4, 5])" in capsys.readouterr().err
+
+    # output.dir is another run's node directory, claimed (and empty yet): refused before Ray too
+    node_dir = tmp_path / "node"
+    assert LocalDisk(node_dir).claim({"run_id": "other", "output_dir": "/elsewhere", "host": "h", "node": "n"},
+                                     adopt_files=False) is None
+    with pytest.raises(ConfigError, match=f"output.dir={node_dir} belongs to the run whose output.dir is /elsewhere"):
+        run(job_config(synthetic_model, demo_dataset, node_dir, *SETTINGS))
+
+
+def test_the_dry_run_prints_only_its_answer_and_asks_sglang_once(monkeypatch, capsys, llama_fp32, demo_dataset,
+                                                                 tmp_path):
+    """The layers come from SGLang's model class on the meta device, asked in a child process: the dry run's
+    output is its report alone (no SGLang warnings), and a second dry run of the same model, release and layers
+    reads the answer from the cache the job shares (the probe is not run again)."""
+    cache = tmp_path / "cache"
+    args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}"]
+    first = subprocess.run([sys.executable, "-m", "jobs.plan", *args], cwd=REPO_ROOT,
+                           env=python_env(EAGLE3_CACHE_DIR=str(cache)), capture_output=True, text=True, timeout=600)
+    assert first.returncode == EXIT_OK and first.stderr == "", first.stderr[-3000:]
+    assert first.stdout.startswith("dry run: ") and first.stdout.splitlines()[-1].startswith("fits     yes")
+    assert "layers   [2, 4, 5] -> SGLang layers_to_capture [3, 5, 6]" in first.stdout
+
+    from jobs.planning import capture
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("SGLang was asked again")
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(cache))
+    monkeypatch.setattr(capture, "_probe", no_probe)
+    assert main(args) == EXIT_OK
+    layers = [line for line in first.stdout.splitlines() if line.startswith("layers ")]
+    assert layers == [line for line in capsys.readouterr().out.splitlines() if line.startswith("layers ")]

@@ -72,8 +72,9 @@ def test_sharegpt_jsonl_becomes_the_parquet_the_extraction_job_reads(capsys, mod
     assert code == EXIT_OK, errors
     assert sorted(p.name for p in out.iterdir()) == [RECORD_FILE] + [f"part-0000{i}.parquet" for i in range(4)]
     table = parts_table(out)
-    assert table.schema.names == ["conversation_id", "input_ids", "loss_mask"]
+    assert table.schema.names == ["conversation_id", "id", "input_ids", "loss_mask"]
     assert table.column("conversation_id").to_pylist() == list(range(30))
+    assert table.column("id").to_pylist() == [row["id"] for row in rows]  # ShareGPT's own conversation ids
     for row, ids, mask in zip(rows, table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
         messages = [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
                     for t in row["conversations"]]

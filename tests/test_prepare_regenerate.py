@@ -56,8 +56,10 @@ def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out, log = tmp_path / "out", tmp_path / "prepare.log"
+    # The engine runs the server's settings: its dtype, and an override of the model's config
+    serving = """--dtype float32 --json-model-override-args='{"rms_norm_eps":0.001}' --port 30001"""
     args = ("regenerate=true", "output.shard_size=4", "generation.max_new_tokens=8", "data.on_invalid=skip",
-            "model.dtype=float32")
+            f"model.serving={serving}")
 
     first = start_prepare(model, data, out, log, *args)
     answered = out / REGENERATED_DIR / "part-00000.jsonl"
@@ -114,5 +116,8 @@ def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
                                                            if m["role"] == "assistant"]
     record = json.loads((out / RECORD_FILE).read_text())
     assert record["state"] == "complete" and record["regeneration_stats"]["shards"] == 3 - len(before)
+    assert record["regeneration"]["model.dtype"] == "float32"
+    assert record["regeneration"]["model.serving"] == {"json_model_override_args": '{"rms_norm_eps":0.001}'}
+    assert "applied: --json-model-override-args '{\"rms_norm_eps\":0.001}'" in text
     counts = record["counts"]
     assert counts["conversations"] == 12 == counts["kept"] + counts["skipped"]

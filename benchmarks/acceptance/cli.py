@@ -1,13 +1,16 @@
-"""The command line: which stages to run, the recipe, the deadline; exit 75 when a deadline stopped it."""
+"""The command line: which arms, seeds and stages to run, the recipe, the deadline; exit 75 when a deadline
+stopped it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shlex
 from typing import Optional, Sequence
 
 import benchmarks.acceptance
+from benchmarks.acceptance.arms import ARMS, parse_arms
 from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, OutOfTime, Pipeline
 from benchmarks.acceptance.serving import SERVE_PARALLEL
 from benchmarks.acceptance.stages import STAGE_FUNCTIONS, STAGES
@@ -15,37 +18,74 @@ from benchmarks.acceptance.trainer import Recipe
 
 logger = logging.getLogger("benchmarks.acceptance")
 
+GPU_STAGES = ("prepare", "probe", "train", "serve")
+TRAIN_PARALLEL = 4
+"""SpecForge trainings at once by default: four ran side by side on the H200 (2026-12-02), 0.16 s a step each."""
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance",
-                                     description=benchmarks.acceptance.__doc__,
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=benchmarks.acceptance.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", required=True, help="working directory (kept: every step's output and record)")
-    parser.add_argument("--out", default="", help="results JSON (default DIR/results.json); the table beside it (.md)")
+    parser.add_argument("--out", default="", help="results JSON (default DIR/results.json); the tables beside it (.md)")
     parser.add_argument("--stages", default="all", help=f"comma-separated, in order: {','.join(STAGES)} (default all)")
+    parser.add_argument("--arms", default="all",
+                        help=f"comma-separated, of {','.join(ARMS)} (default all); what they serve is trained "
+                             "(Q-bf16 serves A's drafter, so A trains), the rest is skipped")
+    parser.add_argument("--seeds", default=str(Recipe.seed),
+                        help="training seeds, comma-separated: each trained arm trains and is served once per seed")
     parser.add_argument("--deadline-s", type=float, default=0, help="start no step after this many seconds (0: none)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--gguf", default="", help="SmolLM2's GGUF file (a machine without the package registry)")
     parser.add_argument("--train-prompts", type=int, default=4000)
     parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="composes and splits the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length, regenerating and serving")
+    parser.add_argument("--regenerate-cuda-graph", action="store_true",
+                        help="regenerate the answers with decode CUDA graphs (faster; not yet run on the lent stack)")
     parser.add_argument("--epochs", type=int, default=Recipe.epochs)
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
-    parser.add_argument("--learning-rate", type=float, default=Recipe.learning_rate)
-    parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--learning-rate", "--lr", type=float, default=Recipe.learning_rate)
     parser.add_argument("--max-steps", type=int, default=0,
-                        help="cap every arm's training at this many steps (0: none; bounds a device call's training time)")
+                        help="cap every arm's training at this many steps (0: none; bounds a device call's "
+                             "training time)")
+    parser.add_argument("--epoch-acceptance", action="store_true",
+                        help="also serve each trained arm's drafter as it was at the end of every earlier epoch "
+                             "(one more engine each: the acceptance curve over epochs)")
+    parser.add_argument("--train-parallel", type=int, default=TRAIN_PARALLEL, help="SpecForge trainings at once")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
+    parser.add_argument("--quantized-serving", default="",
+                        help="the quantized target's serving command, as model.serving takes it (default: "
+                             "'--quantization fp8 --attention-backend BACKEND'): arm Q's extraction and the "
+                             "engines of Q and Q-bf16 run it")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the extraction's dtype, but for Q's (its serving command's)")
+    parser.add_argument("--extract-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more jobs.extract setting for every run (repeatable)")
     parser.add_argument("--serve-parallel", type=int, default=SERVE_PARALLEL, help="serving engines at once on the GPU")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         parser.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
-    needs_gpu = [s for s in stages if s in ("prepare", "train", "serve")]
+    needs_gpu = [s for s in stages if s in GPU_STAGES]
     if args.device != "cuda" and needs_gpu:
         parser.error(f"stages {needs_gpu} run on CUDA only (SGLang's EAGLE3 serving and regeneration, SpecForge's "
                      "FSDP trainer); on CPU run the others, or tests/test_acceptance_cpu.py")
+    try:
+        args.arms = parse_arms(args.arms)
+        args.seeds = tuple(dict.fromkeys(int(seed) for seed in args.seeds.split(",") if seed.strip()))
+    except ValueError as error:
+        parser.error(str(error))
+    if not args.seeds:
+        parser.error("--seeds: name at least one training seed")
+    args.quantized_serving = tuple(shlex.split(args.quantized_serving) or
+                                   ["--quantization", "fp8", "--attention-backend", args.attention_backend])
     args.stages = stages
     return args
 
@@ -63,7 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pipeline = Pipeline(args)
     try:
         for stage in args.stages:
+            pipeline.progress(stage=stage, step="")
             STAGE_FUNCTIONS[stage](pipeline)
+        pipeline.progress(stage="finished", step="")
     except OutOfTime as stopped:
         logger.warning("stopped before step %s (--deadline-s %.0f): rerun the same command to go on", stopped,
                        args.deadline_s)

@@ -10,16 +10,19 @@ from typing import Any
 import numpy as np
 
 
-def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens: int) -> list[str]:
+def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens: int,
+                    cuda_graph: bool = False) -> list[str]:
     """The one call of ``jobs.prepare`` with regeneration: the target answers every user turn itself,
     greedy, and the chat template and the assistant-only loss mask are applied to its answers. No decode
-    CUDA graphs: as for the serving step, their capture is one more thing that can fail on the lent stack,
-    and this step's speed is not what is measured. ``data.on_invalid=skip``: an answer that cannot be trained
+    CUDA graphs unless ``cuda_graph``: as for the serving step, their capture is one more thing that can fail
+    on the lent stack (and has not run there), though a 135M model's decode is bound by kernel launches, which
+    graphs remove. ``data.on_invalid=skip``: an answer that cannot be trained
     on (on the H200 a greedy answer held the literal text ``<|im_end|>``; 2 of 3,000 rows were left out) is
     left out and listed in ``_skipped_rows.jsonl`` instead of stopping the run."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
             f"output.path={out}", "regenerate=true", "generation.temperature=0",
-            f"generation.max_new_tokens={max_new_tokens}", "model.cuda_graph=false", "data.on_invalid=skip"]
+            f"generation.max_new_tokens={max_new_tokens}", f"model.cuda_graph={str(cuda_graph).lower()}",
+            "data.on_invalid=skip"]
 
 
 def prepared_data(out: Path) -> str:

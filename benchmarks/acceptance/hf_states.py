@@ -3,33 +3,11 @@ from ours per layer."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from benchmarks.acceptance.differences import add_sample, layer_differences
 from benchmarks.acceptance.files import save_torch
-
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclasses.dataclass
-class LayerDifference:
-    """Per-token ||C - A|| / ||A|| of one layer, over every token of the run."""
-
-    tokens: int = 0
-    total: float = 0.0
-    largest: float = 0.0
-
-    def add(self, ours: torch.Tensor, theirs: torch.Tensor) -> None:
-        ours, theirs = ours.float(), theirs.float()
-        relative = (theirs - ours).norm(dim=-1) / ours.norm(dim=-1).clamp_min(1e-12)
-        self.tokens += relative.numel()
-        self.total += relative.sum().item()
-        self.largest = max(self.largest, relative.max().item())
-
-    def report(self) -> dict[str, float]:
-        return {"mean": self.total / max(self.tokens, 1), "max": self.largest, "tokens": self.tokens}
 
 
 def write_hf_features(model_path: Path, run_dir: Path, dest: Path, device: str, dtype: str) -> dict[str, dict]:
@@ -52,17 +30,14 @@ def write_hf_features(model_path: Path, run_dir: Path, dest: Path, device: str, 
     if not readers:
         raise ValueError(f"{run_dir} holds no shard-*.parquet: run arm A's extraction first")
     layers, hidden = readers[0].metadata.layer_ids, readers[0].metadata.hidden_size
-    differences = {f"layer {k}": LayerDifference() for k in layers} | {"final (post_norm)": LayerDifference()}
+    differences = layer_differences(layers)
     try:
         for sample in (sample for reader in readers for sample in reader):
             with torch.no_grad():
                 out = model(sample.input_ids[None].to(device), output_hidden_states=True)
             aux = torch.cat([out.hidden_states[k + 1][0] for k in layers], dim=-1).cpu()
             final = kept["post_norm"].cpu()
-            for j, k in enumerate(layers):
-                cols = slice(j * hidden, (j + 1) * hidden)
-                differences[f"layer {k}"].add(sample.aux_hidden_states[:, cols], aux[:, cols])
-            differences["final (post_norm)"].add(sample.last_hidden_state, final)
+            add_sample(differences, layers, hidden, sample, aux, final)
             theirs = Sample(sample.sample_id, sample.input_ids, sample.loss_mask, aux, final)
             save_torch(specforge_file(theirs), dest / specforge_path(sample.sample_id))
     finally:

@@ -1,9 +1,10 @@
-"""The pipeline's state: the work directory's layout, and steps recorded under DIR/steps (skipped when
-recorded, so a rerun goes on where the last call stopped)."""
+"""The pipeline's state: the work directory's layout, what a selection of arms and seeds serves, and steps
+recorded under DIR/steps (skipped when recorded, so a rerun goes on where the last call stopped)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.acceptance.arms import DRAFT_CONFIG_RUN
+from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.trainer import Recipe
 
@@ -20,10 +21,44 @@ logger = logging.getLogger("benchmarks.acceptance")
 
 EXIT_MORE_TO_DO = 75
 """--deadline-s stopped before a step: rerun the same command to go on."""
+PROGRESS_FILE = "progress.json"
+"""DIR/progress.json: the stage and step running now, for ``benchmarks.acceptance.background status``."""
 
 
 class OutOfTime(Exception):
     """--deadline-s passed before a step could start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One engine's worth of serving: an arm's drafter of one training seed (at the end of training, or at the
+    end of an earlier epoch), over the held-out prompts."""
+
+    arm: str
+    seed: int
+    epoch: int = 0
+    """0: the drafter at the end of training; e: its checkpoint at the end of epoch e."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-s{self.seed}" + (f"-e{self.epoch}" if self.epoch else "")
+
+    @property
+    def drafter(self) -> "Served":
+        """The drafter it serves (Q-bf16 serves A's)."""
+        return Served(ARMS[self.arm].drafter_of, self.seed, self.epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A command run side by side with others (``Pipeline.run_jobs``); its output goes to DIR/logs/STEP.log."""
+
+    command: list[str]
+    env: Optional[dict[str, str]] = None
+    result: Callable[[str, int], dict[str, Any]] = lambda output, code: {}
+    """The step's record from the command's output and exit code."""
+    ok: tuple[int, ...] = (0,)
+    """Exit codes that are results (a checker's 1 is a verdict), not failures."""
 
 
 class Pipeline:
@@ -33,9 +68,33 @@ class Pipeline:
         self.args = args
         self.work = Path(args.work).expanduser().absolute()
         self.started = time.monotonic()
-        self.recipe = Recipe(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                             seed=args.seed, max_steps=args.max_steps)
         (self.work / "steps").mkdir(parents=True, exist_ok=True)
+
+    def recipe(self, seed: int) -> Recipe:
+        """What every arm trains with, for one seed (checkpoints at each epoch's end with --epoch-acceptance)."""
+        steps_per_epoch = self.steps_per_epoch() if self.args.epoch_acceptance and self.args.epochs > 1 else 0
+        return Recipe(epochs=self.args.epochs, batch_size=self.args.batch_size, learning_rate=self.args.learning_rate,
+                      seed=seed, max_steps=self.args.max_steps, save_interval=steps_per_epoch)
+
+    def steps_per_epoch(self) -> int:
+        """SpecForge's optimizer steps per epoch: whole batches of the prepared samples."""
+        prepared = self.record("prepare")
+        if prepared is None:
+            raise ValueError("the prepare step has not run: run the stages before train")
+        return prepared["samples"] // self.args.batch_size
+
+    def served(self) -> list[Served]:
+        """Every engine's worth of serving the selection asks for, the quantized target's first (a failure of
+        that path shows before the rest is served)."""
+        units = [Served(arm, seed) for seed in self.args.seeds for arm in self.args.arms]
+        if self.args.epoch_acceptance:
+            units += [Served(arm, seed, epoch) for seed in self.args.seeds for arm in self.args.arms
+                      for epoch in range(1, self.args.epochs) if ARMS[arm].drafter_of == arm and ARMS[arm].features]
+        return sorted(units, key=lambda unit: not ARMS[unit.arm].quantized)
+
+    def drafters(self) -> list[Served]:
+        """The drafters the served units need, each once (Q-bf16 and A share A's)."""
+        return list(dict.fromkeys(unit.drafter for unit in self.served()))
 
     @property
     def model(self) -> Path:
@@ -53,29 +112,52 @@ class Pipeline:
     def data(self) -> Path:
         return self.work / "data"
 
-    def run_dir(self, arm: str) -> Path:
-        return self.work / "runs" / arm
+    def run_dir(self, run: str) -> Path:
+        return self.work / "runs" / run
 
-    def features(self, arm: str) -> Path:
-        return self.work / "features" / arm
+    def features(self, name: str) -> Path:
+        return self.work / "features" / name
 
-    def drafter(self, arm: str) -> Path:
-        return self.work / "drafters" / arm
+    def train_dir(self, arm: str, seed: int) -> Path:
+        return self.work / "train" / f"{arm}-s{seed}"
+
+    def checkpoint(self, unit: Served) -> Path:
+        """What SpecForge's exporter reads for a drafter: its last checkpoint, one kept at an epoch's end, or
+        E's untrained state."""
+        directory = self.train_dir(unit.arm, unit.seed)
+        if unit.arm == UNTRAINED:
+            return directory / "training_state.pt"
+        if unit.epoch:
+            return directory / "out" / f"arm-{unit.arm}-step{unit.epoch * self.steps_per_epoch()}"
+        return directory / "out" / f"arm-{unit.arm}-latest"
+
+    def drafter(self, unit: Served) -> Path:
+        return self.work / "drafters" / unit.drafter.name
 
     def draft_config(self, arm: str) -> Path:
-        return self.run_dir(DRAFT_CONFIG_RUN[arm]) / ".drafter_config.json"
+        return self.run_dir(ARMS[arm].draft_config_run) / ".drafter_config.json"
 
     def record(self, name: str) -> Optional[dict[str, Any]]:
         path = self.work / "steps" / f"{name}.json"
         return json.loads(path.read_text()) if path.is_file() else None
 
+    def out_of_time(self) -> bool:
+        return bool(self.args.deadline_s) and time.monotonic() - self.started > self.args.deadline_s
+
+    def progress(self, **fields: str) -> None:
+        """Say what runs now (DIR/progress.json: the stage, the step, since when)."""
+        path = self.work / PROGRESS_FILE
+        current = json.loads(path.read_text()) if path.is_file() else {}
+        write_json({**current, **fields, "since": time.time()}, path)
+
     def step(self, name: str, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run ``action`` unless its record exists; its result (and wall time) become the record."""
         if (done := self.record(name)) is not None:
             return done
-        if self.args.deadline_s and time.monotonic() - self.started > self.args.deadline_s:
+        if self.out_of_time():
             raise OutOfTime(name)
         logger.info("step %s", name)
+        self.progress(step=name)
         started = time.perf_counter()
         return self.save(name, action(), time.perf_counter() - started)
 
@@ -86,10 +168,14 @@ class Pipeline:
         logger.info("step %s done in %.0f s", name, seconds)
         return result
 
+    def log_path(self, name: str) -> Path:
+        path = self.work / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def command(self, command: list[str], log_name: str, env: Optional[dict[str, str]] = None) -> str:
         """Run a project command or a peer's tool; its output goes to DIR/logs; a failure names the log."""
-        log = self.work / "logs" / f"{log_name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path(log_name)
         with open(log, "w") as handle:
             result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, text=True,
                                     env=env or project_env())
@@ -97,6 +183,42 @@ class Pipeline:
             raise RuntimeError(f"`{' '.join(command)}` exited {result.returncode}; its output: {log}\n"
                                + log.read_text()[-3000:])
         return log.read_text()
+
+    def run_jobs(self, jobs: dict[str, Job], at_once: int) -> None:
+        """Each job not yet recorded, up to ``at_once`` side by side (polled, so each one's wall time is its own;
+        each is recorded as it ends). Past the deadline no job starts; those running finish first. Every failure
+        is reported, once all have ended."""
+        pending = [name for name in jobs if self.record(name) is None]
+        running: dict[str, tuple[subprocess.Popen, Any, float]] = {}
+        failed, stopped = [], None
+        while pending or running:
+            while pending and len(running) < max(1, at_once) and stopped is None and not failed:
+                if self.out_of_time():
+                    stopped = pending[0]
+                    break
+                name = pending.pop(0)
+                logger.info("step %s", name)
+                self.progress(step=name)
+                log = open(self.log_path(name), "w")
+                process = subprocess.Popen(jobs[name].command, env=jobs[name].env or project_env(), stdout=log,
+                                           stderr=subprocess.STDOUT, text=True)
+                running[name] = (process, log, time.perf_counter())
+            for name in [name for name, (process, _, _) in running.items() if process.poll() is not None]:
+                process, log, started = running.pop(name)
+                log.close()
+                output = self.log_path(name).read_text()
+                if process.returncode not in jobs[name].ok:
+                    failed.append(f"{name} (exit {process.returncode}): {self.log_path(name)}\n{output[-2000:]}")
+                    continue
+                self.save(name, jobs[name].result(output, process.returncode), time.perf_counter() - started)
+            if running or (pending and stopped is None and not failed):
+                time.sleep(0.5)
+            if (stopped or failed) and not running:
+                break
+        if failed:
+            raise RuntimeError("failed: " + "\n".join(failed))
+        if stopped:
+            raise OutOfTime(stopped)
 
 
 def project_env() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The results table (Markdown, for benchmarks/RESULTS.md) and the versions that produced it."""
+"""The results tables (Markdown, for benchmarks/RESULTS.md) and the versions that produced them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import contextlib
 import importlib.metadata
 from typing import Any
 
-from benchmarks.acceptance.arms import ARM_STATES
+from benchmarks.acceptance.arms import ARMS
 from benchmarks.acceptance.serving import SPEC_DRAFT_TOKENS, SPEC_STEPS, SPEC_TOPK
 
 
@@ -18,42 +18,130 @@ def versions() -> dict[str, str]:
     return found
 
 
+def _interval(stats: dict[str, Any], bold: bool = True) -> str:
+    value = f"{stats['acceptance_length']:.3f}"
+    return f"{f'**{value}**' if bold else value} ({stats['ci95'][0]:.3f}-{stats['ci95'][1]:.3f})"
+
+
+def _signed(diff: dict[str, Any]) -> str:
+    return f"{diff['estimate']:+.3f} ({diff['ci95'][0]:+.3f} to {diff['ci95'][1]:+.3f})"
+
+
+def _data_line(results: dict[str, Any]) -> list[str]:
+    if "data" not in results or "recipe" not in results:
+        return []
+    data, recipe = results["data"], results["recipe"]
+    epochs = recipe["epochs"]  # a --max-steps cap below the epochs' steps trains fewer
+    if recipe.get("max_steps"):
+        epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
+    seeds = ", ".join(map(str, recipe.get("seeds", [recipe.get("seed", 0)])))
+    return [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
+            f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
+            f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
+            f"learning rate {recipe['learning_rate']}, training seeds {seeds}"
+            + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
+
+
+def _arm_rows(results: dict[str, Any]) -> list[str]:
+    acceptance, train = results["acceptance"], results.get("training", {})
+    lines = ["| arm | states | target | seed | acceptance length (95% CI) | final train loss / acc | steps "
+             "| check_drafter |", "|---|---|---|---|---|---|---|---|"]
+    for arm, entry in acceptance["arms"].items():
+        spec = ARMS[arm]
+        target = "quantized" if spec.quantized else "bf16"
+        for seed, stats in entry["seeds"].items():
+            metrics = train.get(f"{spec.drafter_of}-s{seed}", {}).get("metrics", {})
+            fit = f"{metrics['loss']:.3f} / {metrics['acc']:.3f}" if "loss" in metrics else "(untrained)"
+            if spec.drafter_of != arm:
+                fit += f" ({spec.drafter_of}'s)"
+            check = results.get("check_drafter", {}).get(f"{arm}-s{seed}", {})
+            verdict = "PASS" if check.get("passed") else ("FAIL" if check else "")
+            lines.append(f"| {arm} | {spec.states} | {target} | {seed} | {_interval(stats)} | {fit} "
+                         f"| {metrics.get('step', 0)} | {verdict} |")
+        if "pooled" in entry:
+            lines.append(f"| {arm} | | {target} | pooled | {_interval(entry['pooled'])} | | | |")
+    return lines
+
+
+def _difference_rows(results: dict[str, Any]) -> list[str]:
+    differences = results["acceptance"]["differences"]
+    if not differences:
+        return []
+    lines = ["", "| difference (paired, same prompts) | seed | estimate (95% CI) |", "|---|---|---|"]
+    ordered = sorted(differences.items(), key=lambda item: not item[1].get("main"))
+    for name, entry in ordered:
+        shown = f"**{name}**" if entry.get("main") else name
+        lines += [f"| {shown} | {seed} | {_signed(diff)} |" for seed, diff in entry["seeds"].items()]
+        if "pooled" in entry:
+            lines.append(f"| {shown} | pooled | {_signed(entry['pooled'])} |")
+    return lines
+
+
+def _checks(results: dict[str, Any]) -> list[str]:
+    checks = results.get("check_serving", {})
+    if not checks:
+        return []
+    lines = ["", "| jobs.check_serving: the quantized server's command against run | verdict | settings that differ |",
+             "|---|---|---|"]
+    for run, check in checks.items():
+        lines.append(f"| {run} | {'PASS' if check['passed'] else 'FAIL'} | {' '.join(check['differences']) or '-'} |")
+    return lines
+
+
+def _layer_table(title: str, report: dict[str, Any]) -> list[str]:
+    tokens = next(iter(report.values()), {}).get("tokens")
+    head = f"{title}, per-token relative difference" + (f" ({tokens:,} tokens)" if tokens else "")
+    return ["", f"| {head} | mean | max |", "|---|---|---|",
+            *[f"| {name} | {d['mean']:.4f} | {d['max']:.4f} |" for name, d in report.items()]]
+
+
+def _curves(results: dict[str, Any]) -> list[str]:
+    rows = [(name, point) for name, record in results.get("training", {}).items() for point in record.get("curve", [])]
+    if not rows:
+        return []
+    lines = ["", "| training (SpecForge's logged steps) | epoch | steps | mean loss | mean acc | mean acc_0 "
+                 "| last acc |",
+             "|---|---|---|---|---|---|---|"]
+    for name, point in rows:
+        steps = f"{point['steps'][0]}-{point['steps'][1]}"
+        values = " | ".join(f"{point[key]:.3f}" if key in point else "" for key in
+                            ("mean_loss", "mean_acc", "mean_acc_0", "acc"))
+        lines.append(f"| {name} | {point['epoch']} | {steps} | {values} |")
+    return lines
+
+
+def _epoch_acceptance(results: dict[str, Any]) -> list[str]:
+    served = results.get("epoch_acceptance", {})
+    if not served:
+        return []
+    lines = ["", "| drafter at the end of an earlier epoch | acceptance length (95% CI) |", "|---|---|"]
+    return lines + [f"| {name} | {_interval(stats, bold=False)} |" for name, stats in served.items()]
+
+
 def markdown(results: dict[str, Any]) -> str:
-    """The table for benchmarks/RESULTS.md: acceptance with its interval per arm, training, differences."""
-    arms, train = results["acceptance"]["arms"], results.get("training", {})
+    """The tables for benchmarks/RESULTS.md: acceptance with its interval per arm and seed, pooled, the paired
+    differences (the main ones first), the serving check, the state differences, the training curve."""
+    acceptance = results["acceptance"]
     lines = [
-        f"Acceptance length = 1 + correct drafts / verify steps over {results['acceptance']['prompts']} held-out "
+        f"Acceptance length = 1 + correct drafts / verify steps over {acceptance['prompts']} held-out "
         f"prompts (SGLang EAGLE3, {SPEC_STEPS} steps, top-k {SPEC_TOPK}, {SPEC_DRAFT_TOKENS} draft tokens, "
-        "temperature 0), bootstrap 95% interval over prompts.", "",
+        "temperature 0), bootstrap 95% interval over prompts; pooled: every seed's prompts together.", "",
     ]
-    if "data" in results and "recipe" in results:
-        data, recipe = results["data"], results["recipe"]
-        epochs = recipe["epochs"]  # a --max-steps cap below the epochs' steps trains fewer
-        if recipe.get("max_steps"):
-            epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
-        lines += [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
-                  f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
-                  f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
-                  f"learning rate {recipe['learning_rate']}, seed {recipe['seed']}"
-                  + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
-    lines += [
-        "| arm | states | acceptance length (95% CI) | final train loss / acc | steps | check_drafter |",
-        "|---|---|---|---|---|---|",
-    ]
-    for arm, stats in arms.items():
-        metrics = train.get(arm, {}).get("metrics", {})
-        fit = (f"{metrics['loss']:.3f} / {metrics['acc']:.3f}" if "loss" in metrics else "(untrained)")
-        check = results.get("check_drafter", {}).get(arm, {})
-        verdict = "PASS" if check.get("passed") else ("FAIL" if check else "")
-        low, high = stats["ci95"]
-        lines.append(f"| {arm} | {ARM_STATES[arm]} | **{stats['acceptance_length']:.3f}** ({low:.3f}-{high:.3f}) "
-                     f"| {fit} | {metrics.get('step', 0)} | {verdict} |")
-    lines += ["", "| difference | estimate (95% CI) |", "|---|---|"]
-    for name, diff in results["acceptance"]["differences"].items():
-        lines.append(f"| {name} | {diff['estimate']:+.3f} ({diff['ci95'][0]:+.3f} to {diff['ci95'][1]:+.3f}) |")
+    quantized = results.get("serving", {}).get("quantized_serving")
+    if quantized and any(ARMS[arm].quantized for arm in acceptance["arms"]):
+        lines += [f"Quantized target: the bf16 checkpoint served with `{' '.join(quantized)}` (SGLang quantizes the "
+                  "drafter the same way unless the command sets --speculative-draft-model-quantization).", ""]
+    lines += _data_line(results) + _arm_rows(results) + _difference_rows(results) + _checks(results)
     if "c_vs_a" in results:
-        lines += ["", "| C vs A, per-token relative difference | mean | max |", "|---|---|---|"]
-        lines += [f"| {name} | {d['mean']:.4f} | {d['max']:.4f} |" for name, d in results["c_vs_a"].items()]
+        lines += _layer_table("C vs A", results["c_vs_a"])
+    if "q_bf16_vs_q" in results:
+        lines += _layer_table("Q-bf16's states (ours, bf16) vs Q's (the quantized target's)", results["q_bf16_vs_q"])
+    lines += _curves(results) + _epoch_acceptance(results)
+    if "probe" in results:
+        probe = results["probe"]
+        lines += ["", f"Probe of the quantized path before training: an untrained drafter served on the quantized "
+                      f"target over {probe['prompts']} prompts, acceptance {probe['acceptance_length']:.3f}, "
+                      f"{probe['seconds']:.0f} s."]
     lines += ["", "Step wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("seconds", {}).items()),
               "Versions: " + ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items())]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from benchmarks.acceptance.prompts import render_prompts
 
@@ -17,7 +17,9 @@ SERVE_MEMORY = 0.75
 """Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
 SERVE_PARALLEL = 2
 """Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
-last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine."""
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine.
+An engine on the quantized target is served alone: two fp8 targets with their drafters at 0.375 each did not
+start ("Raise --mem-fraction-static above 0.381")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,43 +43,84 @@ def prompt_results(outputs: Iterable[dict[str, Any]]) -> list[PromptResult]:
     return results
 
 
-def engine_args(target: Path, drafter: Path, attention_backend: str, mem_fraction_static: float) -> dict[str, Any]:
-    """``sglang.Engine``'s arguments for one arm: EAGLE3 with the drafter, bf16, greedy-ready."""
-    return dict(
-        model_path=str(target), dtype="bfloat16", speculative_algorithm="EAGLE3",
+ENGINE_OWN = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+              "speculative_eagle_topk", "speculative_num_draft_tokens", "disable_cuda_graph", "mem_fraction_static",
+              "random_seed", "log_level")
+"""What every arm's engine sets itself, whatever the serving command says: the drafter and how it drafts (the same
+for every arm), no CUDA graphs, its share of the GPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSpec:
+    """One engine's run: a drafter on a target over prompts, with the serving command of the target."""
+
+    target: Path
+    drafter: Path
+    prompts: Path
+    out: Path
+    max_new_tokens: int
+    attention_backend: str
+    mem_fraction_static: float
+    serving: tuple[str, ...] = ()
+    """The serving command's words (``--quantization fp8 ...``); empty: the bf16 target."""
+
+
+def serving_fields(serving: Sequence[str]) -> dict[str, Any]:
+    """The ``sglang.Engine`` fields a serving command sets, as the installed SGLang's own parser reads it
+    (``extractor.serving``, the parser behind ``model.serving``): what changes the target's numerics, the model
+    keys (dtype, attention backend...) and the drafter's own (``--speculative-draft-model-quantization``: without
+    it SGLang quantizes the drafter as it quantizes the target); not ports, logging, scheduling."""
+    if not serving:
+        return {}
+    from extractor.serving import parse_serving
+
+    settings = parse_serving(list(serving))
+    if settings is None:
+        return {}
+    fields = {**settings.of_kind("applied"), **settings.of_kind("model"), **settings.of_kind("drafter")}
+    return {field: value for field, value in fields.items() if field not in ENGINE_OWN}
+
+
+def engine_args(target: Path, drafter: Path, attention_backend: str, mem_fraction_static: float,
+                serving: Sequence[str] = ()) -> dict[str, Any]:
+    """``sglang.Engine``'s arguments for one arm: EAGLE3 with the drafter, greedy-ready, on the bf16 target or on
+    the target as ``serving`` serves it."""
+    own = dict(
+        model_path=str(target), speculative_algorithm="EAGLE3",
         speculative_draft_model_path=str(drafter), speculative_num_steps=SPEC_STEPS,
         speculative_eagle_topk=SPEC_TOPK, speculative_num_draft_tokens=SPEC_DRAFT_TOKENS,
-        # flashinfer: the default FA3 (sgl_kernel's flash_ops) is what the Hopper trim of the carried
-        # sglang-kernel leaves out (benchmarks/gpu/stage.py); CUDA graphs: the draft worker's capture imports
-        # deep_gemm, which the GPU lock does not install (requirements/gpu-lock.txt).
-        attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=mem_fraction_static,
-        random_seed=0, log_level="warning")
+        # CUDA graphs: the draft worker's capture imports deep_gemm, which the GPU lock does not install
+        # (requirements/gpu-lock.txt).
+        disable_cuda_graph=True, mem_fraction_static=mem_fraction_static, random_seed=0, log_level="warning")
+    # flashinfer: the default FA3 (sgl_kernel's flash_ops) is what the Hopper trim of the carried sglang-kernel
+    # leaves out (benchmarks/gpu/stage.py)
+    return {"dtype": "bfloat16", "attention_backend": attention_backend, **serving_fields(serving), **own}
 
 
-def serve_arm(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
-              attention_backend: str, mem_fraction_static: float) -> None:
+def serve_arm(spec: ServeSpec) -> None:
     """GPU only, in a process of its own: SGLang's EAGLE3 over the held-out prompts, all submitted at once
-    (greedy: batching changes no answer); writes per-prompt results."""
+    (greedy: batching changes no answer); writes per-prompt results and the engine's settings."""
     import sglang
     import transformers
 
-    input_ids = render_prompts(transformers.AutoTokenizer.from_pretrained(str(target)), prompts)
-    engine = sglang.Engine(**engine_args(target, drafter, attention_backend, mem_fraction_static))
+    input_ids = render_prompts(transformers.AutoTokenizer.from_pretrained(str(spec.target)), spec.prompts)
+    args = engine_args(spec.target, spec.drafter, spec.attention_backend, spec.mem_fraction_static, spec.serving)
+    engine = sglang.Engine(**args)
     started = time.perf_counter()
     try:
         outputs = engine.generate(input_ids=input_ids,
-                                  sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens})
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": spec.max_new_tokens})
     finally:
         engine.shutdown()
     results = [dataclasses.asdict(r) for r in prompt_results(outputs)]
-    out.write_text(json.dumps({"seconds": time.perf_counter() - started, "prompts": results}) + "\n")
+    settings = {key: value for key, value in args.items() if key not in ("model_path", "speculative_draft_model_path")}
+    spec.out.write_text(json.dumps({"seconds": time.perf_counter() - started, "engine": settings,
+                                    "prompts": results}) + "\n")
 
 
-def start_serving(target: Path, drafter: Path, prompts: Path, out: Path, max_new_tokens: int,
-                  attention_backend: str, mem_fraction_static: float) -> multiprocessing.Process:
+def start_serving(spec: ServeSpec) -> multiprocessing.Process:
     """``serve_arm`` in a fresh spawned process (each arm's engine starts clean and frees the GPU after)."""
-    process = multiprocessing.get_context("spawn").Process(
-        target=serve_arm, args=(target, drafter, prompts, out, max_new_tokens, attention_backend, mem_fraction_static))
+    process = multiprocessing.get_context("spawn").Process(target=serve_arm, args=(spec,))
     process.start()
     return process
 
@@ -87,4 +130,8 @@ def served_results(process: multiprocessing.Process, out: Path) -> list[PromptRe
     if process.exitcode != 0 or not out.is_file():
         raise RuntimeError(f"serving for {out.stem} failed (exit {process.exitcode}); its log is above. Rerun "
                            "with --serve-parallel 1 if engines sharing the GPU were the cause")
+    return read_results(out)
+
+
+def read_results(out: Path) -> list[PromptResult]:
     return [PromptResult(**r) for r in json.loads(out.read_text())["prompts"]]

@@ -6,19 +6,34 @@ import contextlib
 import dataclasses
 import json
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-import numpy as np
+import yaml
 
-from benchmarks.acceptance.arms import ARMS, LAYERS, TRAINED_ARMS, extract_overrides, states_run
+from benchmarks.acceptance.arms import (
+    ARMS,
+    LAYERS,
+    MAIN_DIFFERENCES,
+    OTHER_DIFFERENCES,
+    UNTRAINED,
+    extract_overrides,
+    quantized_runs,
+    runs_needed,
+    trained,
+)
 from benchmarks.acceptance.data import data_stats, prepare_command, prepared_data
-from benchmarks.acceptance.drafters import check_drafters, served_config
+from benchmarks.acceptance.drafters import (
+    check_drafter_command,
+    check_serving_command,
+    drafter_verdicts,
+    served_config,
+    serving_verdict,
+)
 from benchmarks.acceptance.hf_states import write_hf_features
-from benchmarks.acceptance.pipeline import OutOfTime, Pipeline
+from benchmarks.acceptance.pipeline import Job, OutOfTime, Pipeline, Served
 from benchmarks.acceptance.prompts import split_prompts, write_conversations
 from benchmarks.acceptance.report import markdown, versions
 from benchmarks.acceptance.serving import (
@@ -26,19 +41,27 @@ from benchmarks.acceptance.serving import (
     SPEC_DRAFT_TOKENS,
     SPEC_STEPS,
     SPEC_TOPK,
-    PromptResult,
+    ServeSpec,
+    read_results,
     served_results,
     start_serving,
 )
-from benchmarks.acceptance.stats import bootstrap_acceptance
+from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
+    Recipe,
     last_train_metrics,
     specforge_command,
     specforge_env,
     specforge_run_config,
+    train_curve,
     write_untrained_checkpoint,
 )
 from testbeds.smollm2 import build_checkpoint
+
+PROBE_PROMPTS = 16
+"""Held-out prompts the probe serves: enough for verify steps to run, few enough to take seconds."""
+SIDE_BY_SIDE = 8
+"""Exports and checks at once (each a process that mostly imports torch or SGLang)."""
 
 
 def stage_checkpoint(p: Pipeline) -> None:
@@ -47,76 +70,124 @@ def stage_checkpoint(p: Pipeline) -> None:
 
 def stage_prompts(p: Pipeline) -> None:
     def make() -> dict[str, Any]:
-        train, held_out = split_prompts(p.args.train_prompts, p.args.eval_prompts, p.args.seed)
+        train, held_out = split_prompts(p.args.train_prompts, p.args.eval_prompts, p.args.prompt_seed)
         p.train_conversations.parent.mkdir(parents=True, exist_ok=True)
         write_conversations(train, p.train_conversations)
         p.eval_prompts.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in held_out))
-        return {"train": len(train), "held_out": len(held_out)}
+        return {"train": len(train), "held_out": len(held_out), "prompt_seed": p.args.prompt_seed}
     p.step("prompts", make)
 
 
 def stage_prepare(p: Pipeline) -> None:
     def make() -> dict[str, Any]:
-        p.command(prepare_command(p.model, p.train_conversations, p.data, p.args.max_new_tokens), "prepare")
-        return data_stats(p.data, p.recipe.max_length)
+        p.command(prepare_command(p.model, p.train_conversations, p.data, p.args.max_new_tokens,
+                                  p.args.regenerate_cuda_graph), "prepare")
+        return data_stats(p.data, Recipe.max_length)
     p.step("prepare", make)
 
 
-def stage_extract(p: Pipeline) -> None:
+def extract_command(p: Pipeline, run: str) -> list[str]:
+    """``jobs.extract`` for one run. The quantized run takes the quantized server's command as ``model.serving``
+    (in a config file: a command's JSON values do not survive an override's YAML) and its dtype from it (SGLang's
+    auto, the checkpoint's bf16, without --dtype); the others ``--dtype``."""
     device = "auto" if p.args.device == "cuda" else p.args.device
-    for arm in ("A", "B", "D"):
-        def run(arm: str = arm) -> dict[str, Any]:
-            p.command([sys.executable, "-m", "jobs.extract", f"model.path={p.model}", f"data.path={prepared_data(p.data)}",
-                       f"output.dir={p.run_dir(arm)}", f"model.device={device}", "model.dtype=bfloat16",
-                       *extract_overrides(arm, LAYERS)], f"extract-{arm}")
-            return json.loads((p.run_dir(arm) / ".summary.json").read_text())["this_run"]
-        p.step(f"extract-{arm}", run)
+    command = [sys.executable, "-m", "jobs.extract"]
+    if run == "Q":
+        config = p.work / "serving" / "Q.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump({"model": {"serving": list(p.args.quantized_serving)}}))
+        command += ["--config", str(config)]
+    else:
+        command.append(f"model.dtype={p.args.dtype}")
+    return [*command, f"model.path={p.model}", f"data.path={prepared_data(p.data)}", f"output.dir={p.run_dir(run)}",
+            f"model.device={device}", *extract_overrides(run, LAYERS), *p.args.extract_set]
+
+
+def stage_extract(p: Pipeline) -> None:
+    """Every run the arms need, the quantized one first."""
+    for run in runs_needed(p.args.arms):
+        def make(run: str = run) -> dict[str, Any]:
+            p.command(extract_command(p, run), f"extract-{run}")
+            return json.loads((p.run_dir(run) / ".summary.json").read_text())["this_run"]
+        p.step(f"extract-{run}", make)
+
+
+def stage_probe(p: Pipeline) -> None:
+    """Before any training, when an arm is served on the quantized target: an untrained drafter (SpecForge's
+    initialisation, with the quantized run's drafter config) served on that target over a few held-out prompts,
+    so that a failure of the quantized serving path shows now, not after the training."""
+    if not any(ARMS[arm].quantized for arm in p.args.arms):
+        return
+
+    def make() -> dict[str, Any]:
+        directory = p.work / "probe"
+        config = p.run_dir("Q") / ".drafter_config.json"
+        checkpoint = write_untrained_checkpoint(config, directory, seed=0)
+        p.command(specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint), "--draft-config",
+                                    str(config), "--output-dir", str(directory / "drafter")),
+                  "specforge-export-probe", env=specforge_env())
+        served_config(directory / "drafter", json.loads(config.read_text())["eagle_config"])
+        prompts = directory / "prompts.jsonl"
+        prompts.write_text("".join(p.eval_prompts.read_text().splitlines(keepends=True)[:PROBE_PROMPTS]))
+        spec = ServeSpec(p.model, directory / "drafter", prompts, directory / "served.json", p.args.max_new_tokens,
+                         p.args.attention_backend, SERVE_MEMORY / max(1, p.args.serve_parallel),
+                         tuple(p.args.quantized_serving))
+        results = served_results(start_serving(spec), spec.out)
+        return {"prompts": len(results), "acceptance_length": acceptance_length(
+            [r.verify_ct for r in results], [r.correct_drafts for r in results])}
+    p.step("probe", make)
 
 
 def stage_features(p: Pipeline) -> None:
-    for arm in ("A", "B", "D"):
-        p.step(f"export-{arm}", lambda arm=arm: {"log": p.command(
-            [sys.executable, "-m", "jobs.export", f"output.dir={p.run_dir(arm)}", "to=specforge",
-             f"dest={p.features(arm)}"], f"export-{arm}").strip().splitlines()[-1]})
-    p.step("features-C", lambda: {"c_vs_a": write_hf_features(
-        p.model, p.run_dir("A"), p.features("C"), p.args.device, "bfloat16")})
+    """SpecForge's features of every trained arm (jobs.export of its run, side by side; arm C's from HF)."""
+    wanted = {ARMS[arm].features for arm in trained(p.args.arms)}
+    p.run_jobs({f"export-{run}": Job(
+        [sys.executable, "-m", "jobs.export", f"output.dir={p.run_dir(run)}", "to=specforge",
+         f"dest={p.features(run)}"],
+        result=lambda output, code: {"log": (output.strip().splitlines() or [""])[-1]})
+        for run in sorted(wanted - {"C"})}, at_once=SIDE_BY_SIDE)
+    if "C" in wanted:
+        p.step("features-C", lambda: {"c_vs_a": write_hf_features(
+            p.model, p.run_dir("A"), p.features("C"), p.args.device, "bfloat16")})
+
+
+def state_difference(p: Pipeline) -> dict[str, Job]:
+    """With Q-bf16: how far our bf16 states (A's run) are from the quantized target's (Q's), per layer; CPU work
+    in a process of its own, run beside the trainings."""
+    if "Q-bf16" not in p.args.arms:
+        return {}
+    out = p.work / "differences" / "q_bf16_vs_q.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return {"states-Q-bf16-vs-Q": Job(
+        [sys.executable, "-m", "benchmarks.acceptance.differences", str(p.run_dir("Q")), str(p.run_dir("A")), str(out)],
+        result=lambda output, code: {"q_bf16_vs_q": json.loads(out.read_text())})}
 
 
 def stage_train(p: Pipeline) -> None:
-    """The trained arms at once, one SpecForge process each on the one GPU (each is small and mostly waits
-    on kernel launches), then arm E's untrained checkpoint."""
-    pending = [arm for arm in TRAINED_ARMS if p.record(f"train-{arm}") is None]
-    if pending and p.args.deadline_s and time.monotonic() - p.started > p.args.deadline_s:
-        raise OutOfTime(f"train-{pending[0]}")
-    import yaml
-
-    processes, ports = {}, free_ports(len(pending))
-    for arm, port in zip(pending, ports):
-        directory = p.work / "train" / arm
+    """Every trained arm once per seed, ``--train-parallel`` SpecForge processes at once on the one GPU (each is
+    small and mostly waits on kernel launches) with Q-bf16's state comparison beside them, then arm E's
+    untrained checkpoints."""
+    pending = [(arm, seed) for seed in p.args.seeds for arm in trained(p.args.arms)
+               if p.record(f"train-{arm}-s{seed}") is None]
+    steps_per_epoch = p.steps_per_epoch() if pending else 0
+    beside = state_difference(p)
+    jobs = dict(beside)
+    for (arm, seed), port in zip(pending, free_ports(len(pending))):
+        directory = p.train_dir(arm, seed)
         directory.mkdir(parents=True, exist_ok=True)
-        config = specforge_run_config(arm, p.features(arm), p.model, p.draft_config(arm), directory / "out", p.recipe)
+        config = specforge_run_config(arm, p.features(ARMS[arm].features), p.model, p.draft_config(arm),
+                                      directory / "out", p.recipe(seed))
         (directory / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         env = specforge_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                              "MASTER_PORT": str(port)})
-        log = open(directory / "log.txt", "w")
-        processes[arm] = (subprocess.Popen(specforge_command("train", "-c", str(directory / "run.yaml")), env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, text=True), log, time.perf_counter())
-    failed = []
-    while processes:  # polled, so each arm's wall time is its own
-        for arm in [arm for arm, (process, _, _) in processes.items() if process.poll() is not None]:
-            process, log, started = processes.pop(arm)
-            log.close()
-            text = (p.work / "train" / arm / "log.txt").read_text()
-            if process.returncode != 0:
-                failed.append(f"arm {arm} (exit {process.returncode}): {p.work / 'train' / arm / 'log.txt'}\n"
-                              f"{text[-2000:]}")
-                continue
-            p.save(f"train-{arm}", {"metrics": last_train_metrics(text)}, time.perf_counter() - started)
-        time.sleep(1)
-    if failed:
-        raise RuntimeError("SpecForge training failed for " + "\n".join(failed))
-    p.step("train-E", lambda: {"checkpoint": str(write_untrained_checkpoint(
-        p.draft_config("E"), p.work / "train" / "E", p.recipe.seed))})
+        jobs[f"train-{arm}-s{seed}"] = Job(
+            specforge_command("train", "-c", str(directory / "run.yaml")), env,
+            lambda output, code: {"metrics": last_train_metrics(output), "curve": train_curve(output, steps_per_epoch)})
+    p.run_jobs(jobs, at_once=p.args.train_parallel + len(beside))
+    if UNTRAINED in {unit.arm for unit in p.drafters()}:
+        for seed in p.args.seeds:
+            p.step(f"train-{UNTRAINED}-s{seed}", lambda seed=seed: {"checkpoint": str(write_untrained_checkpoint(
+                p.draft_config(UNTRAINED), p.train_dir(UNTRAINED, seed), seed))})
 
 
 def free_ports(count: int) -> list[int]:
@@ -129,64 +200,109 @@ def free_ports(count: int) -> list[int]:
 
 
 def stage_drafters(p: Pipeline) -> None:
-    """Each arm's SpecForge checkpoint exported for SGLang, its eagle_config set to the arm's claim, then
-    jobs.check_drafter on the served configs, grouped by the run each arm's states came from."""
-    for arm in ARMS:
-        def make(arm: str = arm) -> dict[str, Any]:
-            checkpoint = (p.work / "train" / "E" / "training_state.pt" if arm == "E"
-                          else p.work / "train" / arm / "out" / f"arm-{arm}-latest")
-            p.command(specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint), "--draft-config",
-                                        str(p.draft_config(arm)), "--output-dir", str(p.drafter(arm))),
-                      f"specforge-export-{arm}", env=specforge_env())
-            claimed = json.loads(p.draft_config(arm).read_text())["eagle_config"]
-            return {"eagle_config": served_config(p.drafter(arm), claimed)["eagle_config"]}
-        p.step(f"drafter-{arm}", make)
-    for run in sorted(set(map(states_run, ARMS))):
-        arms = [arm for arm in ARMS if states_run(arm) == run]
-        p.step(f"check-run-{run}", lambda arms=arms, run=run: dict(zip(
-            arms, check_drafters([p.drafter(arm) for arm in arms], p.run_dir(run)))))
+    """Each drafter exported for SGLang (side by side), its eagle_config set to its arm's claim; then, side by
+    side, jobs.check_drafter on the served drafters against the run each arm's states came from, and
+    jobs.check_serving of the quantized server's command against the run of every arm served on it."""
+    def exported(unit: Served) -> Callable[[str, int], dict[str, Any]]:
+        claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
+        return lambda output, code: {"eagle_config": served_config(p.drafter(unit), claimed)["eagle_config"]}
+
+    p.run_jobs({f"drafter-{unit.name}": Job(
+        specforge_command("export", "--to", "sglang", "--checkpoint", str(p.checkpoint(unit)), "--draft-config",
+                          str(p.draft_config(unit.arm)), "--output-dir", str(p.drafter(unit))),
+        specforge_env(), exported(unit)) for unit in p.drafters()}, at_once=SIDE_BY_SIDE)
+    p.run_jobs({**drafter_checks(p), **serving_checks(p)}, at_once=SIDE_BY_SIDE)
+
+
+def drafter_checks(p: Pipeline) -> dict[str, Job]:
+    """Per seed and run, jobs.check_drafter on the drafters served for arms whose states came from that run."""
+    jobs = {}
+    for seed in p.args.seeds:
+        units = [unit for unit in p.served() if unit.seed == seed]
+        for run in sorted({ARMS[unit.arm].run for unit in units}):
+            drafters = list(dict.fromkeys(p.drafter(unit) for unit in units if ARMS[unit.arm].run == run))
+            jobs[f"check-drafter-{run}-s{seed}"] = Job(
+                check_drafter_command(drafters, p.run_dir(run)), ok=(0, 1),
+                result=lambda output, code, drafters=drafters: {
+                    str(path): verdict for path, verdict in zip(drafters, drafter_verdicts(output, drafters))})
+    return jobs
+
+
+def serving_checks(p: Pipeline) -> dict[str, Job]:
+    """jobs.check_serving of the quantized server's command against the run of every arm served on it."""
+    return {f"check-serving-{run}": Job(check_serving_command(p.run_dir(run), p.args.quantized_serving), ok=(0, 1),
+                                        result=serving_verdict)
+            for run in quantized_runs(p.args.arms)}
 
 
 def stage_serve(p: Pipeline) -> None:
-    """Each arm's drafter served over the held-out prompts, ``--serve-parallel`` engines at once on the one
-    GPU (135M parameters each: the GPU's memory is shared out, each gets an equal fraction)."""
-    pending = [arm for arm in ARMS if p.record(f"serve-{arm}") is None]
+    """Each drafter served over the held-out prompts, ``--serve-parallel`` engines at once on the one GPU
+    (135M parameters each: the GPU's memory is shared out, each gets an equal fraction), the quantized target's
+    first."""
+    pending = [unit for unit in p.served() if p.record(f"serve-{unit.name}") is None]
     (p.work / "serve").mkdir(parents=True, exist_ok=True)
-    parallel = max(1, p.args.serve_parallel)
-    for start in range(0, len(pending), parallel):
-        if p.args.deadline_s and time.monotonic() - p.started > p.args.deadline_s:
-            raise OutOfTime(f"serve-{pending[start]}")
+    for batch in serving_batches(pending, max(1, p.args.serve_parallel)):
+        if p.out_of_time():
+            raise OutOfTime(f"serve-{batch[0].name}")
         started = time.perf_counter()
-        batch = {arm: start_serving(p.model, p.drafter(arm), p.eval_prompts, p.work / "serve" / f"{arm}.json",
-                                    p.args.max_new_tokens, p.args.attention_backend, SERVE_MEMORY / parallel)
-                 for arm in pending[start : start + parallel]}
-        for arm, process in batch.items():
-            results = served_results(process, p.work / "serve" / f"{arm}.json")
-            p.save(f"serve-{arm}", {"prompts": len(results), "engines_at_once": len(batch)},
+        p.progress(step=" ".join(f"serve-{unit.name}" for unit in batch))
+        processes = {unit: start_serving(ServeSpec(
+            p.model, p.drafter(unit), p.eval_prompts, p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens,
+            p.args.attention_backend, SERVE_MEMORY / len(batch),
+            tuple(p.args.quantized_serving) if ARMS[unit.arm].quantized else ())) for unit in batch}
+        for unit, process in processes.items():
+            results = served_results(process, p.work / "serve" / f"{unit.name}.json")
+            p.save(f"serve-{unit.name}", {"prompts": len(results), "engines_at_once": len(batch)},
                    time.perf_counter() - started)
 
 
+def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]]:
+    """Engines started together: each on the quantized target alone (see SERVE_PARALLEL), the rest ``parallel``
+    at a time."""
+    alone = [[unit] for unit in units if ARMS[unit.arm].quantized]
+    shared = [unit for unit in units if not ARMS[unit.arm].quantized]
+    return alone + [shared[start : start + parallel] for start in range(0, len(shared), parallel)]
+
+
 def stage_report(p: Pipeline) -> dict[str, Any]:
-    served = {arm: [PromptResult(**r) for r in json.loads((p.work / "serve" / f"{arm}.json").read_text())["prompts"]]
-              for arm in ARMS}
-    acceptance = bootstrap_acceptance(served, seed=p.args.seed)
-    reference = [r.output_sha for r in served["A"]]
-    results = {
+    units = p.served()
+    served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
+    finals = {}
+    for unit in (unit for unit in units if not unit.epoch):
+        finals.setdefault(unit.arm, {})[unit.seed] = served[unit]
+    acceptance = bootstrap_acceptance(finals, pairs=MAIN_DIFFERENCES + OTHER_DIFFERENCES, main=MAIN_DIFFERENCES)
+    results: dict[str, Any] = {
+        "arms": list(p.args.arms),
         "acceptance": acceptance,
-        "same_output_as_A": {arm: float(np.mean([r.output_sha == a for r, a in zip(served[arm], reference)]))
-                             for arm in ARMS},
-        "training": {arm: p.record(f"train-{arm}") for arm in ARMS},
-        "check_drafter": {arm: p.record(f"check-run-{states_run(arm)}")[arm] for arm in ARMS},
-        "c_vs_a": p.record("features-C")["c_vs_a"],
+        "epoch_acceptance": {unit.name: bootstrap_acceptance({unit.name: {unit.seed: served[unit]}})["arms"][unit.name]
+                             ["seeds"][str(unit.seed)] for unit in units if unit.epoch},
+        "same_output": same_output(served),
+        "training": {name.removeprefix("train-"): p.record(name) for name in
+                     (f"train-{arm}-s{seed}" for seed in p.args.seeds for arm in (*trained(p.args.arms), UNTRAINED))
+                     if p.record(name) is not None},
+        "check_drafter": {unit.name: verdicts.get(str(p.drafter(unit)), {}) for unit in units
+                          if (verdicts := p.record(f"check-drafter-{ARMS[unit.arm].run}-s{unit.seed}"))},
+        "check_serving": {run: {**p.record(f"check-serving-{run}"), "command": list(p.args.quantized_serving)}
+                          for run in quantized_runs(p.args.arms) if p.record(f"check-serving-{run}")},
         "data": {**p.record("prompts"), **p.record("prepare")},
-        "recipe": dataclasses.asdict(p.recipe),
+        "recipe": {**{k: v for k, v in dataclasses.asdict(p.recipe(p.args.seeds[0])).items() if k != "seed"},
+                   "seeds": list(p.args.seeds)},
         "serving": {"speculative_num_steps": SPEC_STEPS, "speculative_eagle_topk": SPEC_TOPK,
                     "speculative_num_draft_tokens": SPEC_DRAFT_TOKENS, "temperature": 0,
-                    "max_new_tokens": p.args.max_new_tokens, "attention_backend": p.args.attention_backend},
-        "seconds": {path.stem: json.loads(path.read_text())["seconds"] for path in sorted((p.work / "steps").glob("*.json"))},
+                    "max_new_tokens": p.args.max_new_tokens, "attention_backend": p.args.attention_backend,
+                    "quantized_serving": list(p.args.quantized_serving),
+                    "engines": {unit.name: json.loads((p.work / "serve" / f"{unit.name}.json").read_text())
+                                .get("engine") for unit in units}},
+        "seconds": {path.stem: json.loads(path.read_text())["seconds"]
+                    for path in sorted((p.work / "steps").glob("*.json"))},
         "versions": versions(),
         "command": " ".join(sys.argv),
     }
+    for step, key in (("features-C", "c_vs_a"), ("states-Q-bf16-vs-Q", "q_bf16_vs_q")):
+        if (record := p.record(step)) is not None:
+            results[key] = record[key]
+    if (probe := p.record("probe")) is not None:
+        results["probe"] = probe
     out = Path(p.args.out) if p.args.out else p.work / "results.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
@@ -194,10 +310,24 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
     return results
 
 
+def same_output(served: dict[Served, list]) -> dict[str, float]:
+    """Per served drafter, the share of prompts whose output ids equal those of the same target's reference arm
+    (A on the bf16 target, Q on the quantized one) of the same seed: greedy speculative decoding is meant to give
+    the target's own answers."""
+    by_name = {unit.name: results for unit, results in served.items()}
+    shares = {}
+    for unit, results in served.items():
+        reference = Served("Q" if ARMS[unit.arm].quantized else "A", unit.seed).name
+        if reference in by_name and reference != unit.name:
+            same = sum(r.output_sha == a.output_sha for r, a in zip(results, by_name[reference]))
+            shares[unit.name] = same / len(results)
+    return shares
+
+
 STAGE_FUNCTIONS: dict[str, Callable[[Pipeline], Any]] = {
     "checkpoint": stage_checkpoint, "prompts": stage_prompts, "prepare": stage_prepare, "extract": stage_extract,
-    "features": stage_features, "train": stage_train, "drafters": stage_drafters, "serve": stage_serve,
-    "report": stage_report,
+    "probe": stage_probe, "features": stage_features, "train": stage_train, "drafters": stage_drafters,
+    "serve": stage_serve, "report": stage_report,
 }
 STAGES = tuple(STAGE_FUNCTIONS)
 """The stages in the order they run."""

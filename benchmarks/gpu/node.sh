@@ -9,6 +9,11 @@
 #   bash benchmarks/gpu/node.sh run SITE BENCHMARK [ARGS...]           python3 -m benchmarks.BENCHMARK --device cuda
 #        ARGS with SITE first on the path; its log and JSON go to $OUT, the output shows the machine and the
 #        result table
+#   bash benchmarks/gpu/node.sh start SITE ARGS...                     the acceptance benchmark with ARGS (--work DIR
+#        ...) in a background process of its own session, every stage in order; returns at once (its log:
+#        DIR/background/log.txt)
+#   bash benchmarks/gpu/node.sh status SITE WORK [--wait-s S]          where that run stands (waiting up to S seconds
+#        for it to end); once it has ended, its results, step records and log tail are copied into $OUT
 #   bash benchmarks/gpu/node.sh save-jit-cache FILE                    the warm JIT caches of $HOME into FILE, for
 #        the next fresh machine (the first Kimi-K2.5 forward on a fresh H200 compiled for 428 s; 102 s with one)
 set -euo pipefail
@@ -17,7 +22,7 @@ python=${PYTHON:-python3}
 jit_dirs=(.cache/flashinfer .cache/tvm-ffi .triton)
 
 usage() {
-  sed -n '5,13p' "$0" | sed 's/^# //' >&2
+  sed -n '5,18p' "$0" | sed 's/^# //' >&2
   exit 2
 }
 
@@ -53,23 +58,46 @@ print("node:", found, "GPUs:", importlib.import_module("torch").cuda.device_coun
 EOF
 }
 
+environment() {
+  export PYTHONPATH=${1:?}:$root RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+}
+
+machine() {
+  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs), $(nproc) CPUs," \
+    "$(free -g | awk '/Mem:/ {print $2}') GiB RAM, /dev/shm $(df -h --output=size /dev/shm | tail -1 | xargs)," \
+    "disk free $(df -h --output=avail "$root" | tail -1 | xargs)"
+}
+
 run() {
   local site=${1:?} benchmark=${2:?}
   shift 2
   local out=${OUT:?set OUT to the directory for the log and results}
   mkdir -p "$out"
-  export PYTHONPATH=$site:$root RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+  environment "$site"
   local name
   name="$benchmark-$(date +%H%M%S)"
-  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs), $(nproc) CPUs," \
-    "$(free -g | awk '/Mem:/ {print $2}') GiB RAM, /dev/shm $(df -h --output=size /dev/shm | tail -1 | xargs)," \
-    "disk free $(df -h --output=avail "$root" | tail -1 | xargs)"
+  machine
   local status=0
   (cd "$root" && "$python" -m "benchmarks.$benchmark" --device cuda --out "$out/$name.json" "$@") \
     >"$out/$name.out" 2>"$out/$name.log" || status=$?
   tail -70 "$out/$name.out"
   [ "$status" -eq 0 ] || tail -60 "$out/$name.log"
   return "$status"
+}
+
+start() {
+  local site=${1:?}
+  shift
+  environment "$site"
+  machine
+  (cd "$root" && "$python" -m benchmarks.acceptance.background start --device cuda "$@")
+}
+
+status() {
+  local site=${1:?} work=${2:?}
+  shift 2
+  environment "$site"
+  (cd "$root" && "$python" -m benchmarks.acceptance.background status --work "$work" ${OUT:+--collect "$OUT"} "$@")
 }
 
 save_jit_cache() {
@@ -85,6 +113,8 @@ save_jit_cache() {
 case "${1:-}" in
   install) shift; install "$@" ;;
   run) shift; run "$@" ;;
+  start) shift; start "$@" ;;
+  status) shift; status "$@" ;;
   save-jit-cache) shift; save_jit_cache "$@" ;;
   *) usage ;;
 esac

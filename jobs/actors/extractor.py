@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 EXTRACTOR_CPUS = 1
 STOP_TIMEOUT_S = 60.0
+REASON_CHARS = 400
+"""Of Ray's many-line report of an actor's death, what a log line and the stop's message keep."""
 
 
 class ExtractorActor(Extractor):
@@ -96,8 +98,16 @@ class ExtractorHost:
         self.actor = start_extractor(self.spec, **self.placement)
 
     def ready(self) -> EngineInfo:
-        """Wait for the model to load."""
-        return self.loaded(ray.get(self.actor.info.remote()))
+        """Wait for the model to load; an extractor that dies while it loads is started again like one that
+        dies later (``restart``: JobFault past ``max_restarts``)."""
+        loading = self.actor.info.remote()
+        while True:
+            try:
+                return self.loaded(ray.get(loading))
+            except ray.exceptions.RayError as error:
+                cause = getattr(error, "cause", None) or error
+                why = " ".join(str(cause).split())[:REASON_CHARS]
+                loading = self.restart(f"while loading the model: {type(cause).__name__}: {why}")
 
     def loaded(self, engine: EngineInfo) -> EngineInfo:
         """Log what the started extractor captures."""

@@ -18,7 +18,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs.actors.extractor import EXTRACTOR_CPUS
@@ -60,13 +59,16 @@ def node_directory(output_dir: Path, node_dir: str, name: str) -> Path:
     return Path(node_dir.replace(NODE_PLACEHOLDER, name)) if node_dir else output_dir
 
 
-def plan_groups(dp_size: int, tp_size: int, device: str, num_writers: int, output_dir: Path, node_dir: str) -> list[NodeGroup]:
-    """``dp_size`` groups (0: as many as the cluster holds), spread over the alive nodes.
+def plan_groups(
+    nodes: list[dict[str, Any]], dp_size: int, tp_size: int, device: str, num_writers: int, output_dir: Path,
+    node_dir: str,
+) -> list[NodeGroup]:
+    """``dp_size`` groups (0: as many as the cluster holds), spread over the alive ``nodes`` (``ray.nodes()``).
 
     On CUDA a node holds ``GPUs // tp_size`` groups; on CPU one (the extractor's ranks share
     its cores), if it has a CPU for the extractor and one for a writer.
     """
-    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not _is_head(n), node_name(n)))
+    nodes = sorted((n for n in nodes if n.get("Alive")), key=lambda n: (not _is_head(n), node_name(n)))
     slots: list[tuple[dict[str, Any], int]] = []  # (node, groups it holds)
     for node in nodes:
         resources = node.get("Resources", {})
@@ -98,6 +100,13 @@ def plan_groups(dp_size: int, tp_size: int, device: str, num_writers: int, outpu
                     _writers(node, held, num_writers),
                 ))
     return groups
+
+
+def this_host(cpus: int) -> dict[str, Any]:
+    """The one CPU node of the private cluster the job would start here, as ``ray.nodes()`` would list it
+    (the dry run plans against it without starting Ray)."""
+    return {"NodeID": "this-host", "Alive": True, "NodeManagerAddress": "127.0.0.1", "Labels": {},
+            "Resources": {"CPU": float(cpus), "node:__internal_head__": 1.0}}
 
 
 def _writers(node: dict[str, Any], groups_on_node: int, requested: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import ray
 
 from jobs.config import ConfigError
+from jobs.interrupts import held
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # Ray picks its node IP from this switch (named for Windows and macOS, where it is off by
 # default): off means 127.0.0.1 for every process the cluster starts.
 RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_WORKER_LOGGER = "ray._private.worker"
+"""The logger of ``ray.init`` (Ray 2.60)."""
 
 
 def inside_ray_job() -> bool:
@@ -53,27 +56,36 @@ def ray_job_submission_id() -> str:
     return str(metadata.get("job_submission_id", ""))
 
 
+def starts_private_cluster(address: str) -> bool:
+    """Whether a job started now with ``ray.address=address`` runs on a private cluster of this host."""
+    return not (inside_ray_job() or address or os.environ.get("RAY_ADDRESS"))
+
+
+def this_host_cpus() -> int:
+    """The CPUs a private cluster started here would have: Ray's own count (cgroup limits included)."""
+    from ray._private import utils
+
+    count = getattr(utils, "get_num_cpus", None)  # checked on Ray 2.60
+    return int(count()) if count is not None else os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def ray_session(address: str) -> Iterator[None]:
-    """Run the body connected to Ray (see the module docstring for which cluster); disconnect after."""
+    """Run the body connected to Ray (see the module docstring for which cluster); disconnect after, and shut
+    a private cluster down with every process it started. Starting and stopping run whole: a signal meanwhile
+    is held until Ray is up (then raised: the body never runs) or down (``jobs.interrupts.held``)."""
     if ray.is_initialized():
         yield
         return
-    # ray.init replaces the SIGTERM handler with sys.exit; the program's own (a clean stop that
-    # records itself) is put back.
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    if inside_ray_job():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
-    elif address or os.environ.get("RAY_ADDRESS"):
-        _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
-    else:
-        _start_private_cluster()
-    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
+    session_over = threading.Event()
     try:
+        with held():
+            _connect_off_main_thread(address, session_over)
         yield
     finally:
-        ray.shutdown()
+        with held(reraise=False):  # the run has recorded how it ended; the process ends next
+            ray.shutdown()
+        session_over.set()
 
 
 def resolve_device(requested: str, tp_size: int) -> str:
@@ -98,6 +110,60 @@ def _job_runtime_env() -> dict[str, Any] | None:
     if job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {}):
         return None
     return _worker_env()
+
+
+class _NotMainThread(logging.Filter):
+    """Ray's warning that it set no SIGTERM handler outside the main thread: that is the point."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _connect_off_main_thread(address: str, session_over: threading.Event) -> None:
+    """``ray.init`` in a thread of its own, which lives until ``session_over``; the main thread waits for it.
+
+    On the main thread ``ray.init`` replaces the SIGTERM handler with its own ``sys.exit`` (checked on
+    Ray 2.60), which would end the driver in the middle of starting a cluster and leave the processes
+    started so far (the raylet's agents) behind; off it, Ray leaves the handler alone. The thread must
+    outlive the session: Ray has the kernel end the processes it starts when their parent *thread* ends
+    (``PR_SET_PDEATHSIG``).
+    """
+    outcome: dict[str, BaseException] = {}
+    connected = threading.Event()
+
+    def connect() -> None:
+        try:
+            _connect(address)
+        except BaseException as error:  # noqa: BLE001 - raised again on the main thread
+            outcome["error"] = error
+        finally:
+            connected.set()
+        session_over.wait()
+
+    quiet = _NotMainThread()
+    ray_logger = logging.getLogger(RAY_WORKER_LOGGER)
+    ray_logger.addFilter(quiet)
+    try:
+        threading.Thread(target=connect, name="ray-session", daemon=True).start()
+        while not connected.wait(0.1):
+            pass
+    finally:
+        ray_logger.removeFilter(quiet)
+    # Ray's core worker puts its own C-level handler in front of SIGTERM (it logs a stack, then calls the one
+    # before it); the handler the command runs with goes back in front.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.getsignal(signum))
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def _connect(address: str) -> None:
+    if inside_ray_job():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
+    elif address or os.environ.get("RAY_ADDRESS"):
+        _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
+    else:
+        _start_private_cluster()
 
 
 def _start_private_cluster() -> None:

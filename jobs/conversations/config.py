@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List
 
-from extractor.config import DEVICES, DTYPES
+from extractor.config import DEVICES, DTYPES, serving_command
 from jobs.cluster.config import RayConfig
 from jobs.inputs.config import ON_INVALID
 
@@ -27,8 +27,8 @@ def _is_int(value: object) -> bool:
 @dataclasses.dataclass
 class PrepareModelConfig:
     path: str = ""
-    """Checkpoint directory holding the tokenizer (and its chat template); with regenerate=true also the model
-    SGLang runs. Empty, with data.path empty too: the demo."""
+    """Checkpoint directory holding the tokenizer (and its chat template), or a hub id (org/name) in the local
+    Hugging Face cache; with regenerate=true also the model SGLang runs. Empty, with data.path empty too: the demo."""
     chat_template: str = ""
     """A Jinja chat-template file to render with instead of the checkpoint's own (the file SGLang is given with
     --chat-template when it serves, if any). Empty: the tokenizer's template."""
@@ -55,8 +55,13 @@ class PrepareModelConfig:
     """Regeneration: fraction of GPU memory SGLang may hold for weights + KV cache."""
     max_total_tokens: int = 0
     """Regeneration: KV-cache tokens SGLang holds; 0: from mem_fraction_static on CUDA, 32768 on CPU."""
+    serving: Any = None
+    """Regeneration: the SGLang server's settings, as jobs.extract's model.serving takes them (docs/serving.md), so
+    that the answers come from the served model: what changes the numerics is applied, its --dtype, --tp-size,
+    --attention-backend, --device and --trust-remote-code decide the model.* keys of the same name."""
 
     def __post_init__(self) -> None:
+        serving_command(self.serving)
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:

@@ -1,8 +1,8 @@
 """The output directory of ``jobs.prepare``: what it holds, and the rules for writing into it.
 
     output.path/
-      part-00000.parquet ...    conversation_id int64, input_ids list<int32>, loss_mask list<uint8>:
-                                what jobs.extract reads (it ignores conversation_id); one per shard
+      part-00000.parquet ...    conversation_id int64, id string, input_ids list<int32>, loss_mask list<uint8>:
+                                what jobs.extract reads (it ignores conversation_id and id); one per shard
       _prepare.json             the side record: state, settings, tokenizer and template hashes, counts, lengths
       _skipped_rows.jsonl       every row left out (invalid under data.on_invalid=skip, or too long), with why
       _regenerated/part-00000.jsonl ...   with regenerate=true: the target's answers, one file per shard
@@ -52,6 +52,7 @@ ROW_GROUP_ROWS = 2048
 """jobs.extract reads a Parquet input by row group: small ones keep its reads of a few rows small."""
 SCHEMA = pa.schema([
     pa.field("conversation_id", pa.int64(), nullable=False),
+    pa.field("id", pa.string()),  # the input row's own id (ShareGPT's), null without one
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
 ])
@@ -185,13 +186,13 @@ def remove_own_temp_files(out: Path) -> None:
 # -- parts --------------------------------------------------------------------------------------
 
 
-def write_part(out: Path, shard: int, conversation_ids: Sequence[int], rows: Sequence[Encoded],
-               metadata: dict[str, Any]) -> Path:
+def write_part(out: Path, shard: int, conversation_ids: Sequence[int], row_ids: Sequence[Optional[str]],
+               rows: Sequence[Encoded], metadata: dict[str, Any]) -> Path:
     """One shard's kept conversations, under the part's temp name (published by ``publish_parts``)."""
     ids = pa.array([row.input_ids for row in rows], type=SCHEMA.field("input_ids").type)
     masks = np.frombuffer(b"".join(row.loss_mask for row in rows), dtype=np.uint8)
     table = pa.table(
-        [pa.array(np.asarray(conversation_ids, dtype=np.int64)), ids,
+        [pa.array(np.asarray(conversation_ids, dtype=np.int64)), pa.array(row_ids, type=pa.string()), ids,
          pa.ListArray.from_arrays(ids.offsets, pa.array(masks))],  # a mask has its ids' length: same offsets
         schema=SCHEMA.with_metadata({PART_METADATA_KEY: json.dumps(metadata, sort_keys=True)}),
     )

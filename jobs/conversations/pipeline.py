@@ -22,13 +22,14 @@ from typing import Any, Iterator, Optional
 
 import ray
 
-from extractor.checkpoint import read_checkpoint_info
+from extractor.checkpoint import read_checkpoint_info, read_config, text_config
 from extractor.generator import GeneratorSpec
+from extractor.serving import ServingSettings, effective_model, parse_serving
 from jobs.cluster.session import ray_session, resolve_device
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.progress import Progress
-from jobs.conversations.reader import ConversationRow, count_rows, read_conversations
+from jobs.conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
 from jobs.conversations.regenerate import regenerated_rows, shards_at_once, start_regenerator
 from jobs.conversations.template import ChatTemplate
 from jobs.conversations.tokenize import (
@@ -55,6 +56,8 @@ class Inputs:
     total: int
     max_length: int
     out: Path
+    serving: Optional[ServingSettings] = None
+    """``model.serving`` as the installed SGLang parsed it, with regenerate=true (its values are in ``config.model``)."""
 
     @property
     def shards(self) -> int:
@@ -66,8 +69,25 @@ class Inputs:
         if not config.regenerate:
             return None
         generation = dataclasses.asdict(config.generation)
+        server_args = self.server_args()
         return {**self._input_content(), "model.path": config.model.path, "model.dtype": config.model.dtype,
-                **{f"generation.{key}": value for key, value in generation.items()}}
+                **{f"generation.{key}": value for key, value in generation.items()},
+                **({"model.serving": server_args} if server_args else {})}
+
+    def server_args(self) -> dict[str, Any]:
+        """The serving command's settings the engine applies (beyond the model.* keys)."""
+        return self.serving.server_args_for(self.config.model) if self.serving else {}
+
+    def generator_spec(self, device: str) -> GeneratorSpec:
+        """The engine regeneration runs (``device`` resolved on the Ray cluster)."""
+        model = self.config.model
+        return GeneratorSpec(
+            model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
+            attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
+            mem_fraction_static=model.mem_fraction_static,
+            max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
+            seed=self.config.generation.seed, server_args=self.server_args(),
+        )
 
     def content(self) -> dict[str, Any]:
         """Everything that changes the parts' contents."""
@@ -88,6 +108,12 @@ class Inputs:
 
 def read_inputs(config: PrepareConfig) -> Inputs:
     """Tokenizer, template, the input files and their row count, all checked; nothing is written."""
+    serving = parse_serving(config.model.serving) if config.regenerate else None
+    if serving is not None:
+        model = effective_model(config.model, serving, text_config(read_config(config.model.path)))
+        config = dataclasses.replace(config, model=model)
+        for line in serving.describe():
+            logger.info("%s", line)
     model = config.model
     chat = ChatTemplate.load(model.path, model.chat_template, model.trust_remote_code, model.stop_tokens,
                              model.chat_template_kwargs)
@@ -100,7 +126,7 @@ def read_inputs(config: PrepareConfig) -> Inputs:
     total = sum(count_rows(fs, file) for file in files)
     if total == 0:
         raise ValueError(f"data.path={config.data.path}: the files hold no rows")
-    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path))
+    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path), serving)
 
 
 # -- shards -------------------------------------------------------------------------------------
@@ -120,7 +146,8 @@ def shards_of(rows: Iterator[ConversationRow], size: int) -> Iterator[tuple[int,
 
 def input_rows(inputs: Inputs, regenerate: bool) -> Iterator[ConversationRow]:
     data = inputs.config.data
-    return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate)
+    return read_conversations(inputs.fs, inputs.files, data.format, data.other_roles, regenerate,
+                              inputs.max_length * MAX_CHARS_PER_TOKEN)
 
 
 # -- tokenizing ---------------------------------------------------------------------------------
@@ -172,18 +199,6 @@ def check_before_regenerating(inputs: Inputs, todo: set[int]) -> None:
             raise refuse(row, row.reason, inputs.out)
 
 
-def generator_spec(config: PrepareConfig, device: str) -> GeneratorSpec:
-    """The engine regeneration runs (``device`` resolved on the Ray cluster)."""
-    model = config.model
-    return GeneratorSpec(
-        model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
-        attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
-        mem_fraction_static=model.mem_fraction_static,
-        max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
-        seed=config.generation.seed,
-    )
-
-
 def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
     """Answers for the shards in ``todo``, each published as soon as it and those before it are answered; returns
     the stats (``seconds``: from the first shard sent to the last published, the engine's start-up not counted)."""
@@ -194,7 +209,7 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
     started = time.perf_counter()
     with ray_session(config.ray.address):
         device = resolve_device(model.device, model.tp_size)
-        actor = start_regenerator(generator_spec(config, device), inputs.chat, config.generation.sampling_params(),
+        actor = start_regenerator(inputs.generator_spec(device), inputs.chat, config.generation.sampling_params(),
                                   config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings,
                                   config.output.shard_size)
         at_once = shards_at_once(config.output.shard_size)
@@ -235,7 +250,7 @@ def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], re
     records = []
     for row in rows:
         record = by_id.get(row.conversation_id) or {"conversation_id": row.conversation_id, "invalid": row.reason}
-        records.append({**record, "source": dataclasses.asdict(row.source)})
+        records.append({**record, "source": dataclasses.asdict(row.source), "id": row.row_id})
     out_dir.write_regenerated(inputs.out, shard, records)
     stats["shards"] += 1
     for key in ("answers", "generated_tokens", "cut_at_max_new_tokens"):

@@ -12,7 +12,8 @@ Two schemas, detected per file or named with ``data.format``:
   ``{"type": "text", "text": ...}`` parts.
 
 A turn's role and text are read under either pair of names (``from``/``value`` or ``role``/``content``),
-as both layouts occur under both fields in published datasets. A bad row comes back with its reason
+as both layouts occur under both fields in published datasets. A row's own ``id`` (ShareGPT's conversation
+id) is kept with it. A bad row comes back with its reason
 (where it is, what is wrong, what to do); the caller fails or skips it by ``data.on_invalid``.
 """
 
@@ -41,6 +42,13 @@ OTHER_ROLE_NAMES = ("tool", "function", "ipython", "observation", "function_call
 """Roles the data.other_roles policy decides about; any other unknown role makes the row invalid."""
 RECORD_BATCH_ROWS = 1024
 """Parquet and Arrow rows decoded into Python at once."""
+ID_FIELD = "id"
+"""A row's own id (ShareGPT's conversation id), kept beside its tokens."""
+MAX_CHARS_PER_TOKEN = 16
+"""A conversation of more characters than this many per token of ``data.max_length`` is invalid, and never reaches
+the tokenizer: it is far longer than the tokens kept of it, and on its own it would decide the run's memory."""
+TOKENIZER_BYTES_PER_CHAR = 130
+"""What a fast tokenizer holds while it tokenizes one text, per character (measured: 1.2 GB for one 9 MB message)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +74,8 @@ class ConversationRow:
     """``{"role", "content"}`` dicts, roles normalised (user, assistant, system, or a kept other role)."""
     reason: Optional[str] = None
     """Why the row is invalid (then ``messages`` is None)."""
+    row_id: Optional[str] = None
+    """The row's own ``id`` field (ShareGPT's conversation id; not a string: its JSON), or None without one."""
 
 
 # -- records ------------------------------------------------------------------------------------
@@ -271,13 +281,15 @@ def check_ending(messages: list[dict[str, str]], regenerate: bool) -> Optional[s
 
 def read_conversations(
     fs: fsspec.AbstractFileSystem, files: list[InputFile], requested_format: str, other_roles: str, regenerate: bool,
+    max_chars: int,
 ) -> Iterator[ConversationRow]:
-    """Every row of ``files`` in order, checked: its messages, or the reason it is invalid."""
+    """Every row of ``files`` in order, checked: its messages, or the reason it is invalid (one whose turns hold
+    more than ``max_chars`` characters among them)."""
     conversation_id = 0
     for file in files:
         fmt = file_format(fs, file, requested_format)
-        columns = [] if file.format == JSONL else [
-            name for name in (FIELDS[fmt], SYSTEM_FIELD) if name in table_columns(fs, file)]  # type: ignore[index]
+        wanted = (FIELDS[fmt], SYSTEM_FIELD, ID_FIELD) if fmt else ()  # JSONL under auto: decided below
+        columns = [] if file.format == JSONL else [name for name in wanted if name in table_columns(fs, file)]
         for source, record, error in iter_records(fs, file, columns):
             if fmt is None and error is None and isinstance(record, dict):
                 try:
@@ -286,17 +298,32 @@ def read_conversations(
                     error = f"the record {why}"
             messages = None
             if error is None:
-                messages, error = _check(record, fmt, other_roles, regenerate)
-            yield ConversationRow(conversation_id, source, messages if error is None else None, error)
+                messages, error = _check(record, fmt, other_roles, regenerate, max_chars)
+            yield ConversationRow(conversation_id, source, messages if error is None else None, error, _row_id(record))
             conversation_id += 1
 
 
-def _check(record: Any, fmt: Optional[str], other_roles: str, regenerate: bool) -> tuple[Optional[list], Optional[str]]:
+def _row_id(record: Any) -> Optional[str]:
+    value = record.get(ID_FIELD) if isinstance(record, dict) else None
+    return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
+def _check(
+    record: Any, fmt: Optional[str], other_roles: str, regenerate: bool, max_chars: int,
+) -> tuple[Optional[list], Optional[str]]:
     if fmt is None:
         if not isinstance(record, dict):
             return None, f"a row must be a JSON object, got {type(record).__name__}"
         return None, f"has neither a {FIELDS[SHAREGPT]!r} (ShareGPT) nor a {FIELDS[OPENAI]!r} (OpenAI) field"
     messages, error = to_messages(record, fmt, other_roles)
     if error is None and messages is not None:
+        size = sum(len(message["content"]) for message in messages)
+        if size > max_chars:
+            return None, (
+                f"its turns hold {size:,} characters, more than {max_chars:,} ({MAX_CHARS_PER_TOKEN} per token of "
+                f"data.max_length={max_chars // MAX_CHARS_PER_TOKEN:,}), not tokenized: about "
+                f"{size * TOKENIZER_BYTES_PER_CHAR / 1e9:.1f} GB of tokenizer memory for a row mostly cut off; "
+                "shorten or split it"
+            )
         error = check_ending(messages, regenerate)
     return messages, error

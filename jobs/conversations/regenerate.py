@@ -174,11 +174,12 @@ def regenerated_rows(records: Iterator[dict[str, Any]]) -> Iterator[Conversation
     """The rows of a regenerated shard file, checked again as step 1 checks input rows."""
     for record in records:
         source = RowSource(**record["source"])
+        row_id = record.get("id")
         if "invalid" in record:
-            yield ConversationRow(record["conversation_id"], source, None, record["invalid"])
+            yield ConversationRow(record["conversation_id"], source, None, record["invalid"], row_id)
             continue
         messages, reason = to_messages({"messages": record["messages"]}, OPENAI, other_roles="keep")
         if reason is None and messages is not None:
             reason = check_ending(messages, regenerate=False)
         yield ConversationRow(record["conversation_id"], source, None if reason else messages,
-                              AFTER_REGENERATION + reason if reason else None)
+                              AFTER_REGENERATION + reason if reason else None, row_id)

@@ -123,6 +123,7 @@ class ShardTokenizer:
         totals = Totals(conversations=len(rows))
         skipped: list[tuple[int, RowSource, str, str]] = []
         kept_ids: list[int] = []
+        kept_row_ids: list[Optional[str]] = []
         kept: list[Encoded] = []
         for row in rows:
             result = encoded.get(row.conversation_id, row.reason)
@@ -144,12 +145,13 @@ class ShardTokenizer:
                     continue
                 totals.truncated += 1
             kept_ids.append(row.conversation_id)
+            kept_row_ids.append(row.row_id)
             kept.append(result)
         totals.add(kept)
         part = None
         if kept:  # no part for a shard whose every row was left out
             meta = {"content_sha256": spec.content_sha256, "shard": shard, "conversations": len(rows), "kept": len(kept)}
-            out_dir.write_part(self.out, shard, kept_ids, kept, meta)
+            out_dir.write_part(self.out, shard, kept_ids, kept_row_ids, kept, meta)
             part = {"file": out_dir.part_name(shard), "shard": shard, "rows": len(kept), "tokens": totals.tokens}
         return ShardOutcome(shard, totals, skipped, part)
 

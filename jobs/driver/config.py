@@ -35,7 +35,7 @@ def parse_cpu_list(value: str, key: str) -> list[int]:
 @dataclasses.dataclass
 class OutputConfig:
     dir: str = ""
-    """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states for the demo."""
+    """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states-<arch>-<num_samples>-seed<seed> for the demo."""
     node_dir: str = ""
     """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
     for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""

@@ -1,10 +1,10 @@
 """One extraction job from its config to its summary: inputs, checks, lock, Ray, the run, the outcome.
 
 ``run`` is what ``python -m jobs.extract`` runs. Before Ray starts it reads and
-checks the inputs (``jobs.planning``), output.dir (writable, outside the input),
-the layers (would SGLang capture them), the sink (a test write), takes
-output.dir's lock, checks every done shard's file a rerun would trust, and
-refuses what cannot fit. Then it starts Ray, claims and checks the run's
+checks the inputs (``jobs.planning``), output.dir (writable, outside the input,
+holding no run of other content), the layers (would SGLang capture them), the
+sink (a test write), takes output.dir's lock, checks every done shard's file a
+rerun would trust, and refuses what cannot fit. Then it starts Ray, claims and checks the run's
 directories on every node, cleans them, drives the ``ExtractionRun`` and records
 how it ended in ``.summary.json``: exit 0 only when every shard this run was to
 write is done (and uploaded, with a sink).
@@ -17,8 +17,11 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
+import ray
+
 from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
+from extractor.types import EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
@@ -35,13 +38,15 @@ from jobs.errors import (
     RERUN,
     DiskFull,
     JobFault,
+    JobInterrupted,
     JobStopped,
     is_disk_full,
     stop_in,
 )
+from jobs.interrupts import held
 from jobs.planning.capture import check_capture
 from jobs.planning.engine import build_engine_spec
-from jobs.planning.inputs import RunInputs, read_inputs
+from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
@@ -50,6 +55,7 @@ from jobs.rundir.resume import (
     claim_directory,
     clean_output_dir,
     refuse_foreign_output,
+    select_planned,
     select_shards,
 )
 from jobs.rundir.summary import (
@@ -74,20 +80,21 @@ def run(config: JobConfig) -> dict:
     inputs = read_inputs(config)
     config = inputs.config
     check_output_dir(inputs.output_dir, config.data.path)
+    check_resumable(inputs)
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options)
     try:
-        with OutputLock(inputs.output_dir, ray_job_submission_id()):
+        with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
             refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
-            return _run_locked(inputs)
+            return _run_locked(inputs, lock)
     except OSError as error:  # a full disk under the job's own files (manifest, claims, lock): exit 3, not a fault
         if not is_disk_full(error):
             raise
         raise _disk_full(inputs.output_dir, error) from error
 
 
-def _run_locked(inputs: RunInputs) -> dict:
+def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
     budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
     plan = plan_shards(
@@ -109,64 +116,93 @@ def _run_locked(inputs: RunInputs) -> dict:
         check_shards_fit([s for s in plan if s.index in selected], budget, metadata, reclaimable)
         manifest.close()
     else:
-        check_shards_fit(plan, budget, metadata)
+        selected = set(select_planned(config.shards, len(plan)))
+        check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
     write_invalid_rows(output_dir, inputs.dataset.invalid)
-    with ray_session(config.ray.address):
-        return _extract(inputs, plan, ranges, budget, checked_node)
+    shard_tokens = {s.index: s.tokens for s in plan}
+    summary = RunSummary(config, output_dir, shard_tokens, sorted(selected), inputs.dataset.invalid)
+    before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+    try:
+        with ray_session(config.ray.address):
+            try:
+                return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
+            finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+                with held(reraise=False):
+                    lock.release()
+    except BaseException as error:  # a signal while Ray started (the lock is still held then): recorded too
+        _record_early_stop(summary, before, error)
+        raise
 
 
 def _extract(
     inputs: RunInputs, plan: list[Shard], ranges: list[tuple[int, int, int]], budget: DiskBudget,
-    checked_node: Optional[str],
+    checked_node: Optional[str], summary: RunSummary, before: Manifest,
 ) -> dict:
+    """The run on Ray: the directories of every node, the actors, the summary. ``before`` is what output.dir
+    held before (a stop before this run's own manifest is open is recorded against it)."""
     config, output_dir = inputs.config, inputs.output_dir
-    device = resolve_device(config.model.device, config.model.tp_size)
-    spec = build_engine_spec(
-        config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
-        config.output.state_dtype,
-    )
-    groups = plan_groups(
-        config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
-        config.output.node_dir,
-    )
-    manifest = Manifest.open(output_dir, inputs.content(device), ranges)
+    manifest = before
     try:
-        to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
-        logger.info(
-            "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
-            len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+        device = resolve_device(config.model.device, config.model.tp_size)
+        spec = build_engine_spec(
+            config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
+            config.output.state_dtype,
         )
-        shard_tokens = {s.index: s.tokens for s in plan}
-        indices = [record.index for record in to_run]
-        summary = RunSummary(config, output_dir, shard_tokens, indices, inputs.dataset.invalid)
-        summary.start(manifest)
-        progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
-                               interval_s=config.progress.interval_s, sink=summary)
-        extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
-                                   manifest, budget, groups, progress)
+        groups = plan_groups(
+            ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+            config.output.node_dir,
+        )
+        manifest = Manifest.open(output_dir, inputs.content(device), ranges)
         try:
-            with extraction:
-                try:
-                    extraction.run()
-                except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
-                    _record_end(summary, manifest, *_ending(error, output_dir))
-                    raise
-            result = extraction.result()
-            summary.include(result.extracted_again)
-            ran = indices + [index for index in result.extracted_again if index not in indices]
-            outcome, code, message = _outcome(manifest, ran, config.output.sink)
-            write_drafter_config(output_dir, _drafter_config(config, result.engine))
-        except BaseException as error:  # again, with what the wind-down recorded
-            _record_end(summary, manifest, *_ending(error, output_dir))
-            stop = _as_stop(error, output_dir)
-            if stop is not error:  # a signal seen through a Ray call, or a full disk: their own exit codes
-                raise stop from None
-            raise
-        final = summary.finish(manifest, outcome, code, message, result)
-    finally:
-        manifest.close()
+            final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
+        finally:
+            with held(reraise=False):
+                manifest.close()
+    except BaseException as error:
+        _record_early_stop(summary, manifest, error)
+        raise
     _count_tokens(output_dir, config.output.sink_options)
     return final
+
+
+def _extract_shards(
+    inputs: RunInputs, plan: list[Shard], spec: EngineSpec, groups: list[NodeGroup], manifest: Manifest,
+    budget: DiskBudget, checked_node: Optional[str], summary: RunSummary,
+) -> dict:
+    """Prepare every node's directory, run the shards, record how the run ended; returns the final summary."""
+    config, output_dir = inputs.config, inputs.output_dir
+    to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
+    logger.info(
+        "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
+        len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+    )
+    shard_tokens = {s.index: s.tokens for s in plan}
+    indices = [record.index for record in to_run]
+    summary.select(indices)
+    summary.start(manifest)
+    progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
+                           interval_s=config.progress.interval_s, sink=summary)
+    extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
+                               manifest, budget, groups, progress)
+    try:
+        with extraction:
+            try:
+                extraction.run()
+            except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
+                _record_end(summary, manifest, *_ending(error, output_dir))
+                raise
+        result = extraction.result()
+        summary.include(result.extracted_again)
+        ran = indices + [index for index in result.extracted_again if index not in indices]
+        outcome, code, message = _outcome(manifest, ran, config.output.sink)
+        write_drafter_config(output_dir, _drafter_config(config, result.engine))
+    except BaseException as error:  # again, with what the wind-down recorded
+        _record_end(summary, manifest, *_ending(error, output_dir))
+        stop = _as_stop(error, output_dir)
+        if stop is not error:  # a signal seen through a Ray call, or a full disk: their own exit codes
+            raise stop from None
+        raise
+    return summary.finish(manifest, outcome, code, message, result)
 
 
 def _count_tokens(output_dir: Path, sink_options: dict) -> None:
@@ -278,27 +314,32 @@ def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
 
 
 def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
-    """The summary of a run that ended early; failing to write it must not hide why the run ended."""
+    """The summary of a run that ended early, written whole (a second signal waits); failing to write it
+    must not hide why the run ended."""
     try:
-        summary.finish(manifest, outcome, exit_code, message)
+        with held(reraise=False):
+            summary.finish(manifest, outcome, exit_code, message)
     except OSError as error:
         logger.error("could not write %s (outcome %s, exit code %d): %s", summary.path, outcome, exit_code, error)
 
 
-def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
-    """The existing manifest, when its content is known to match before Ray starts.
+def _record_early_stop(summary: RunSummary, manifest: Manifest, error: BaseException) -> None:
+    """A signal before the run's summary started (Ray starting, the looks at every node's directory) ends
+    it as interrupted all the same, recorded against what output.dir holds; a refusal leaves it as it was."""
+    stop = stop_in(error)
+    if not summary.ended and isinstance(stop, JobInterrupted):
+        _record_end(summary, manifest, stop.outcome, stop.exit_code, str(stop))
 
-    With ``model.device=auto`` the device (and so the content) is known only once Ray
-    reports the cluster's GPUs; the stored device is assumed here and checked after.
+
+def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:
+    """The existing manifest (its content is checked before Ray starts: ``check_resumable``).
+
+    With ``model.device=auto`` the device is known only once Ray reports the cluster's GPUs;
+    the stored device is assumed here and checked after.
     """
     if not (inputs.output_dir / MANIFEST_FILE).exists():
         return None
     requested = inputs.config.model.device
     if requested == "auto":
         requested = str(read_manifest(inputs.output_dir)["content"].get("model.device", "cpu"))
-    try:
-        return Manifest.open(inputs.output_dir, inputs.content(requested), plan)
-    except ValueError:
-        if inputs.config.model.device != "auto":
-            raise  # the content is fully known: refuse now, before Ray starts
-        return None
+    return Manifest.open(inputs.output_dir, inputs.content(requested), plan)

@@ -20,6 +20,7 @@ from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
+from jobs.interrupts import raise_if_stopped
 
 
 class DriverLoop:
@@ -52,6 +53,7 @@ class DriverLoop:
         return self._scheduler.has_work or bool(self._work) or self._uploads.retries
 
     def _turn(self) -> None:
+        raise_if_stopped()
         self._progress.tick()
         self._rescanner.rescan_if_due()
         self._disk_wait.update(self._scheduler.open_what_fits())

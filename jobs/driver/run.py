@@ -46,18 +46,23 @@ from jobs.driver.startup import (
     discard_all,
     start_lanes,
     start_uploaders,
+    stop_extractors,
     stop_lanes,
     stop_uploaders,
 )
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
 from jobs.inputs.dataset import TokenizedDataset
+from jobs.interrupts import held
 from jobs.planning.shards import Shard
 from storage.manifest import DONE, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
 
-DISCARD_TIMEOUT_S = 30.0
+DISCARD_TIMEOUT_S = 1.5
+"""How long a run ending early waits for its writers to drop their open shards. ``ray job stop`` sends
+SIGKILL 3 s after its SIGTERM (``RAY_JOB_STOP_WAIT_TIME_S``): the whole wind-down must fit. A writer that
+does not answer in time is killed; what it leaves (a temp file) the next run removes."""
 
 
 class ExtractionRun:
@@ -86,18 +91,22 @@ class ExtractionRun:
         return self
 
     def __exit__(self, kind: Optional[type], error: Optional[BaseException], trace: Optional[TracebackType]) -> None:
-        """Stop the actors; after an early end, first discard open shards and record those already published."""
+        """Stop the actors. After an early end, first stop the extractors (a writer's batch still waiting for
+        its states then fails at once instead of being extracted first), discard the open shards and record
+        those already published: a few seconds at most, run whole (a second signal waits)."""
         ended_early = error is not None
-        try:
-            if ended_early and self._scheduler is not None and self._completions is not None:
-                discard_all(self._scheduler.active(), DISCARD_TIMEOUT_S)
-                for shard in self._completions.record_published():
-                    logger.info("shard %d was published as the run stopped; it is recorded done", shard)
-            self._progress.close()
-        finally:
-            stop_uploaders(self._uploaders)
-            lanes = list(self._started.lanes) if self._started is not None else []
-            self._stopped = stop_lanes(lanes, collect_stats=not ended_early)
+        lanes = list(self._started.lanes) if self._started is not None else []
+        with held(reraise=not ended_early):
+            try:
+                if ended_early and self._scheduler is not None and self._completions is not None:
+                    stop_extractors(lanes)
+                    discard_all(self._scheduler.active(), DISCARD_TIMEOUT_S)
+                    for shard in self._completions.record_published():
+                        logger.info("shard %d was published as the run stopped; it is recorded done", shard)
+                self._progress.close()
+            finally:
+                stop_uploaders(self._uploaders)
+                self._stopped = stop_lanes(lanes, collect_stats=not ended_early)
 
     def run(self) -> None:
         """Start the actors and drive every shard to done (or failed); ``result`` tells what the run

@@ -32,6 +32,8 @@ from fsspec.implementations.local import LocalFileSystem
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 COLUMNS = (INPUT_IDS, LOSS_MASK)
+CONVERSATION_FIELDS = ("conversations", "messages")
+"""The fields of a conversations file (ShareGPT, OpenAI): jobs.prepare's input, not this job's."""
 
 PARQUET, JSONL, ARROW_STREAM, ARROW_FILE = "parquet", "jsonl", "arrow_stream", "arrow_file"
 SUFFIXES = {".parquet": PARQUET, ".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".arrow": ARROW_STREAM}
@@ -200,6 +202,7 @@ def _present(schema: pa.Schema) -> list[str]:
 def check_schema(file: InputFile, schema: pa.Schema) -> None:
     """Column types are checked per file: a float column is refused whole, whatever on_invalid says."""
     if INPUT_IDS not in schema.names:
+        _refuse_conversations(file, schema.names)
         raise ValueError(f"{file.name}: no {INPUT_IDS!r} column (found {schema.names})")
     for name in _present(schema):
         kind = schema.field(name).type
@@ -285,12 +288,35 @@ def _scan_jsonl(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[Bloc
                 carry = text
                 continue
             block, carry = text[:cut], text[cut:]
+            if offset == 0:
+                _refuse_conversations(file, _first_record_fields(block))
             table, reasons = _parse_jsonl(block)
             yield Block(offset, len(block), table, reasons, _line_numbers(block, first_line))
             offset += len(block)
             first_line += block.count(b"\n")
             if not data:
                 return
+
+
+def _refuse_conversations(file: InputFile, fields: list[str]) -> None:
+    """A file of conversations where token ids are expected: name the command that makes them."""
+    found = [name for name in CONVERSATION_FIELDS if name in fields]
+    if found and INPUT_IDS not in fields:
+        raise ValueError(
+            f"{file.name} is a conversations file ({found[0]!r}, no {INPUT_IDS!r}): jobs.extract reads token ids. "
+            "Tokenize it first with python -m jobs.prepare model.path=MODEL data.path=FILE output.path=DIR, then "
+            "give jobs.extract data.path=DIR (docs/conversations.md)"
+        )
+
+
+def _first_record_fields(block: bytes) -> list[str]:
+    """The keys of the block's first record (none when it is not a JSON object: the row checks say why)."""
+    line = next((line for line in io.BytesIO(block) if not _is_blank(line.rstrip(b"\n"))), b"")
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return []
+    return list(record) if isinstance(record, dict) else []
 
 
 def _is_blank(line: bytes) -> bool:

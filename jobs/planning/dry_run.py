@@ -2,36 +2,49 @@
 
 Takes the job's own config and reads what the job reads before Ray starts: the
 checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
-nothing is written. Prints samples, tokens, invalid rows, shards and batches, bytes
-per token, which trainers' exports the run serves, the predicted bytes against ``output.disk_budget`` and the free space,
+nothing is written (a sink gets the job's own test write, read and delete). It refuses
+what the job refuses, in the job's order, with the job's message and exit code: the
+config, the input, output.dir (writable, outside the input), a run of other content in
+output.dir (or another run's node directory), the layers, the sink, a job holding
+output.dir (exit 5), shard files without a manifest, ``shards=[...]`` the plan does not
+have, and, for a private cluster on this host with ``model.device=cpu``, what the job
+refuses once Ray is up (``model.dp_size``, ``output.num_writers`` against this host's
+CPUs). Prints samples, tokens, invalid rows, shards and batches, bytes per token, which
+trainers' exports the run serves, the predicted bytes against ``output.disk_budget`` and the free space,
 the layers SGLang will capture and the drafter ids, and what will not fit. Each
 number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
 ``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
 from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
-does (``extractor.drafter_check.plan_capture``: about a second for Kimi-K2.5, plus
-SGLang's import). ``--json`` prints the same as one JSON object.
+does, asked in a child process and cached with the job's own check
+(``jobs.planning.capture``): the first time about 15 s on 2 cores (SGLang's import),
+then well under a second. ``--json`` prints the same as one JSON object.
 
 Exit codes (``jobs.errors``): 0 the run fits; 2 the job would refuse it (bad config or
 input, invalid rows with ``data.on_invalid=fail``, a shard larger than the budget);
 3 it would stop for disk (the run needs more than ``output.disk_budget`` without a
-sink, or more than the filesystem has free above ``output.min_free_bytes``).
+sink, or more than the filesystem has free above ``output.min_free_bytes``); 5 another
+job holds output.dir.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
+from jobs.cluster.nodes import plan_groups, this_host
+from jobs.cluster.session import starts_private_cluster, this_host_cpus
 from jobs.config import ConfigError, JobConfig
 from jobs.driver.budget import DiskBudget, format_bytes
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
-from jobs.planning.inputs import RunInputs, read_inputs
-from jobs.planning.preflight import check_shards_fit, free_bytes, planned_metadata
+from jobs.planning.capture import ProbeFailed, capture_plan
+from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes, planned_metadata
 from jobs.planning.shards import Shard, plan_shards
-from storage.manifest import DONE, LOCAL, MANIFEST_FILE, read_manifest
+from jobs.rundir.lock import OutputLock
+from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
+from storage.manifest import DONE, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
 from storage.writer import state_bytes_per_token
 from training.final_state import served_exports
 
@@ -99,6 +112,8 @@ class DryRun:
     min_free_bytes: int
     layers: Layers
     problems: list[Problem]
+    serving: list[str] = dataclasses.field(default_factory=list)
+    """What model.serving applies, leaves to the model.* keys, gives way to and leaves out (``extractor.serving``)."""
 
     @property
     def exit_code(self) -> int:
@@ -107,22 +122,35 @@ class DryRun:
 
 
 def dry_run(config: JobConfig) -> DryRun:
-    """Everything the report says; raises ValueError (a ConfigError for config) where the job would refuse to start."""
+    """Everything the report says; raises what the job would raise before it extracts anything (a ValueError,
+    ConfigError for config, exit 2; OutputLocked, exit 5), in the job's order."""
     if config.is_demo:
         raise ConfigError("the dry run plans a real run: set model.path and data.path (the demo needs no plan)")
     # Every invalid row is counted; data.on_invalid=fail is judged below, as the job would judge it.
     on_invalid = config.data.on_invalid
     inputs = read_inputs(dataclasses.replace(config, data=dataclasses.replace(config.data, on_invalid="skip")))
     config, checkpoint, dataset = inputs.config, inputs.checkpoint, inputs.dataset
+    check_output_dir(inputs.output_dir, config.data.path, create=False)
+    check_resumable(inputs)
+    layers = _layers(inputs)
+    check_sink(config.output.sink, config.output.sink_options)
+    OutputLock(inputs.output_dir).check_free()
+    manifest = _stored_manifest(inputs)
     plan = plan_shards(
         dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
         config.extract.max_samples_per_batch,
     )
+    if manifest is not None:
+        selected = {record.index for record in select_shards(manifest, config.shards)}
+        done = {
+            r.index: r.bytes if r.location == LOCAL else 0 for r in manifest.in_state(DONE) if r.index not in selected
+        }
+    else:
+        selected, done = set(select_planned(config.shards, len(plan))), {}
     metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
     bytes_per_token = state_bytes_per_token(metadata)
     budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
-    done = _done_shards(inputs.output_dir)
-    to_write = [shard for shard in plan if shard.index not in done]
+    to_write = [shard for shard in plan if shard.index in selected]
     sizes = {shard.index: budget.predict(shard.tokens, bytes_per_token, len(shard.batches)) for shard in to_write}
     largest = max(sizes, key=sizes.__getitem__, default=0)
     invalid = dataset.invalid
@@ -145,20 +173,38 @@ def dry_run(config: JobConfig) -> DryRun:
         predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
         done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
         sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
-        min_free_bytes=config.output.free_floor_bytes, layers=_layers(inputs), problems=[],
+        min_free_bytes=config.output.free_floor_bytes, layers=layers, problems=[],
+        serving=inputs.serving.describe() if inputs.serving else [],
     )
-    report.problems = _problems(report, to_write, budget, metadata)
+    report.problems = _problems(report, to_write, budget, metadata, _cluster_refusal(inputs))
     return report
 
 
-def _done_shards(output_dir: Path) -> dict[int, int]:
-    """Shard -> bytes it holds on local disk (0 once uploaded or consumed), for each shard an earlier run finished."""
-    if not (output_dir / MANIFEST_FILE).exists():
-        return {}
-    return {
-        record["index"]: record["bytes"] if record["location"] == LOCAL else 0
-        for record in read_manifest(output_dir)["shards"] if record["state"] == DONE
-    }
+def _stored_manifest(inputs: RunInputs) -> Optional[Manifest]:
+    """output.dir's manifest as the job would resume it (read into memory: nothing is written; its content was
+    checked by ``check_resumable``), or None for a new run; shard files without a manifest are refused as the job
+    refuses them."""
+    path = inputs.output_dir / MANIFEST_FILE
+    refuse_foreign_output(inputs.output_dir, path.exists())
+    if not path.exists():
+        return None
+    stored = read_manifest(inputs.output_dir)
+    records = {record["index"]: ShardRecord(**record) for record in stored["shards"]}
+    return Manifest(path, stored["content"], records, stored["sequence"], stored.get("run_id", ""))
+
+
+def _cluster_refusal(inputs: RunInputs) -> Optional[str]:
+    """What the job refuses once Ray is up, before any actor starts, where that is known here: the groups of
+    a private cluster on this host (a CPU run; a cluster's GPUs and other nodes are known only to Ray)."""
+    config = inputs.config
+    if config.model.device != "cpu" or not starts_private_cluster(config.ray.address):
+        return None
+    try:
+        plan_groups([this_host(this_host_cpus())], config.model.dp_size, config.model.tp_size, "cpu",
+                    config.output.num_writers, inputs.output_dir, config.output.node_dir)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _layers(inputs: RunInputs) -> Layers:
@@ -170,26 +216,31 @@ def _layers(inputs: RunInputs) -> Layers:
         drafter_ids, captured = resolve_drafter_layer_ids(llama_convention, inputs.layer_ids)
         return Layers(inputs.layer_ids, captured, drafter_ids, "the synthetic states source (no model)")
     try:
-        from extractor.drafter_check import plan_capture  # imports SGLang (and torch) only now
-    except ImportError as error:
-        return Layers(inputs.layer_ids, None, None, f"not checked: SGLang cannot be imported here ({error})")
-    plan = plan_capture(config.model.path, inputs.layer_ids, config.model.dtype)
-    served = plan.served_drafter
-    if served.error or served.layers_to_capture != plan.layers_to_capture:
+        plan = capture_plan(config.model.path, inputs.layer_ids, config.model.dtype)
+    except ProbeFailed as error:
+        return Layers(inputs.layer_ids, None, None, f"not checked: {error}")
+    if "refused" in plan:
+        raise ConfigError(f"extract.layers={inputs.layer_ids}: {plan['refused']}")
+    served = plan["served_drafter"]
+    if served["error"] or served["layers_to_capture"] != plan["layers_to_capture"]:
+        finding = served["error"] or f"it captures {served['layers_to_capture']}"
         raise ValueError(
-            f"SGLang {plan.target.sglang_version} would not read back the drafter config the job writes "
-            f"(ids {plan.drafter_layer_ids}): {served.error or f'it captures {served.layers_to_capture}'}; "
+            f"SGLang {plan['sglang_version']} would not read back the drafter config the job writes "
+            f"(ids {plan['drafter_layer_ids']}): {finding}; "
             "check the installed SGLang against docs/install.md, 'Supported versions'"
         )
     return Layers(
-        plan.layer_ids, plan.layers_to_capture, plan.drafter_layer_ids,
-        f"SGLang {plan.target.sglang_version}, {plan.target.architecture} built on the meta device; "
+        plan["layer_ids"], plan["layers_to_capture"], plan["drafter_layer_ids"],
+        f"SGLang {plan['sglang_version']}, {plan['architecture']} built on the meta device; "
         "a drafter config with these ids captures the same layers",
     )
 
 
-def _problems(report: DryRun, to_write: list[Shard], budget: DiskBudget, metadata: Any) -> list[Problem]:
-    """What will not fit or will not run, one line each, with the exit code the job would end with."""
+def _problems(
+    report: DryRun, to_write: list[Shard], budget: DiskBudget, metadata: Any, cluster_refusal: Optional[str],
+) -> list[Problem]:
+    """What will not fit or will not run, one line each, with the exit code the job would end with, in the
+    order the job meets them: before Ray, once Ray is up, while it runs."""
     problems = []
     if report.invalid_rows and report.on_invalid == "fail":
         over = f", {report.invalid_over_context} of them longer than the context length" if report.invalid_over_context else ""
@@ -198,11 +249,13 @@ def _problems(report: DryRun, to_write: list[Shard], budget: DiskBudget, metadat
             f"anything, at {report.invalid_examples[0]}. Fix the rows, or set data.on_invalid=skip to leave them out"
         )))
     try:
-        check_shards_fit(to_write, budget, metadata)
+        check_shards_fit(to_write, budget, metadata, report.done_local_bytes)
     except ConfigError as error:
         problems.append(Problem(EXIT_BAD_INPUT, str(error)))
-    except BudgetExhausted:
-        pass  # a shard that cannot fit above the floor: the free-space problem below says so, for the whole run
+    except BudgetExhausted as error:
+        problems.append(Problem(EXIT_BUDGET_EXHAUSTED, str(error)))
+    if cluster_refusal:
+        problems.append(Problem(EXIT_BAD_INPUT, cluster_refusal))
     needed = report.done_local_bytes + report.predicted_bytes
     if not report.sink and needed > report.disk_budget:
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from extractor.config import ExtractConfig, ModelConfig
+from extractor.serving import parse_serving
 from extractor.types import EngineInfo, EngineSpec
 from storage import ShardMetadata
 
@@ -16,6 +17,8 @@ def build_engine_spec(
     model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int,
     state_dtype: str = "model",
 ) -> EngineSpec:
+    """``model`` as ``jobs.planning.inputs.read_inputs`` left it: the serving command's values already in its keys."""
+    serving = parse_serving(model.serving)
     return EngineSpec(
         model_path=str(Path(model.path).resolve()),
         dtype=model.dtype,
@@ -33,6 +36,7 @@ def build_engine_spec(
         mem_fraction_static=model.mem_fraction_static,
         load_format=model.load_format,
         trust_remote_code=model.trust_remote_code,
+        server_args=serving.server_args_for(model) if serving else {},
     )
 
 

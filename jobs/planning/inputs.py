@@ -7,16 +7,22 @@ exactly what the job would do. Nothing here starts Ray or loads a weight.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from extractor.checkpoint import CheckpointInfo, read_checkpoint_info
+from extractor.checkpoint import CheckpointInfo, local_checkpoint, read_checkpoint_info, read_config, text_config
 from extractor.layers import check_layer_ids, default_layer_ids
+from extractor.serving import ServingSettings, effective_model, parse_serving
+from jobs.cluster.node_disk import read_claim
 from jobs.cluster.session import inside_ray_job
 from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
+from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
+
+logger = logging.getLogger(__name__)
 
 
 def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
@@ -34,6 +40,8 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
         "model.engine": spec_fields["engine"],
         "data.fingerprint": data_fingerprint,
         "data.shard_size": config.data.shard_size,
+        # Only with serving settings that reach the forward: runs without them keep the content they had.
+        **({"model.serving": spec_fields["server_args"]} if spec_fields["server_args"] else {}),
     }
 
 
@@ -47,6 +55,8 @@ class RunInputs:
     dataset: TokenizedDataset
     fingerprint: str
     output_dir: Path
+    serving: Optional[ServingSettings] = None
+    """``model.serving`` as the installed SGLang parsed it (its values are already in ``config.model``)."""
 
     def content(self, device: str) -> dict[str, Any]:
         spec = build_engine_spec(
@@ -57,12 +67,20 @@ class RunInputs:
 
 def read_inputs(config: JobConfig) -> RunInputs:
     """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    config = dataclasses.replace(config, model=model)
     config = resolve_paths(config, inside_ray_job())
     if config.is_demo:
         config = demo_config(config)
     if not config.output.dir:
         raise ConfigError("output.dir is empty: name a directory on local disk for the shard files")
     checkpoint = read_checkpoint_info(config.model.path)
+    serving = parse_serving(config.model.serving)
+    if serving is not None:
+        model = effective_model(config.model, serving, text_config(read_config(config.model.path)))
+        config = dataclasses.replace(config, model=model)
+        for line in serving.describe():
+            logger.info("%s", line)
     refuse_pickled_weights(config.model)
     layers = config.extract.layers or default_layer_ids(checkpoint.num_layers)
     layer_ids = check_layer_ids(layers, checkpoint.num_layers)
@@ -70,4 +88,30 @@ def read_inputs(config: JobConfig) -> RunInputs:
     dataset = open_tokenized_dataset(
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
-    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir))
+    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir), serving)
+
+
+def check_resumable(inputs: RunInputs) -> None:
+    """A run already in output.dir must have this run's content, or a resume would mix two runs' states, and
+    output.dir must not be another run's node directory (its claim): refused here, before Ray starts (the
+    claims of other nodes' directories are read once Ray is up). With ``model.device=auto`` the device is
+    known only once Ray reports the cluster's GPUs: the stored one is assumed here."""
+    exists = (inputs.output_dir / MANIFEST_FILE).exists()
+    claim = read_claim(inputs.output_dir)
+    if claim and claim.get("run_id") != (read_manifest(inputs.output_dir).get("run_id") if exists else None):
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} belongs to the run whose output.dir is {claim.get('output_dir')} on "
+            f"{claim.get('host', '?')}; nothing there was touched. Give this run a directory of its own, or rerun "
+            "that run's own command"
+        )
+    if not exists:
+        return
+    stored = read_manifest(inputs.output_dir)["content"]
+    device = inputs.config.model.device
+    content = inputs.content(str(stored.get("model.device", "cpu")) if device == "auto" else device)
+    differing = content_differences(stored, content)
+    if differing:
+        raise ConfigError(
+            f"output.dir={inputs.output_dir} holds a run with different content ({differing}). Resume with the "
+            "same settings, or write to a new output.dir"
+        )

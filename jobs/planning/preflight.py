@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import fnmatch
 import os
 import shutil
@@ -24,6 +25,7 @@ from jobs.config import ConfigError, JobConfig
 from jobs.driver.budget import DiskBudget, format_bytes
 from jobs.errors import BudgetExhausted
 from jobs.inputs.demo import prepare_demo
+from jobs.inputs.files import GLOB_CHARS
 from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE
 from storage import ShardMetadata
@@ -31,7 +33,9 @@ from storage.manifest import MANIFEST_FILE, read_manifest
 from storage.sink import probe as probe_sink
 from storage.writer import state_bytes_per_token
 
-DEMO_OUTPUT = "hidden_states"
+DEMO_OUTPUT = "hidden_states-{arch}-{num_samples}-seed{seed}"
+"""The demo's own output.dir under demo.dir, one per demo model and dataset (like theirs: model-{arch}-seed{seed},
+data-{num_samples}-seed{seed}): each demo resumes in its own, whatever ran before."""
 DEMO_SHARD_SIZE = 16
 # Weight files torch.load unpickles: loading them can run code stored in them.
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")
@@ -42,12 +46,15 @@ SINK_PROBE_TIMEOUT_S = 30.0
 def demo_config(config: JobConfig) -> JobConfig:
     """The demo's model, data and output paths filled in (model and data built once, then reused).
 
-    The demo resumes like any run: nothing is deleted. A user-named ``output.dir`` that
-    holds anything but a demo's output is refused: with model.path and data.path both
-    empty, the likelier story is a forgotten ``--config``.
+    The demo resumes like any run: nothing is deleted. Each demo model and dataset has its own
+    output directory, so the demos run in any order. A user-named ``output.dir`` that holds
+    anything but a demo's output is refused: with model.path and data.path both empty, the
+    likelier story is a forgotten ``--config``.
     """
-    demo_dir = Path(config.demo.dir)
-    output_dir = Path(config.output.dir) if config.output.dir else demo_dir / DEMO_OUTPUT
+    demo = config.demo
+    demo_dir = Path(demo.dir)
+    default_output = demo_dir / DEMO_OUTPUT.format(arch=demo.arch, num_samples=demo.num_samples, seed=demo.seed)
+    output_dir = Path(config.output.dir) if config.output.dir else default_output
     if config.output.dir:
         _refuse_foreign_demo_output(output_dir, demo_dir)
     model_dir, data_path = prepare_demo(demo_dir, config.demo.arch, config.demo.num_samples, config.demo.seed)
@@ -144,27 +151,59 @@ def free_bytes(output_dir: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
-def check_output_dir(output_dir: Path, data_path: str) -> None:
-    """output.dir must be writable, and outside data.path (its shards would be read as input next time)."""
+def check_output_dir(output_dir: Path, data_path: str, create: bool = True) -> None:
+    """output.dir must be writable, and never where data.path reads (its shards would be read as input next
+    time). ``create``: make it and write a probe there (the job); without, look only (the dry run)."""
     if "://" not in data_path:
-        data, output = Path(data_path).resolve(), output_dir.resolve()
-        shard = output / "shard-00000.parquet"
-        inside = data.is_dir() and (output == data or data in output.parents)
-        if inside or (any(c in data_path for c in "*?[") and fnmatch.fnmatch(str(shard), data_path)):
-            raise ConfigError(
-                f"output.dir={output_dir} is inside data.path={data_path}: its shard files would be read as "
-                "input by the next run. Choose an output.dir outside the input"
-            )
+        refuse_output_in_input(output_dir, data_path)
+    if not create:
+        _check_writable(output_dir)
+        return
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".eagle3-write-probe-", dir=output_dir)  # new, never through a link
         os.close(fd)
         os.unlink(probe)
     except OSError as error:
-        raise ConfigError(
-            f"output.dir={output_dir}: cannot write there ({type(error).__name__}: {error.strerror or error}); "
-            "choose a directory this user can write to, or fix its permissions"
-        ) from None
+        raise _unwritable(output_dir, error) from None
+
+
+def refuse_output_in_input(output_dir: Path, data_path: str) -> None:
+    """ConfigError when the shard files in ``output_dir`` would be input of a run reading ``data_path``:
+    output.dir inside the data.path directory, the directory that holds the data.path file (a glob over
+    it, or the directory itself as data.path, would read them), or one a data.path glob matches."""
+    data, output = Path(data_path).resolve(), output_dir.resolve()
+    if data.is_dir() and (output == data or data in output.parents):
+        where = f"is inside data.path={data_path}"
+    elif data.is_file() and output == data.parent:
+        where = f"is the directory that holds data.path={data_path}"
+    elif any(char in data_path for char in GLOB_CHARS) and any(
+        fnmatch.fnmatch(str(path), data_path) for path in (output, output / "shard-00000.parquet")
+    ):
+        where = f"is matched by the glob data.path={data_path}"
+    else:
+        return
+    raise ConfigError(
+        f"output.dir={output_dir} {where}: its shard files would be read as input by the next run (a glob or "
+        "a directory over the input). Choose an output.dir outside the input"
+    )
+
+
+def _check_writable(output_dir: Path) -> None:
+    """What ``mkdir`` and a probe write would find, without either: the nearest existing path must be a
+    directory this user can write into."""
+    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists() or path.is_symlink())
+    if not existing.is_dir():
+        raise _unwritable(output_dir, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _unwritable(output_dir, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+
+
+def _unwritable(output_dir: Path, error: OSError) -> ConfigError:
+    return ConfigError(
+        f"output.dir={output_dir}: cannot write there ({type(error).__name__}: {error.strerror or error}); "
+        "choose a directory this user can write to, or fix its permissions"
+    )
 
 
 def check_sink(sink: str, options: dict[str, Any]) -> None:

@@ -172,6 +172,16 @@ class OutputLock:
         finally:
             os.close(fd)
 
+    def check_free(self) -> None:
+        """Raise the OutputLocked that ``acquire`` would raise now, taking no lock and writing nothing (the
+        dry run): a recorded owner that still runs, or one on another host."""
+        previous = read_owner(self.path.parent)
+        alive = previous.is_alive() if previous is not None else False
+        if alive:
+            raise OutputLocked(self._held_message(previous))
+        if alive is None:  # on another host: refused as acquire refuses it
+            self._take_over(previous)
+
     def _take_over(self, previous: Optional[LockOwner]) -> None:
         """The kernel lock is ours; decide what the record of a previous owner means."""
         if previous is None:

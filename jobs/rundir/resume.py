@@ -30,10 +30,27 @@ def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
         return manifest.in_state(PENDING, FAILED)
     if selection == SELECT_FAILED:
         return manifest.in_state(FAILED)
-    unknown = sorted(set(selection) - set(manifest.shards))
-    if unknown:
-        raise ValueError(f"shards={selection}: the plan has shards 0..{len(manifest.shards) - 1}, not {unknown}")
+    check_selection(selection, len(manifest.shards))
     return [manifest.shards[i] for i in sorted(set(selection))]
+
+
+def select_planned(selection: Any, shard_count: int) -> list[int]:
+    """The shards a run extracts in an output.dir with no manifest yet (every shard is pending)."""
+    check_selection(selection, shard_count)
+    if selection == SELECT_PENDING:
+        return list(range(shard_count))
+    if selection == SELECT_FAILED:
+        return []
+    return sorted(set(selection))
+
+
+def check_selection(selection: Any, shard_count: int) -> None:
+    """ValueError when ``shards=[...]`` names shards the plan does not have (pending and failed always fit)."""
+    if selection in (SELECT_PENDING, SELECT_FAILED):
+        return
+    unknown = sorted(set(selection) - set(range(shard_count)))
+    if unknown:
+        raise ValueError(f"shards={selection}: the plan has shards 0..{shard_count - 1}, not {unknown}")
 
 
 def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> None:

@@ -125,6 +125,15 @@ class RunSummary:
         """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
         self._ended = False
 
+    @property
+    def ended(self) -> bool:
+        """Whether ``finish`` has recorded how the run ended."""
+        return self._ended
+
+    def select(self, to_run: list[int]) -> None:
+        """The shards this run extracts, once the looks at every node's directory have settled them."""
+        self.to_run = set(to_run)
+
     def include(self, shards: Sequence[int]) -> None:
         """Shards this run wrote beyond those it set out to: done ones whose files were lost meanwhile."""
         self.to_run.update(shards)

@@ -1,0 +1,202 @@
+"""The whole benchmark in one background process, and a short status call that follows it.
+
+    python -m benchmarks.acceptance.background start --work DIR [benchmark arguments]
+    python -m benchmarks.acceptance.background status --work DIR [--wait-s S] [--collect DEST]
+
+``start`` checks the arguments as the benchmark does (a refusal exits 2 here), then starts
+``python -m benchmarks.acceptance`` with them in a session of its own (setsid: it outlives the call that
+started it, and that call's terminal) and returns. Every stage runs in that one process, in order; its
+output goes to DIR/background/log.txt, its exit code to DIR/background/exit.json when it ends.
+
+``status`` prints what runs (stage, step, since when), the steps done with their wall times and the log's last
+lines; ``--wait-s`` first waits up to that long for the run to end (a machine that is released when idle
+between calls stays held while a status call waits). Once the run has ended (or died), ``--collect DEST``
+copies the results (JSON and tables), the step records and the log's tail into DEST. Exit code: the run's own once it
+has ended (0 done, 1 a step failed, 2 bad input, 75 deadline), 3 while it runs, 4 when there is no run or it
+died without an exit record (killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+RUNNING, LOST = 3, 4
+LOG_TAIL_LINES = 400
+"""Lines of the log that --collect keeps (the whole log can run to megabytes of SGLang output)."""
+
+
+def directory(work: Path) -> Path:
+    return work / "background"
+
+
+def _read(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write(value: dict[str, Any], path: Path) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(temp, path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: an ended process that nobody reaped yet (a zombie) still answers signal 0."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def start(argv: Sequence[str]) -> int:
+    from benchmarks.acceptance.cli import parse_args
+
+    args = parse_args(argv)  # a refusal exits 2 before anything starts
+    work = Path(args.work).expanduser().absolute()
+    here = directory(work)
+    here.mkdir(parents=True, exist_ok=True)
+    started = _read(here / "started.json")
+    if started and not (here / "exit.json").is_file() and _alive(started["pid"]):
+        print(f"error: a background run is already running in {work} (pid {started['pid']}): follow it with "
+              f"`python -m benchmarks.acceptance.background status --work {work}`", file=sys.stderr)
+        return 2
+    (here / "exit.json").unlink(missing_ok=True)
+    command = [sys.executable, "-m", "benchmarks.acceptance.background", "run", *argv]
+    with open(here / "log.txt", "a") as log:
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, close_fds=True)
+    out = Path(args.out).absolute() if args.out else work / "results.json"
+    _write({"pid": process.pid, "started": time.time(), "argv": list(argv), "out": str(out)}, here / "started.json")
+    print(f"started the benchmark in the background (pid {process.pid}, its own session); log {here / 'log.txt'}; "
+          f"follow it with `python -m benchmarks.acceptance.background status --work {work} --wait-s 560`")
+    return 0
+
+
+def run(argv: Sequence[str]) -> int:
+    """The background process itself: the benchmark, then its exit code on disk."""
+    from benchmarks.acceptance.cli import main, parse_args
+
+    here = directory(Path(parse_args(argv).work).expanduser().absolute())
+    code = 1
+    try:
+        code = main(argv)
+    finally:
+        _write({"code": code, "ended": time.time()}, here / "exit.json")
+    return code
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def _steps(work: Path) -> list[str]:
+    paths = sorted((work / "steps").glob("*.json"), key=lambda path: path.stat().st_mtime)
+    return [f"{path.stem} {json.loads(path.read_text()).get('seconds', 0):.0f} s" for path in paths]
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    if not path.is_file():
+        return []
+    with open(path, "rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, handle.tell() - 400 * max(lines, 1)))  # the end only: the log can be large
+        return handle.read().decode(errors="replace").splitlines()[-lines:]
+
+
+def state(work: Path) -> tuple[int, str]:
+    """(exit code as ``status`` returns it, a line saying where the run stands)."""
+    here = directory(work)
+    started, ended = _read(here / "started.json"), _read(here / "exit.json")
+    if started is None:
+        return LOST, f"no background run in {work} (start one with `python -m benchmarks.acceptance.background start`)"
+    if ended is not None:
+        return ended["code"], (f"finished with exit code {ended['code']} after "
+                               f"{_minutes(ended['ended'] - started['started'])}")
+    if _alive(started["pid"]):
+        return RUNNING, f"running (pid {started['pid']}) for {_minutes(time.time() - started['started'])}"
+    return LOST, (f"not running (pid {started['pid']} is gone) and no exit code recorded: it was killed "
+                  f"{_minutes(time.time() - started['started'])} after it started. Start it again: the steps "
+                  "recorded are kept")
+
+
+def collect(work: Path, dest: Path) -> list[str]:
+    """The results, the step records and the log's tail, copied into ``dest``; returns what was copied."""
+    here = directory(work)
+    started = _read(here / "started.json") or {}
+    out = Path(started.get("out", work / "results.json"))
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in (out, out.with_suffix(".md"), here / "exit.json", work / "progress.json"):
+        if path.is_file():
+            shutil.copy(path, dest / path.name)
+            copied.append(path.name)
+    if (work / "steps").is_dir():
+        shutil.copytree(work / "steps", dest / "steps", dirs_exist_ok=True)
+        copied.append("steps/")
+    (dest / "log-tail.txt").write_text("\n".join(_tail(here / "log.txt", LOG_TAIL_LINES)) + "\n")
+    return copied + ["log-tail.txt"]
+
+
+def status(work: Path, wait_s: float, dest: Optional[Path], lines: int) -> int:
+    deadline = time.monotonic() + wait_s
+    code, said = state(work)
+    while code == RUNNING and time.monotonic() < deadline:
+        time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+        code, said = state(work)
+    print(f"acceptance benchmark in {work}: {said}")
+    progress = _read(work / "progress.json")
+    if progress:
+        print(f"stage {progress.get('stage') or '-'}, step {progress.get('step') or '-'} "
+              f"(since {_minutes(time.time() - progress['since'])} ago)")
+    done = _steps(work)
+    if done:
+        print(f"steps done ({len(done)}): " + ", ".join(done))
+    tail = _tail(directory(work) / "log.txt", lines)
+    if tail:
+        print(f"--- last {len(tail)} lines of {directory(work) / 'log.txt'}")
+        print("\n".join(tail))
+    if code != RUNNING and dest is not None:  # a killed run's steps and log are worth keeping too
+        print(f"--- collected into {dest}: {', '.join(collect(work, dest))}")
+        table = dest / Path((_read(directory(work) / "started.json") or {}).get("out", "results.json")).with_suffix(
+            ".md").name
+        if table.is_file():
+            print(table.read_text())
+    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["start"]:
+        return start(argv[1:])
+    if argv[:1] == ["run"]:
+        return run(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance.background", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["start", "status"])
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--wait-s", type=float, default=0, help="wait up to this long for the run to end first")
+    parser.add_argument("--collect", default="", help="once the run has ended, copy its results here")
+    parser.add_argument("--lines", type=int, default=25, help="the log's last lines to print")
+    args = parser.parse_args(argv)
+    return status(Path(args.work).expanduser().absolute(), args.wait_s, Path(args.collect) if args.collect else None,
+                  args.lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Faults while the job starts, through real processes: the extractor killed while its model loads, a signal
+while the driver starts its private Ray cluster.
+
+The extractor is this test session's own Ray worker (a descendant of this process), found by the title
+Ray gives it while its constructor runs (``ray::ExtractorActor.__init__``: the model is loading).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import pytest
+
+from jobs.errors import EXIT_OK
+from jobs.extract import main
+from jobs.inputs.demo import build_synthetic_dataset
+from jobs.rundir.lock import LOCK_FILE
+from jobs.rundir.summary import read_summary
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_every_sample_once, python_env
+
+LOADING = "ray::ExtractorActor.__init__"
+"""Ray's title for the extractor's process while its constructor (the model load) runs."""
+NUM_SAMPLES = 16
+SHARD_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return build_synthetic_dataset(tmp_path_factory.mktemp("start-faults") / "data.parquet", num_samples=NUM_SAMPLES,
+                                   min_len=20, max_len=60, seed=5)
+
+
+def loading_extractors() -> list[psutil.Process]:
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith(LOADING):
+                found.append(process)
+        except psutil.Error:
+            pass  # exited while we looked
+    return found
+
+
+class KillWhileLoading(threading.Thread):
+    """SIGKILLs the first extractor seen loading its model (once), while the job runs in the main thread."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.killed: Optional[int] = None
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 300
+        while not self._quit.is_set() and time.monotonic() < deadline:
+            for process in loading_extractors():
+                os.kill(process.pid, signal.SIGKILL)
+                self.killed = process.pid
+                return
+            time.sleep(0.01)
+
+    def __enter__(self) -> "KillWhileLoading":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._quit.set()
+        self.join()
+
+
+def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster, llama_fp32, dataset, tmp_path,
+                                                                    caplog):
+    """A death during the first load counts as one of extract.max_restarts, as a death later does; the run
+    completes in the same process, every sample once."""
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
+            "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0", "extract.max_restarts=1"]
+    with KillWhileLoading() as killer:
+        code = main(args)
+    assert killer.killed is not None, "no extractor was seen loading its model"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert summary["extractor_restarts"] == 1 and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
+    logged = [record.getMessage() for record in caplog.records]
+    died = [text for text in logged if "starting it again (1 of at most 1" in text]
+    assert died and "while loading the model" in died[0], died
+    assert_every_sample_once(out, dataset)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(processes: dict[int, psutil.Process]) -> list[str]:
+    """What of ``processes`` still runs (a zombie has ended)."""
+    left = []
+    for process in processes.values():
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("signum", [
+    signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended),
+])
+def test_a_signal_while_ray_starts_ends_the_run_interrupted_with_no_process_left(llama_fp32, demo_dataset, tmp_path,
+                                                                                 signum):
+    """The signal comes while the driver starts its private cluster (its GCS is up, the raylet and the
+    dashboard's agents are starting): the cluster comes up whole, is shut down, and the run ends as
+    interrupted with its summary; every process it started is gone."""
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={out}", "model.device=cpu",
+            "output.min_free_bytes=0", "data.shard_size=8"]
+    with open(tmp_path / "stderr", "w+") as stderr:
+        job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=python_env(),
+                               stdout=subprocess.DEVNULL, stderr=stderr)
+        started: dict[int, psutil.Process] = {}  # every process of the driver's tree, seen while it ran
+        names: set[str] = set()
+        sent = False
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            for process in descendants(job.pid):
+                started.setdefault(process.pid, process)
+                names.add(_name(process))  # again each time: a process seen between its fork and exec is "python"
+            if not sent and any(_is_gcs(process) for process in started.values()):
+                job.send_signal(signum)  # ray.init has started the GCS and goes on with the rest
+                sent = True
+            time.sleep(0.02)
+        job.wait(timeout=60)
+        stderr.seek(0)
+        errors = stderr.read()
+    assert sent, "the driver's GCS was never seen"
+    assert job.returncode == 128 + signum, errors[-3000:]
+    assert f"error: stopped by {signal.Signals(signum).name}" in errors, errors[-3000:]
+    assert "Traceback" not in errors, errors[-3000:]
+    summary = read_summary(out)
+    assert summary is not None, "no .summary.json"
+    assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 128 + signum)
+    assert not (out / LOCK_FILE).exists()
+    assert "raylet" in names, names  # the cluster really was starting
+    gone_by = time.monotonic() + 30
+    while alive(started) and time.monotonic() < gone_by:
+        time.sleep(0.5)
+    assert not alive(started), alive(started)
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_gcs(process: psutil.Process) -> bool:
+    return "gcs_server" in _name(process)
