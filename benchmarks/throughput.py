@@ -72,6 +72,7 @@ from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
+from storage.consumed import consume_shard
 from testbeds.shapes import SHAPES
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
@@ -331,7 +332,8 @@ def main() -> None:
 
 
 class ShardConsumer(threading.Thread):
-    """Deletes shard files as they are committed, as a trainer consuming them would.
+    """Consumes shard files as they are committed, as a trainer would: declared consumed, then deleted
+    (``storage.consumed``; a file deleted without a declaration is lost, and the job writes it again).
 
     Lets a run write far more than the disk holds: the disk budget holds the
     extractor back until the job's periodic re-scan sees the space freed.
@@ -346,7 +348,7 @@ class ShardConsumer(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(self.period_s):
             for path in self.directory.glob("shard-*.parquet"):  # committed names only, never *.tmp
-                path.unlink(missing_ok=True)
+                consume_shard(path, "benchmarks.throughput --consume")
 
 
 def run_job(job_args: list[str], output_dir: Path, consume_budget: str) -> dict:
@@ -454,7 +456,7 @@ def job_row(summary: dict, bare: float | None) -> dict:
         "last_hidden_state": summary["last_hidden_state"],
         "state_dtype": summary["state_dtype"], "layer_ids": summary["engine"]["layer_ids"],
         "sglang": summary["engine"]["sglang_version"], "startup_seconds": summary["startup_seconds"],
-        "drain_seconds": summary["drain_seconds"],
+        "drain_seconds": summary["drain_seconds"], "extracted_again": summary["this_run"]["shards_selected"] - summary["plan"]["shards"],
         "extractor_busy_fraction": round(extractor["busy_seconds"] / seconds, 3),
         "stage_seconds": {stage: round(value, 3) for stage, value in stages.items()},
         "stage_cpu_seconds": summary["writer_seconds"].get("cpu", {}),

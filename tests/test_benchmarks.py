@@ -40,7 +40,7 @@ def test_throughput_benchmark_smoke(tmp_path):
     rows = results["rows"]
     assert sorted(rows) == ["b", "d"]
     for name, row in rows.items():
-        assert row["tokens"] == 8 * 96, name
+        assert row["tokens"] == 8 * 96 and row["extracted_again"] == 0, name  # consumed, never taken for lost
         assert set(row["stage_seconds"]) == {"put", "wait", "fetch", "encode", "write", "hash", "sync", "commit"}
         assert row["writer_cpus"] == ["all cores"]  # a CPU engine: the writers are not pinned
         # the job's extractor was the warm one of (a) and (a2) (the synthetic source's its own); what it did is the
