@@ -525,7 +525,7 @@ def print_table(results: dict) -> None:
     for name, row in rows.items():
         rates = f"{format_rate(row['bytes_per_s'])}, {row['bytes_per_token']:,.0f} B/token, {row['writers']} writers"
         if name.startswith("b"):
-            line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s", f"{name.split('-')[0]}/a = {row['over_bare']}, {rates}")
+            line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s", f"{name}/a = {row['over_bare']}, {rates}")
         else:
             line(ROWS[name].title, format_rate(row["bytes_per_s"]), f"{row['tokens_per_s']:,.0f} tok/s, {rates}")
     disk_bps = results["disk_write_bytes_per_s"]
