@@ -145,7 +145,7 @@ def manifest_step(context: Context) -> None:
     for shard in context.plan:
         manifest.update(
             shard.index, state=DONE, error="", file=f"shard-{shard.index:05d}.parquet", rows=shard.stop - shard.start,
-            tokens=shard.tokens, bytes=shard.tokens * 1000, sha256="0" * 64, location=LOCAL, sink_url="",
+            tokens=shard.tokens, bytes=shard.tokens * 1000, checksum="xxh3_128:" + "0" * 32, location=LOCAL, sink_url="",
         )
     seconds = time.perf_counter() - started
     rewrites = 5

@@ -1,13 +1,27 @@
-"""Regeneration through jobs.prepare: the target answers prompts again with sglang.Engine; tokens/s and the answers.
+"""Regeneration through jobs.prepare against SGLang's own offline throughput, on the same model, prompts and engine.
 
-    python -m benchmarks.regenerate [--model DIR] [--prompts 64] [--max-new-tokens 128] [--set key=value ...]
+    python -m benchmarks.regenerate [--device cpu|cuda] [--model DIR | --gguf FILE] [--prompts N]
+                                    [--max-new-tokens 128] [--shard-size 500] [--set key=value ...]
 
-Writes ``--prompts`` one-question conversations (a fixed list of questions, repeated), runs
-``python -m jobs.prepare ... regenerate=true`` on them as a user would (default model:
-SmolLM2-135M-Instruct, ``testbeds.smollm2.checkpoint_dir()``; on a GPU machine the engine takes
-``model.tp_size`` GPUs, on CPU add ``--set model.device=cpu model.dtype=float32``), and prints the
-engine's generated tokens/s, the command's wall time and the first answers. It fails (exit 1) if
-the answer to "What is the capital of France?" does not name Paris: a trained model answers that.
+Writes ``--prompts`` one-question conversations (questions from a fixed list of templates and
+numbers, so that prompts and answers vary in length), then, in one run:
+
+1. ``python -m jobs.prepare ... regenerate=true`` on them as a user would (``output.shard_size``
+   ``--shard-size``, so that several shards pass through the engine); its rate is the record's
+   generated tokens over the time from the first shard sent to the last published;
+2. SGLang's own offline throughput: one ``Engine.generate`` over all the same prompts, rendered with
+   the same chat template, with the same sampling parameters (greedy by default, the same stop
+   tokens and max_new_tokens), the same engine settings (``Inputs.generator_spec`` of the same keys:
+   CUDA graphs as ``model.cuda_graph`` says, on by default) and the same process
+   settings (a Ray actor with the regenerator's CPUs and GPUs); its rate is the generated tokens
+   over that call's time.
+
+It prints both rates, their ratio, and how many answers are the same text in both (greedy: all,
+unless batch-dependent numerics flip a token). The default model is SmolLM2-135M-Instruct
+(``testbeds.smollm2``; ``--gguf FILE`` builds it from a carried GGUF on a machine without a
+registry); on CPU, where the engine computes in float32, it fails (exit 1) if the answer to "What is
+the capital of France?" does not name Paris, as the trained model answers there (in bf16 on the H200
+it answered otherwise, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -19,61 +33,140 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from testbeds.smollm2 import checkpoint_dir
+import ray
+
+from extractor.checkpoint import read_checkpoint_info
+from jobs.cluster.session import ray_session, resolve_device
+from jobs.conversations.pipeline import read_inputs
+from jobs.conversations.regenerate import REGENERATOR_CPUS
+from jobs.prepare import load_config
+from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.", "How many days are in a week?",
-    "What is 12 times 3?", "Give me one tip for sleeping well.", "What do bees make?",
+    "What is the capital of France?", "Name {n} primary colors.", "How many days are in {n} weeks?",
+    "What is {n} times 3?", "Give me {n} tips for sleeping well.", "What do bees make?",
     "Translate 'thank you' into Spanish.", "Which planet is known as the red planet?",
+    "Write a short poem of {n} lines about the sea.", "Explain in {n} sentences why the sky is blue.",
+    "List {n} animals that live in the ocean.", "Tell a story about a cat in {n} sentences.",
 ]
+
+
+def questions(count: int) -> list[str]:
+    """``count`` questions, the first the Paris one; the others vary (their numbers too) so answers differ in length."""
+    return [QUESTIONS[i % len(QUESTIONS)].format(n=2 + (i // len(QUESTIONS)) % 7) for i in range(count)]
+
+
+class OfflineEngine:
+    """SGLang's own offline path in a Ray actor like the regenerator's: one ``Engine.generate`` over every prompt."""
+
+    def __init__(self, spec: Any) -> None:
+        from extractor.generator import Generator
+
+        self.generator = Generator(spec)
+
+    def generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> tuple[float, list[list[int]]]:
+        started = time.perf_counter()
+        completions = self.generator.generate(prompts, params)
+        return time.perf_counter() - started, [completion.output_ids for completion in completions]
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[float, dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    env.pop("RAY_ADDRESS", None)
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.path={out}", *keys],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"jobs.prepare failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return seconds, json.loads((out / "_prepare.json").read_text())
+
+
+def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -> dict[str, Any]:
+    """SGLang's own rate on the prompts ``jobs.prepare`` answered, with the engine, chat template and sampling it
+    used (its own ``read_inputs`` and ``generator_spec``)."""
+    inputs = read_inputs(load_config([f"model.path={model}", f"data.path={data}", "output.path=unused", *keys]))
+    config, chat = inputs.config, inputs.chat
+    context = read_checkpoint_info(str(model)).max_position_embeddings
+    prompts = chat.prompt_ids([[{"role": "user", "content": text}] for text in asked])
+    sampling = dict(config.generation.sampling_params(), stop_token_ids=sorted(chat.stop_ids))
+    params = [dict(sampling, max_new_tokens=min(config.generation.max_new_tokens, context - len(ids))) for ids in prompts]
+    with ray_session(""):
+        spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
+        actor = ray.remote(OfflineEngine).options(
+            num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
+        try:
+            seconds, outputs = ray.get(actor.generate.remote(prompts, params))
+            ray.get(actor.close.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
+    return {"seconds": seconds, "generated_tokens": sum(len(ids) for ids in outputs),
+            "answers": [chat.decode(ids) for ids in outputs]}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.regenerate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model", default="", help="checkpoint (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--gguf", default="", help="build the default model from this SmolLM2 GGUF (no registry)")
+    parser.add_argument("--prompts", type=int, default=0, help="0: 3,000 on CUDA, 24 on CPU")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--shard-size", type=int, default=500, help="jobs.prepare's output.shard_size")
     parser.add_argument("--work-dir", default="regenerate-bench")
     parser.add_argument("--out", default="", help="write the results here as JSON")
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more jobs.prepare keys")
     args = parser.parse_args(argv)
-    model = Path(args.model) if args.model else checkpoint_dir()
+    prompts = args.prompts or (3000 if args.device == "cuda" else 24)
+    model = Path(args.model) if args.model else (build_checkpoint(default_dir(), Path(args.gguf)) if args.gguf
+                                                 else checkpoint_dir())
     work = Path(args.work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
-    data = work / f"questions-{args.prompts}.jsonl"
-    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": QUESTIONS[i % len(QUESTIONS)]}]})
-                            + "\n" for i in range(args.prompts)))
-    out = work / f"regenerated-{int(time.time())}"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.path={out}",
-         "regenerate=true", f"generation.max_new_tokens={args.max_new_tokens}", *args.set],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if result.returncode != 0:
-        print(f"jobs.prepare failed (exit {result.returncode}):\n{result.stderr[-3000:]}", file=sys.stderr)
-        return 1
-    record = json.loads((out / "_prepare.json").read_text())
+    asked = questions(prompts)
+    data = work / f"questions-{prompts}.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": q}]}) + "\n" for q in asked))
+    device = [f"model.device={args.device}"] + (["model.dtype=float32"] if args.device == "cpu" else [])
+    keys = [*device, "regenerate=true", f"generation.max_new_tokens={args.max_new_tokens}",
+            f"output.shard_size={args.shard_size}", *args.set]
+    command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys)
+    out = Path(record["output_path"])
     stats = record["regeneration_stats"]
-    answers = [json.loads(line) for path in sorted((out / "_regenerated").glob("part-*.jsonl"))
-               for line in path.read_text().splitlines()]
-    results = {"model": str(model), "prompts": args.prompts, "answers": stats["answers"],
-               "generated_tokens": stats["generated_tokens"], "generation_seconds": round(stats["seconds"], 2),
-               "generated_tokens_per_s": stats["tokens_per_second"], "cut_at_max_new_tokens": stats["cut_at_max_new_tokens"],
-               "command_seconds": round(seconds, 1), "sglang": stats["sglang_version"], "settings": args.set}
-    print(f"{stats['answers']} answers, {stats['generated_tokens']} tokens in {stats['seconds']:.1f} s of generation: "
-          f"{stats['tokens_per_second']} tokens/s ({stats['cut_at_max_new_tokens']} cut at max_new_tokens); "
-          f"whole command {seconds:.0f} s (SGLang {stats['sglang_version']})")
-    for answer in answers[: len(QUESTIONS)]:
-        print(f"  {answer['messages'][0]['content']!r} -> {answer['messages'][-1]['content']!r}")
+    regenerated = [json.loads(line) for path in sorted((out / "_regenerated").glob("part-*.jsonl"))
+                   for line in path.read_text().splitlines()]
+    own = sglang_offline(keys, model, data, asked)
+    own_rate = own["generated_tokens"] / own["seconds"]
+    answers = [r["messages"][-1]["content"] if "messages" in r else None for r in regenerated]
+    same = sum(a == b for a, b in zip(answers, own["answers"]))
+    results = {
+        "model": str(model), "device": args.device, "prompts": prompts, "shard_size": args.shard_size,
+        "max_new_tokens": args.max_new_tokens, "settings": keys, "sglang": stats["sglang_version"],
+        "prepare": {"answers": stats["answers"], "generated_tokens": stats["generated_tokens"],
+                    "generation_seconds": round(stats["seconds"], 2), "tokens_per_s": stats["tokens_per_second"],
+                    "shards": stats["shards"], "command_seconds": round(command_seconds, 1)},
+        "sglang_offline": {"generated_tokens": own["generated_tokens"], "seconds": round(own["seconds"], 2),
+                           "tokens_per_s": round(own_rate, 1)},
+        "prepare_over_sglang": round(stats["tokens_per_second"] / own_rate, 3),
+        "same_answers": same,
+    }
+    print(f"\n{prompts} prompts, SGLang {stats['sglang_version']} on {args.device}, {len(regenerated)} answers in "
+          f"{stats['shards']} shards of {args.shard_size}, at most {args.max_new_tokens} new tokens, {' '.join(keys)}")
+    print(f"  jobs.prepare regenerate=true   {stats['generated_tokens']:>9,} tokens in {stats['seconds']:7.1f} s: "
+          f"{stats['tokens_per_second']:>9,.0f} tokens/s (whole command {command_seconds:.0f} s)")
+    print(f"  SGLang Engine.generate, once   {own['generated_tokens']:>9,} tokens in {own['seconds']:7.1f} s: "
+          f"{own_rate:>9,.0f} tokens/s")
+    print(f"  prepare / SGLang = {results['prepare_over_sglang']:.3f}; the same answer text for {same} of {prompts} prompts")
+    for question, answer in list(zip(asked, answers))[:4]:
+        print(f"  {question!r} -> {answer!r}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    if "paris" not in answers[0]["messages"][-1]["content"].lower():
+    if not args.model and args.device == "cpu" and "paris" not in (answers[0] or "").lower():
         print("the answer to the capital of France does not name Paris: is this a trained model?", file=sys.stderr)
         return 1
     return 0

@@ -1,23 +1,38 @@
-"""Throughput of the whole job against bare SGLang prefill, measured in one run on one machine.
+"""Throughput of the whole job against bare SGLang prefill, and where its time goes, in one run on one machine.
 
   (a) bare prefill: the extractor's forward on the job's batches with capture off, nothing copied
   (a2) the extractor alone: capture forward, copy to host, put in Ray's object store (no writers)
   (b) the job: Ray, extractor actor, writer actors, Parquet on local disk (fsynced), tokens/s
       from the first batch to the last committed file
-  (b2) optionally the same job with output.dir on a tmpfs: what the pipeline does without the disk
+  (b2) the same job with output.dir on a tmpfs (--memory-dir): what the pipeline does without the disk
+  (b2-shared) as (b2) with output.writer_cpus=all: the writers share the extractor's cores
+  (b2-sha256) as (b2) with output.checksum=sha256
   (c) the disk's raw sequential write speed (write + fsync) and the writers' bytes/s
   (d) the pipeline's own capacity: the same job with the synthetic states source (no model; states
       of the shape's real layout copied from device memory through the same host copy), to the
       disk and, with --memory-dir, to a tmpfs; in GB/s of states
   --fp8 adds (b-fp8) on disk and (d-fp8) on the tmpfs (else the disk) with
       output.state_dtype=float8_e4m3fn, and the fp8 relative error of every stored layer against
-      the model-dtype states of the same batches, measured on the device
-  Every job row reports where its time went: the extractor's object-store puts and, summed over
-  the writers, fetching from the object store, building the Arrow table, Parquet encode + write,
-  sha256, fdatasync/fsync and commit.
+      the model-dtype states of the same batches, measured on the device; (b2-fp8) on request
+  --rows picks the job rows (default: b, b2 with --memory-dir, b-fp8 with --fp8, and the (d) rows).
+
+Where the time goes, per row, in seconds per million tokens (the row's own wall time per million
+tokens beside it): the extractor's forward thread (its CPU and wall under the forward lock:
+building SGLang's batch, launching the forward, launching the capture's NaN/Inf check, fp8 cast
+and copy), the device's own time from CUDA events (the forward with SGLang's concatenation of the
+captured layers; the check and cast; the copy to pinned host memory), the wait for the copy, the
+object-store put (wall and its thread's CPU) and the extractor process's CPU (every thread); then
+the writers' CPU seconds per GB of states: fetching from the object store, building the Arrow
+table, Parquet encode + write, the checksum, fdatasync/fsync, commit.
+
+The model loads once: (a), (a2) and every job row of the same engine settings run on one warm
+extractor actor (the job's own start-up of the extractor is replaced by it, the writers start
+as in any run); an fp8 row or the synthetic source starts its own. Rows run in that order.
+On CUDA, --samples 0 (the default) takes enough samples for 2M tokens per row.
 
     python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
-    python -m benchmarks.throughput --shape llama8b --device cuda      # on a GPU machine
+    python -m benchmarks.throughput --shape llama8b --device cuda --memory-dir /dev/shm --consume 16GB \\
+        --rows b2,b2-shared                                            # on a GPU machine (docs/benchmarks.md)
 
 `tiny` and `small` are saved random-weight checkpoints; `llama8b`, `deepseek_v3_reduced` and
 `kimi_k25_reduced` (Kimi-K2.5's published layout with INT4 routed experts, 10 layers: one H200)
@@ -29,6 +44,8 @@ shape's depth, else to the first capturable ones; `--set extract.layers=[...]` p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,22 +53,26 @@ import shutil
 import tempfile
 import threading
 import time
+import unittest.mock
 from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import ray
 
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
-from extractor.types import TokenBatch
-from jobs.actors.extractor import start_extractor
+from extractor.types import CaptureActivity, EngineSpec, TokenBatch
+from jobs.actors.extractor import ExtractorHost, start_extractor
 from jobs.cluster.session import ray_session, resolve_device
 from jobs.config import load_config
+from jobs.driver import startup
 from jobs.extract import run
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
+from storage.consumed import consume_shard
 from testbeds.shapes import SHAPES
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
@@ -95,12 +116,107 @@ def benchmark_layer_ids(num_layers: int) -> list[int]:
 
 
 FP8_ERROR_BATCHES = 4
+ROW_TOKENS_ON_CUDA = 2_000_000
+"""--samples 0 on CUDA: rows long enough that ramp-up and drain (about two batches) are under 1% of them."""
+FP8 = ["output.state_dtype=float8_e4m3fn"]
+SYNTHETIC = ["model.engine=synthetic"]
 
 
-def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples: int,
-                      fp8_error: bool) -> tuple[float, float, list[float]]:
-    """tok/s of (a) bare prefill and (a2) the extractor alone (capture, host copy, object store),
-    on the job's batches of its first ``samples`` samples; a warm-up batch of each is not counted.
+@dataclasses.dataclass(frozen=True)
+class Row:
+    title: str
+    overrides: tuple[str, ...] = ()
+    """Job keys beyond the shape's (the synthetic rows' rate is added where they run)."""
+    in_memory: bool = False
+    """output.dir on --memory-dir (a tmpfs) instead of the disk."""
+
+
+ROWS = {
+    "b": Row("(b) full job (Ray + Parquet, fsync)"),
+    "b2": Row("(b2) full job, output.dir on tmpfs (no disk)", (), True),
+    "b2-shared": Row("(b2-shared) as b2, writers on the extractor's cores", ("output.writer_cpus=all",), True),
+    "b2-sha256": Row("(b2-sha256) as b2, output.checksum=sha256", ("output.checksum=sha256",), True),
+    "b-fp8": Row("(b-fp8) full job, fp8 states", tuple(FP8)),
+    "b2-fp8": Row("(b2-fp8) full job, fp8 states, tmpfs", tuple(FP8), True),
+    "d": Row("(d) pipeline capacity, synthetic states, disk", tuple(SYNTHETIC)),
+    "d2": Row("(d) pipeline capacity, synthetic states, tmpfs", tuple(SYNTHETIC), True),
+    "d-fp8": Row("(d-fp8) pipeline capacity, fp8, disk", tuple(SYNTHETIC + FP8)),
+    "d2-fp8": Row("(d-fp8) pipeline capacity, fp8, tmpfs", tuple(SYNTHETIC + FP8), True),
+}
+"""In the order they run: the model's rows on one warm extractor, then fp8's, then the synthetic source's."""
+
+
+def default_rows(args: argparse.Namespace) -> list[str]:
+    """What a run without --rows measures: as many rows as apply to the options given."""
+    rows = [] if args.capacity_only else ["b"] + (["b2"] if args.memory_dir else []) + (["b-fp8"] if args.fp8 else [])
+    rows += ["d"] + (["d2"] if args.memory_dir else [])
+    if args.fp8:
+        rows.append("d2-fp8" if args.memory_dir else "d-fp8")
+    return rows
+
+
+class WarmExtractor:
+    """One extractor actor, kept across the benchmark's rows while their engine settings are the same: a model
+    loads (and compiles its kernels) once, not once per row. A row with other settings replaces it (the GPU
+    holds one model at a time)."""
+
+    def __init__(self) -> None:
+        self.spec: Optional[EngineSpec] = None
+        self.actor: Any = None
+        self.starts = 0
+
+    def for_spec(self, spec: EngineSpec) -> Any:
+        if spec != self.spec:
+            self.close()
+            self.actor = start_extractor(spec)
+            self.starts += 1
+            ray.get(self.actor.info.remote())
+            self.spec = spec
+        return self.actor
+
+    def close(self) -> None:
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.close.remote(), timeout=60)
+            ray.kill(self.actor)
+        self.actor, self.spec = None, None
+
+
+@contextlib.contextmanager
+def jobs_on(warm: WarmExtractor) -> Iterator[None]:
+    """Jobs run in the body take their extractor from ``warm`` (and leave it running), and report what it did
+    during the job alone."""
+
+    class WarmHost(ExtractorHost):
+        def launch(self) -> None:
+            self._started = time.perf_counter()
+            self.actor = warm.for_spec(self.spec)
+            self._before = ray.get(self.actor.activity.remote())
+
+        def stop(self, collect_stats: bool = True) -> CaptureActivity:
+            after = ray.get(self.actor.activity.remote()) if collect_stats else self._before
+            return activity_between(self._before, after)
+
+    with unittest.mock.patch.object(startup, "ExtractorHost", WarmHost):
+        yield
+
+
+def activity_between(before: CaptureActivity, after: CaptureActivity) -> CaptureActivity:
+    """What the extractor did between two snapshots of its (cumulative) activity."""
+    stages = {clock: {stage: seconds - before.stage_seconds.get(clock, {}).get(stage, 0.0)
+                      for stage, seconds in values.items()} for clock, values in after.stage_seconds.items()}
+    return CaptureActivity(
+        batches=after.batches - before.batches, tokens=after.tokens - before.tokens,
+        busy_seconds=after.busy_seconds - before.busy_seconds,
+        hand_on_seconds=after.hand_on_seconds - before.hand_on_seconds, stage_seconds=stages,
+        process_cpu_seconds=after.process_cpu_seconds - before.process_cpu_seconds,
+    )
+
+
+def measure_extractor(warm: WarmExtractor, job_args: list[str], data: Path, samples: int,
+                      fp8_error: bool) -> dict:
+    """(a) bare prefill and (a2) the extractor alone (capture, host copy, object store), on the job's batches
+    of its first ``samples`` samples, each with where its time went; a warm-up batch of each is not counted.
     With ``fp8_error``, also the fp8 relative error per stored layer (mean over the first batches)."""
     config = load_config(job_args)
     checkpoint = read_checkpoint_info(config.model.path)
@@ -112,29 +228,55 @@ def measure_extractor(job_args: list[str], data: Path, batches_of: int, samples:
     )
     lengths = dataset.lengths[:samples]
     tokens = int(lengths.sum())
-    actor = start_extractor(spec)
-    try:
-        batches = [dataset.rows(a, b)[0] for a, b in pack_batches(lengths, batches_of, 256)]
-        ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
-        bare = tokens / sum(ray.get(actor.bare_prefill.remote(batch)) for batch in batches)
-        ray.get(actor.extract.remote(TokenBatch.of(batches[0])))
-        ray.get(actor.warm_object_store.remote(spec.host_buffers + 2))  # as the job does before its clock starts
-        started = time.perf_counter()
-        in_flight: list[ray.ObjectRef] = []
-        for batch in batches:  # as the job feeds it: the next batch is queued while one is handed on
-            in_flight.append(actor.extract.remote(TokenBatch.of(batch)))
-            if len(in_flight) > spec.host_buffers:
-                ray.get(in_flight.pop(0))
-        ray.get(in_flight)
-        alone = tokens / (time.perf_counter() - started)
-        errors: list[float] = []
-        if fp8_error:
-            per_batch = [ray.get(actor.fp8_relative_errors.remote(batch)) for batch in batches[:FP8_ERROR_BATCHES]]
-            errors = [float(np.mean(column)) for column in zip(*per_batch)]
-        ray.get(actor.close.remote())
-    finally:
-        ray.kill(actor)
-    return bare, alone, errors
+    actor = warm.for_spec(spec)
+    batches = [dataset.rows(a, b)[0]
+               for a, b in pack_batches(lengths, config.extract.max_tokens_per_batch, config.extract.max_samples_per_batch)]
+    ray.get(actor.bare_prefill.remote(batches[0]))  # warm-up: JIT kernels, allocator
+    before = ray.get(actor.activity.remote())
+    started = time.perf_counter()
+    bare = tokens / sum(ray.get(actor.bare_prefill.remote(batch)) for batch in batches)
+    bare_wall = time.perf_counter() - started
+    after_bare = ray.get(actor.activity.remote())
+    ray.get(actor.extract.remote(TokenBatch.of(batches[0])))
+    ray.get(actor.warm_object_store.remote(spec.host_buffers + 2))  # as the job does before its clock starts
+    before_alone = ray.get(actor.activity.remote())
+    started = time.perf_counter()
+    in_flight: list[ray.ObjectRef] = []
+    for batch in batches:  # as the job feeds it: the next batch is queued while one is handed on
+        in_flight.append(actor.extract.remote(TokenBatch.of(batch)))
+        if len(in_flight) > spec.host_buffers:
+            ray.get(in_flight.pop(0))
+    ray.get(in_flight)
+    alone_seconds = time.perf_counter() - started
+    results = {
+        "tokens": tokens, "bare_prefill_tokens_per_s": round(bare, 1),
+        "extractor_alone_tokens_per_s": round(tokens / alone_seconds, 1),
+        "extractor_alone_over_bare": round(tokens / alone_seconds / bare, 3),
+        "a_time": time_report(activity_between(before, after_bare), tokens, bare_wall, tokens / bare),
+        "a2_time": time_report(activity_between(before_alone, ray.get(actor.activity.remote())), tokens, alone_seconds),
+    }
+    if fp8_error:
+        per_batch = [ray.get(actor.fp8_relative_errors.remote(batch)) for batch in batches[:FP8_ERROR_BATCHES]]
+        results["fp8_errors"] = [float(np.mean(column)) for column in zip(*per_batch)]
+    return results
+
+
+def time_report(activity: CaptureActivity, tokens: int, wall: float, counted: Optional[float] = None) -> dict:
+    """Where a row's time went, in seconds per million tokens: ``counted`` is the row's own measure of its time
+    (bare prefill: the sum of its forwards) when it is not its wall time."""
+    per = 1e6 / max(tokens, 1)
+    stages = {clock: {stage: seconds for stage, seconds in values.items() if seconds > 0}
+              for clock, values in activity.stage_seconds.items()}
+    report = {"seconds_per_mtok": round((counted or wall) * per, 3), "extractor_tokens": activity.tokens}
+    forward_thread = [stage for stage in ("prepare", "forward", "capture", "sync") if stage in stages.get("wall", {})]
+    if forward_thread:  # the synthetic source has none
+        for clock in ("cpu", "wall"):
+            report[f"forward_thread_{clock}"] = round(sum(stages[clock].get(s, 0.0) for s in forward_thread) * per, 3)
+    report.update({f"{clock}_{stage}": round(seconds * per, 3) for clock, values in stages.items()
+                   for stage, seconds in values.items()})
+    if activity.process_cpu_seconds > 0:  # measured over capture batches, not bare prefill
+        report["extractor_process_cpu"] = round(activity.process_cpu_seconds * per, 3)
+    return report
 
 
 def main() -> None:
@@ -142,40 +284,45 @@ def main() -> None:
     parser.add_argument("--shape", choices=["tiny", "small", *SHAPES], default="tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=0,
+                        help=f"samples per row; 0: {ROW_TOKENS_ON_CUDA:,} tokens' worth on CUDA, 32 on CPU")
     parser.add_argument("--tokens-per-sample", type=int, default=2048)
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
     parser.add_argument("--shard-size", type=int, default=16, help="samples per shard file")
     parser.add_argument("--disk-probe-bytes", type=int, default=8 << 30,
-                        help="large enough that a device write cache cannot hide the sustained speed")
+                        help="large enough that a device write cache cannot hide the sustained speed; 0: no probe")
     parser.add_argument("--memory-dir", default="",
-                        help="also run the job with output.dir on this tmpfs (e.g. /dev/shm): the pipeline without the disk")
+                        help="tmpfs (e.g. /dev/shm) for the rows without the disk (b2..., d2...)")
     parser.add_argument("--baseline-samples", type=int, default=0,
-                        help="(a) and (a2) on the first this many samples (0: all); per-batch rates need no long run")
+                        help="(a) and (a2) on the first this many samples (0: as many as the job rows)")
     parser.add_argument("--consume", default="", metavar="BUDGET",
                         help="delete shards once committed and cap output.disk_budget at BUDGET (e.g. 16GB): "
-                             "runs longer than the disk holds, with the budget's backpressure at work")
+                             "runs longer than the disk (or the tmpfs) holds, with the budget's backpressure at work")
     parser.add_argument("--fp8", action="store_true",
                         help="add the fp8 rows (output.state_dtype=float8_e4m3fn) and the per-layer fp8 error")
     parser.add_argument("--synthetic-tokens-per-s", type=float, default=0.0,
                         help="rate of the synthetic source in (d); 0: as fast as the host copy goes (capacity)")
     parser.add_argument("--capacity-only", action="store_true",
                         help="only the (d) rows: no model is loaded (any shape runs on CPU from its config.json)")
-    parser.add_argument("--rows", default="",
-                        help="comma-separated job rows to run (b,b2,b-fp8,d,d2,d-fp8,d2-fp8); default: all that apply. "
-                             "Splits one shape's rows over several calls of a time-limited machine")
+    parser.add_argument("--rows", default="", help=f"comma-separated job rows, run in this order: {','.join(ROWS)}; "
+                                                   "default: b, b2 with --memory-dir, b-fp8 with --fp8, the (d) rows")
     parser.add_argument("--work-dir", default="", help="kept afterwards; default: a temp dir, removed")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
-    unknown = set(args.rows.split(",")) - set(ROW_TITLES) if args.rows else set()
+    unknown = set(args.rows.split(",")) - set(ROWS) if args.rows else set()
     if unknown:
-        parser.error(f"--rows: unknown {sorted(unknown)}; known: {','.join(ROW_TITLES)}")
+        parser.error(f"--rows: unknown {sorted(unknown)}; known: {','.join(ROWS)}")
+    rows = [name for name in ROWS if name in (args.rows.split(",") if args.rows else default_rows(args))]
+    if any(ROWS[name].in_memory for name in rows) and not args.memory_dir:
+        parser.error(f"--rows {args.rows}: rows on a tmpfs need --memory-dir")
+    if not args.samples:
+        args.samples = -(-ROW_TOKENS_ON_CUDA // args.tokens_per_sample) if args.device == "cuda" else 32
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
     try:
-        results = measure(args, work)
+        results = measure(args, rows, work)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -185,7 +332,8 @@ def main() -> None:
 
 
 class ShardConsumer(threading.Thread):
-    """Deletes shard files as they are committed, as a trainer consuming them would.
+    """Consumes shard files as they are committed, as a trainer would: declared consumed, then deleted
+    (``storage.consumed``; a file deleted without a declaration is lost, and the job writes it again).
 
     Lets a run write far more than the disk holds: the disk budget holds the
     extractor back until the job's periodic re-scan sees the space freed.
@@ -200,7 +348,7 @@ class ShardConsumer(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(self.period_s):
             for path in self.directory.glob("shard-*.parquet"):  # committed names only, never *.tmp
-                path.unlink(missing_ok=True)
+                consume_shard(path, "benchmarks.throughput --consume")
 
 
 def run_job(job_args: list[str], output_dir: Path, consume_budget: str) -> dict:
@@ -225,7 +373,7 @@ def tmpfs_dir(memory_dir: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="eagle3-bench-", dir=memory_dir))
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict:
+def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
     model, load_format = build_model(args.shape, work)
     checkpoint = read_checkpoint_info(str(model))
     data = build_synthetic_dataset(
@@ -238,52 +386,54 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free_bytes=1GB",
         f"extract.layers={benchmark_layer_ids(checkpoint.num_layers)}", *args.set,
     ]
-    fp8 = [*job_args, "output.state_dtype=float8_e4m3fn"]
-    synthetic = ["model.engine=synthetic", f"model.synthetic_tokens_per_s={args.synthetic_tokens_per_s}"]
-    # (row, job arguments, on tmpfs), in the order they run; fp8 adds the job on disk (where the
-    # bytes it saves matter) and the pipeline's capacity where it is highest
-    plan = [] if args.capacity_only else [("b", job_args, False), ("b2", job_args, True)]
-    if args.fp8 and not args.capacity_only:
-        plan.append(("b-fp8", fp8, False))
-    plan += [("d", [*job_args, *synthetic], False), ("d2", [*job_args, *synthetic], True)]
-    if args.fp8:
-        plan.append(("d2-fp8", [*fp8, *synthetic], True) if args.memory_dir else ("d-fp8", [*fp8, *synthetic], False))
-    if args.rows:
-        plan = [step for step in plan if step[0] in args.rows.split(",")]
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
-                     "disk_probe_bytes": args.disk_probe_bytes,
-                     "disk_write_bytes_per_s": round(measure_disk(work, args.disk_probe_bytes))}
-    rows: dict[str, dict] = {}
-    bare = None
+                     "cpus": len(os.sched_getaffinity(0)), "disk_probe_bytes": args.disk_probe_bytes,
+                     "disk_write_bytes_per_s": round(measure_disk(work, args.disk_probe_bytes)) if args.disk_probe_bytes else None}
+    measured: dict[str, dict] = {}
+    warm = WarmExtractor()
     with ray_session(""):
-        if not args.capacity_only:
-            bare, extractor_alone, fp8_errors = measure_extractor(
-                job_args, data, args.max_tokens_per_batch, args.baseline_samples or args.samples, args.fp8
-            )
-            results.update(bare_prefill_tokens_per_s=round(bare, 1), extractor_alone_tokens_per_s=round(extractor_alone, 1),
-                           extractor_alone_over_bare=round(extractor_alone / bare, 3))
-        for name, arguments, in_memory in plan:
-            if in_memory and not args.memory_dir:
-                continue
-            output_dir = tmpfs_dir(args.memory_dir) if in_memory else work / f"out-{name}"
-            rows[name] = job_row(run_job(arguments, output_dir, args.consume), bare)
-    first = next(iter(rows.values()))
-    results.update({key: first[key] for key in ("tokens", "writers", "last_hidden_state", "layer_ids", "sglang")})
-    results["rows"] = rows
-    job = rows.get("b") or rows.get("b-fp8")
-    if bare is not None and job is not None:
-        results.update(
-            bytes=job["bytes"], job_tokens_per_s=job["tokens_per_s"], job_over_bare=job["over_bare"],
-            job_in_memory_tokens_per_s=rows["b2"]["tokens_per_s"] if "b2" in rows else None,
-            job_in_memory_over_bare=rows["b2"]["over_bare"] if "b2" in rows else None,
-            states_at_bare_speed_bytes_per_s=round(bare * job["bytes_per_token"]), bytes_per_token=job["bytes_per_token"],
-            writer_bytes_per_s=job["bytes_per_s"],
-            writer_over_disk=round(job["bytes_per_s"] / results["disk_write_bytes_per_s"], 3),
-            startup_seconds=job["startup_seconds"], drain_seconds=job["drain_seconds"],
-            extractor_busy_fraction=job["extractor_busy_fraction"],
-            fp8_relative_error=dict(zip(error_names(job), fp8_errors)) if fp8_errors else None,
-        )
+        try:
+            if not args.capacity_only:
+                results.update(measure_extractor(warm, job_args, data, args.baseline_samples or args.samples, args.fp8))
+            bare = results.get("bare_prefill_tokens_per_s")
+            with jobs_on(warm):
+                for name in rows:
+                    row = ROWS[name]
+                    synthetic = ([f"model.synthetic_tokens_per_s={args.synthetic_tokens_per_s}"]
+                                 if SYNTHETIC[0] in row.overrides else [])
+                    output_dir = tmpfs_dir(args.memory_dir) if row.in_memory else work / f"out-{name}"
+                    summary = run_job([*job_args, *row.overrides, *synthetic], output_dir, args.consume)
+                    measured[name] = job_row(summary, bare)
+        finally:
+            warm.close()
+    results["rows"] = measured
+    results["extractor_starts"] = warm.starts
+    results.update(headline(results))
     return results
+
+
+def headline(results: dict) -> dict:
+    """The figures the result table leads with: the run's shape and the first job row against (a)."""
+    rows = results["rows"]
+    first = next(iter(rows.values()), None)
+    if first is None:
+        return {}
+    figures = {key: first[key] for key in ("writers", "last_hidden_state", "layer_ids", "sglang")}
+    figures["tokens"] = first["tokens"]
+    job = rows.get("b") or rows.get("b2") or rows.get("b-fp8")
+    bare = results.get("bare_prefill_tokens_per_s")
+    if bare is None or job is None:
+        return figures
+    errors = results.get("fp8_errors")
+    return {
+        **figures, "bytes": job["bytes"], "job_tokens_per_s": job["tokens_per_s"], "job_over_bare": job["over_bare"],
+        "states_at_bare_speed_bytes_per_s": round(bare * job["bytes_per_token"]), "bytes_per_token": job["bytes_per_token"],
+        "writer_bytes_per_s": job["bytes_per_s"],
+        "writer_over_disk": round(job["bytes_per_s"] / disk, 3) if (disk := results["disk_write_bytes_per_s"]) else None,
+        "startup_seconds": job["startup_seconds"], "drain_seconds": job["drain_seconds"],
+        "extractor_busy_fraction": job["extractor_busy_fraction"],
+        "fp8_relative_error": dict(zip(error_names(job), errors)) if errors else None,
+    }
 
 
 def error_names(row: dict) -> list[str]:
@@ -294,93 +444,108 @@ def error_names(row: dict) -> list[str]:
 def job_row(summary: dict, bare: float | None) -> dict:
     """One job run's rates and where its time went."""
     seconds = summary["seconds"]
-    stages = {"put": summary["extractor"]["hand_on_seconds"], **summary["writer_seconds"].get("wall", {})}
+    extractor = summary["extractor"]
+    stages = {"put": extractor["hand_on_seconds"], **summary["writer_seconds"].get("wall", {})}
+    activity = CaptureActivity(**extractor)
     return {
         "tokens": summary["tokens"], "bytes": summary["bytes"], "seconds": seconds,
         "tokens_per_s": summary["tokens_per_second"],
         "over_bare": round(summary["tokens_per_second"] / bare, 3) if bare else None,
         "bytes_per_s": round(summary["bytes"] / seconds), "bytes_per_token": round(summary["bytes"] / summary["tokens"], 1),
-        "writers": summary["writers"], "last_hidden_state": summary["last_hidden_state"],
+        "writers": summary["writers"], "writer_cpus": sorted({n["writer_cpus"] for n in summary["nodes"].values()}),
+        "last_hidden_state": summary["last_hidden_state"],
         "state_dtype": summary["state_dtype"], "layer_ids": summary["engine"]["layer_ids"],
         "sglang": summary["engine"]["sglang_version"], "startup_seconds": summary["startup_seconds"],
-        "drain_seconds": summary["drain_seconds"],
-        "extractor_busy_fraction": round(summary["extractor"]["busy_seconds"] / seconds, 3),
+        "drain_seconds": summary["drain_seconds"], "extracted_again": summary["this_run"]["shards_selected"] - summary["plan"]["shards"],
+        "extractor_busy_fraction": round(extractor["busy_seconds"] / seconds, 3),
         "stage_seconds": {stage: round(value, 3) for stage, value in stages.items()},
         "stage_cpu_seconds": summary["writer_seconds"].get("cpu", {}),
+        "time": time_report(activity, summary["tokens"], seconds),
     }
-
-
-ROW_TITLES = {
-    "b": "(b) full job (Ray + Parquet, fsync)",
-    "b2": "(b2) full job, output.dir on tmpfs (no disk)",
-    "b-fp8": "(b-fp8) full job, fp8 states",
-    "d": "(d) pipeline capacity, synthetic states, disk",
-    "d2": "(d) pipeline capacity, synthetic states, tmpfs",
-    "d-fp8": "(d-fp8) pipeline capacity, fp8, disk",
-    "d2-fp8": "(d-fp8) pipeline capacity, fp8, tmpfs",
-}
 
 
 def format_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.0f} MB/s"
 
 
-def stage_lines(row: dict) -> list[str]:
-    """Where the row's time went: wall seconds per stage (the extractor's puts, then summed over the
-    writers: waiting for the extractor, fetching from the object store, stages of ``ShardWriter``)
-    with how busy the writers' main threads were, and the writers' CPU seconds per GB of states."""
-    wall = " | ".join(f"{stage} {seconds:.2f}" for stage, seconds in row["stage_seconds"].items())
-    main = sum(v for k, v in row["stage_seconds"].items() if k in ("fetch", "encode", "write", "commit"))
-    gigabytes = row["bytes"] / 1e9
-    cpu = " | ".join(f"{stage} {seconds / gigabytes:.3f}" for stage, seconds in row["stage_cpu_seconds"].items()
-                     if stage != "wait")
-    return [
-        f"      wall s: {wall}; writers' main threads busy {100 * main / (row['writers'] * row['seconds']):.0f}% "
-        f"of {row['writers']} x {row['seconds']:.1f} s",
-        f"      writers' CPU s per GB: {cpu}",
-    ]
+EXTRACTOR_COLUMNS = (
+    ("time", "seconds_per_mtok"), ("thread cpu", "forward_thread_cpu"), ("thread wall", "forward_thread_wall"),
+    ("prepare", "cpu_prepare"), ("launch", "cpu_forward"), ("capture", "cpu_capture"),
+    ("dev fwd", "device_forward"), ("dev capture", "device_capture"), ("dev copy", "device_copy"),
+    ("copy wait", "wall_copy_wait"), ("put", "wall_hand_on"), ("put cpu", "cpu_hand_on"),
+    ("process cpu", "extractor_process_cpu"),
+)
+"""The extractor's side of each row, seconds per million tokens: the row's time; the forward thread's CPU and wall
+under the forward lock, and its CPU per stage; device time per span; waiting for the copy; the put (wall, CPU)."""
+WRITER_STAGES = ("fetch", "encode", "write", "hash", "sync", "commit")
+
+
+def extractor_lines(results: dict) -> list[str]:
+    timed = [("a", results.get("a_time")), ("a2", results.get("a2_time"))]
+    timed += [(name, row["time"]) for name, row in results["rows"].items()]
+    header = f"  {'row':<10}" + "".join(f"{title:>12}" for title, _ in EXTRACTOR_COLUMNS)
+    lines = ["  where the extractor's time goes, seconds per million tokens (thread: the forward thread under its lock; "
+             "dev: CUDA events)", header]
+    for name, time_report in timed:
+        if time_report:
+            cells = "".join(f"{time_report[key]:>12.3f}" if key in time_report else f"{'-':>12}"
+                            for _, key in EXTRACTOR_COLUMNS)
+            lines.append(f"  {name:<10}{cells}")
+    return lines
+
+
+def writer_lines(results: dict) -> list[str]:
+    """The writers' CPU seconds per GB of states by stage, and how busy their main threads were."""
+    lines = ["  the writers' CPU seconds per GB of states (main threads busy: wall of fetch..commit over writers x run)",
+             f"  {'row':<10}" + "".join(f"{stage:>9}" for stage in WRITER_STAGES) + f"{'total':>9}{'busy':>7}  cores"]
+    for name, row in results["rows"].items():
+        gigabytes = row["bytes"] / 1e9
+        cpu = row["stage_cpu_seconds"]
+        main = sum(v for k, v in row["stage_seconds"].items() if k in ("fetch", "encode", "write", "commit"))
+        busy = 100 * main / (row["writers"] * row["seconds"])
+        cells = "".join(f"{cpu.get(stage, 0.0) / gigabytes:>9.3f}" for stage in WRITER_STAGES)
+        total = sum(cpu.get(stage, 0.0) for stage in WRITER_STAGES) / gigabytes
+        lines.append(f"  {name:<10}{cells}{total:>9.3f}{busy:>6.0f}%  {'; '.join(row['writer_cpus'])}")
+    return lines
 
 
 def print_table(results: dict) -> None:
-    disk_bps = results["disk_write_bytes_per_s"]
-
     def line(name: str, value: str, note: str = "") -> None:
-        print(f"  {name:<48} {value:>16}  {note}")
+        print(f"  {name:<52} {value:>16}  {note}")
 
-    final = results["last_hidden_state"]
-    print(f"\n{results['shape']} on {results['device']} (TP={results['tp_size']}), SGLang {results['sglang']}, "
-          f"layers {results['layer_ids']}{'' if final == 'none' else f' + final state ({final})'}, "
-          f"{results['tokens']:,} tokens in {results['samples']} samples")
+    rows = results["rows"]
+    final = results.get("last_hidden_state", "none")
+    print(f"\n{results['shape']} on {results['device']} (TP={results['tp_size']}), SGLang {results.get('sglang', '?')}, "
+          f"layers {results.get('layer_ids')}{'' if final == 'none' else f' + final state ({final})'}, "
+          f"{results.get('tokens', 0):,} tokens in {results['samples']} samples per row, {results['cpus']} CPUs")
     if "bare_prefill_tokens_per_s" in results:
         line("(a) bare SGLang prefill", f"{results['bare_prefill_tokens_per_s']:,.0f} tok/s")
         line("(a2) extractor alone (copy + object store)", f"{results['extractor_alone_tokens_per_s']:,.0f} tok/s",
              f"a2/a = {results['extractor_alone_over_bare']:.3f}")
-    for name, row in results["rows"].items():
-        rates = f"{format_rate(row['bytes_per_s'])}, {row['bytes_per_token']:,.0f} B/token"
+    for name, row in rows.items():
+        rates = f"{format_rate(row['bytes_per_s'])}, {row['bytes_per_token']:,.0f} B/token, {row['writers']} writers"
         if name.startswith("b"):
-            line(ROW_TITLES[name], f"{row['tokens_per_s']:,.0f} tok/s",
-                 f"{name.split('-')[0]}/a = {row['over_bare']:.3f}, {rates}")
+            line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s", f"{name}/a = {row['over_bare']}, {rates}")
         else:
-            line(ROW_TITLES[name], format_rate(row["bytes_per_s"]), f"{row['tokens_per_s']:,.0f} tok/s, "
-                 f"{row['bytes_per_token']:,.0f} B/token")
-        print("\n".join(stage_lines(row)))
-    line("(c) disk sequential write (fsync)", format_rate(disk_bps), f"{results['disk_probe_bytes'] / 1e9:.1f} GB written")
-    if "states_at_bare_speed_bytes_per_s" not in results:
-        return
-    states_bps = results["states_at_bare_speed_bytes_per_s"]
-    line("    states at (a)'s speed", format_rate(states_bps), f"{results['bytes_per_token']:,.0f} B/token")
-    line(f"    writer pool in (b) ({results['writers']} writers)", format_rate(results["writer_bytes_per_s"]),
-         f"writer/disk = {results['writer_over_disk']:.3f}")
-    line("    extractor busy during (b)", f"{100 * results['extractor_busy_fraction']:.1f} %",
-         "forward start to states on the host")
-    line("    last file committed after the last write", f"{results['drain_seconds']:.1f} s")
-    line("    time to first batch (model load)", f"{results['startup_seconds']:.1f} s")
-    if results["fp8_relative_error"]:
-        errors = ", ".join(f"{name} {100 * error:.2f}%" for name, error in results["fp8_relative_error"].items())
-        print(f"  fp8 relative error ||x_fp8 - x|| / ||x|| on the device, first {FP8_ERROR_BATCHES} batches: {errors}")
-    if disk_bps < states_bps:
-        print(f"  the disk ({format_rate(disk_bps)}) is slower than the states arrive ({format_rate(states_bps)}): "
-              "the job runs at the disk's pace, the in-flight cap holds the extractor back")
+            line(ROWS[name].title, format_rate(row["bytes_per_s"]), f"{row['tokens_per_s']:,.0f} tok/s, {rates}")
+    disk_bps = results["disk_write_bytes_per_s"]
+    if disk_bps:
+        line("(c) disk sequential write (fsync)", format_rate(disk_bps), f"{results['disk_probe_bytes'] / 1e9:.1f} GB written")
+    if "states_at_bare_speed_bytes_per_s" in results:
+        states_bps = results["states_at_bare_speed_bytes_per_s"]
+        line("    states at (a)'s speed", format_rate(states_bps), f"{results['bytes_per_token']:,.0f} B/token")
+        line("    extractor busy in the first job row", f"{100 * results['extractor_busy_fraction']:.1f} %",
+             f"forward start to states on the host; drain {results['drain_seconds']:.1f} s, "
+             f"start-up {results['startup_seconds']:.1f} s")
+        if results["fp8_relative_error"]:
+            errors = ", ".join(f"{name} {100 * error:.2f}%" for name, error in results["fp8_relative_error"].items())
+            print(f"  fp8 relative error ||x_fp8 - x|| / ||x|| on the device, first {FP8_ERROR_BATCHES} batches: {errors}")
+        if disk_bps and disk_bps < states_bps and any(not ROWS[name].in_memory for name in rows):
+            print(f"  the disk ({format_rate(disk_bps)}) is slower than the states arrive ({format_rate(states_bps)}): "
+                  "rows on it run at its pace, the in-flight cap holds the extractor back")
+    print("\n".join(extractor_lines(results)))
+    if rows:
+        print("\n".join(writer_lines(results)))
 
 
 if __name__ == "__main__":

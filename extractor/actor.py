@@ -38,7 +38,7 @@ class Extractor:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self._engine = build_engine(spec)
         self._lock = threading.Lock()
-        self._hand_on_seconds = 0.0
+        self._hand_on = {"wall": 0.0, "cpu": 0.0}
 
     def info(self) -> EngineInfo:
         return self._engine.info
@@ -54,15 +54,22 @@ class Extractor:
         buffer is reused by a later batch once it returns.
         """
         with self._engine.capture(input_ids) as batch:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             result = hand_on(batch)
             with self._lock:
-                self._hand_on_seconds += time.perf_counter() - started
+                self._hand_on["wall"] += time.perf_counter() - started
+                self._hand_on["cpu"] += time.thread_time() - cpu
             return result
 
     def activity(self) -> CaptureActivity:
+        """What the engine did, with the hand-on's time (wall and this thread's CPU) as the stage ``hand_on``."""
+        activity = self._engine.activity()
         with self._lock:
-            return dataclasses.replace(self._engine.activity(), hand_on_seconds=self._hand_on_seconds)
+            stages = {clock: dict(activity.stage_seconds.get(clock, {})) for clock in ("wall", "cpu", "device")}
+            for clock, seconds in self._hand_on.items():
+                stages[clock]["hand_on"] = seconds
+            return dataclasses.replace(activity, hand_on_seconds=self._hand_on["wall"],
+                                       stage_seconds={clock: s for clock, s in stages.items() if s})
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         return self._engine.bare_prefill(input_ids)

@@ -9,7 +9,8 @@ run with ``CaptureHiddenMode.FULL``: SGLang returns the aux states of every
 token, concatenated over the captured layers; ``FinalStateTap`` keeps the final
 hidden state, after the final norm or entering it. ``extractor.host_copy``
 (quantizing to fp8 first if asked) moves them to the host while the next batch
-computes.
+computes. The requests of a batch (``requests``) are built before its forward takes
+the forward lock, while the previous forward runs; ``StageTimes`` says where the time went.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from extractor.language_model import LanguageModel
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.quantize import fp8_relative_errors
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
+from extractor.timing import DeviceSpans, StageTimes, maybe_device_spans
 from extractor.types import EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -67,11 +69,13 @@ class CaptureEngine:
             layers_to_capture=captured,
             drafter_layer_ids=drafter_ids,
         )
+        self.times = StageTimes()
+        """Where this rank's time went (``extractor.timing``)."""
         # Only rank 0's states leave the TP group.
         self._host_copier = HostCopier(
             spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch, layers=len(layer_ids),
             hidden_size=self.info.hidden_size, last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8,
-            count=spec.host_buffers,
+            count=spec.host_buffers, times=self.times,
         ) if tp_rank == 0 else None
         if spec.device == "cuda":
             self._warm_up()
@@ -94,13 +98,13 @@ class CaptureEngine:
         started = time.perf_counter()
         self.capture_forward([np.zeros(min(WARM_UP_TOKENS, self.spec.max_tokens_per_batch), dtype=np.int64)])
         torch.cuda.synchronize()
+        self.times.clear()  # the warm-up's JIT is start-up time
         logger.info("TP rank %d: warm-up forward took %.1f s", self.tp_rank, time.perf_counter() - started)
 
-    @contextlib.contextmanager
-    def _extend(self, input_ids: list[np.ndarray], capture_mode: Any) -> Iterator[Any]:
-        """One packed EXTEND forward over whole samples; yields SGLang's logits output."""
+    def requests(self, input_ids: list[np.ndarray]) -> list[Any]:
+        """SGLang's requests for one packed batch of whole samples. They touch no pool of the runner: a caller
+        builds them before taking the forward lock, while the previous forward still runs."""
         sgl = self._sgl
-        runner = self._runner
         reqs = []
         for index, ids in enumerate(input_ids):
             req = sgl.Req(
@@ -113,6 +117,32 @@ class CaptureEngine:
             req.logprob_start_len = -1
             set_extend_length(req, len(ids))
             reqs.append(req)
+        return reqs
+
+    @contextlib.contextmanager
+    def _extend(self, reqs: list[Any], capture_mode: Any, spans: Optional[DeviceSpans] = None) -> Iterator[Any]:
+        """One packed EXTEND forward over ``reqs``; yields SGLang's logits output. Times its ``prepare`` and
+        ``forward`` stages (with ``spans``, the forward's device time too)."""
+        runner = self._runner
+        try:
+            with self.times.stage("prepare"):
+                forward_batch = self._forward_batch(reqs, capture_mode)
+            with self.times.stage("forward"), torch.no_grad():
+                if spans is not None:
+                    spans.mark(None)
+                output = runner.forward(forward_batch).logits_output
+                if spans is not None:
+                    spans.mark("forward")
+            yield output
+        finally:
+            # Nothing is cached between batches: hand every KV slot back.
+            runner.req_to_token_pool.clear()
+            runner.token_to_kv_pool_allocator.clear()
+
+    def _forward_batch(self, reqs: list[Any], capture_mode: Any) -> Any:
+        """SGLang's ForwardBatch of ``reqs`` as one EXTEND, their KV slots allocated."""
+        sgl = self._sgl
+        runner = self._runner
         tree_cache = sgl.TreeCacheNamespace(
             page_size=runner.page_size,
             device=runner.device,
@@ -127,39 +157,39 @@ class CaptureEngine:
             enable_overlap=False,
             spec_algorithm=sgl.SpeculativeAlgorithm.NONE,
         )
-        try:
-            batch.prepare_for_extend()
-            if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
-                batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
-                batch.prefill_input_ids_cpu = None
-            forward_batch = sgl.ForwardBatch.init_new(
-                batch, runner, capture_hidden_mode=capture_mode, return_hidden_states_before_norm=False
-            )
-            with torch.no_grad():
-                yield runner.forward(forward_batch).logits_output
-        finally:
-            # Nothing is cached between batches: hand every KV slot back.
-            runner.req_to_token_pool.clear()
-            runner.token_to_kv_pool_allocator.clear()
+        batch.prepare_for_extend()
+        if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+            batch.prefill_input_ids_cpu = None
+        return sgl.ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=capture_mode, return_hidden_states_before_norm=False
+        )
 
-    def capture_forward(self, input_ids: list[np.ndarray]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The capture forward of one packed batch; the states stay on the device.
+    def capture_forward(self, input_ids: list[np.ndarray], reqs: Optional[list[Any]] = None,
+                        spans: Optional[DeviceSpans] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The capture forward of one packed batch (``reqs``: its ``requests``, if built already); the states stay
+        on the device.
 
         Every TP rank runs it (the forward is collective); followers drop the result.
         """
-        with self._extend(input_ids, self._sgl.CaptureHiddenMode.FULL) as output:
-            aux = output.hidden_states
-            last = self._final_state.take(output)
+        reqs = self.requests(input_ids) if reqs is None else reqs
+        with self._extend(reqs, self._sgl.CaptureHiddenMode.FULL, spans) as output:
+            with self.times.stage("capture"):
+                aux = output.hidden_states
+                last = self._final_state.take(output)
         self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
         return aux, last
 
-    def start_capture(self, input_ids: list[np.ndarray]) -> PendingCopy:
-        """Run the capture forward and queue the copy of its states to the host; returns at once on CUDA."""
+    def start_capture(self, input_ids: list[np.ndarray], reqs: list[Any]) -> PendingCopy:
+        """Run the capture forward of ``reqs`` (``requests(input_ids)``) and queue the copy of its states to the host;
+        returns at once on CUDA."""
         if self._host_copier is None:
             raise RuntimeError(f"TP rank {self.tp_rank} runs capture_forward only; rank 0 returns the states")
-        aux, last = self.capture_forward(input_ids)
-        lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
-        return self._host_copier.start(lengths, aux, last)
+        spans = maybe_device_spans(self.spec.device)
+        aux, last = self.capture_forward(input_ids, reqs, spans)
+        with self.times.stage("capture"):
+            lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+            return self._host_copier.start(lengths, aux, last, spans)
 
     def fp8_relative_errors(self, input_ids: list[np.ndarray]) -> list[float]:
         """Benchmark: per captured layer (then the final state), ||fp8 round trip - x|| / ||x|| on the device."""
@@ -168,15 +198,20 @@ class CaptureEngine:
         return errors + (fp8_relative_errors(last, 1) if last is not None else [])
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
-        """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds."""
+        """Benchmark baseline: the same forward with capture off and nothing copied; returns seconds (building its
+        requests included)."""
+        spans = maybe_device_spans(self.spec.device)
         with self._model.capture_off():
             _synchronize(self.spec.device)
             started = time.perf_counter()
-            with self._extend(input_ids, self._sgl.CaptureHiddenMode.NULL):
-                _synchronize(self.spec.device)
+            with self._extend(self.requests(input_ids), self._sgl.CaptureHiddenMode.NULL, spans):
+                with self.times.stage("sync"):
+                    _synchronize(self.spec.device)
             seconds = time.perf_counter() - started
             self._final_state.take(None)  # a final-norm hook kept this forward's state: let it go
-            return seconds
+        if spans is not None:
+            spans.add_to(self.times)
+        return seconds
 
     def _check_widths(self, aux: torch.Tensor | None, last: torch.Tensor | None, tokens: int) -> None:
         info = self.info

@@ -1,11 +1,15 @@
 """Text generation with ``sglang.Engine``: the target answers prompts again (``jobs.prepare regenerate=true``).
 
 The only SGLang this module touches is the public offline API: ``sglang.Engine(**server_args)``,
-``Engine.generate(input_ids=..., sampling_params=...)`` and ``Engine.shutdown()``. The engine runs
-the model's tensor-parallel ranks in processes it spawns (its scheduler), batches the requests it
-is given (continuous batching, radix cache), and returns token ids: the tokenizer is not loaded
-here (``skip_tokenizer_init``), so the caller renders prompts and decodes answers with the very
-tokenizer and chat template its loss mask comes from.
+``Engine.async_generate(input_ids=..., sampling_params=...)``, the event loop it is bound to
+(``Engine.loop``) and ``Engine.shutdown()``. The engine runs the model's tensor-parallel ranks in
+processes it spawns (its scheduler), batches the requests it is given (continuous batching, radix
+cache), and returns token ids: the tokenizer is not loaded here (``skip_tokenizer_init``), so the
+caller renders prompts and decodes answers with the very tokenizer and chat template its loss mask
+comes from. The engine's event loop runs in a thread of its own: ``submit`` hands it one request
+from any thread and returns at once, so a caller keeps the engine fed (a conversation's next
+prompt goes in as soon as its last answer is back) instead of waiting for a whole batch's
+slowest answer; ``generate`` is ``Engine.generate``: one batch, every answer back together.
 
 On CPU (checked with SGLang 0.5.23, torch 2.14.1): ``SGLANG_USE_CPU_ENGINE=1``, the torch_native
 attention backend, and the ``sgl_kernel`` stand-in of ``extractor.cpu_shims``. The scheduler
@@ -18,12 +22,15 @@ and the Ray actor builds the ``Generator``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -55,7 +62,7 @@ class GeneratorSpec:
     """KV-cache tokens; 0: SGLang's choice from mem_fraction_static on CUDA, ``CPU_KV_TOKENS`` on CPU."""
     trust_remote_code: bool = False
     seed: int = 0
-    """SGLang's random_seed: with the same requests in the same order, sampled answers repeat."""
+    """SGLang's random_seed (sampled answers also depend on how the engine batches the requests)."""
     server_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The serving command's applied settings (``extractor.serving``), under the engine's own above."""
 
@@ -137,6 +144,9 @@ class Generator:
         self.spec = spec
         self.sglang_version = sglang.__version__
         self._engine: Optional[Any] = sglang.Engine(**_engine_args(spec))
+        self._loop = self._engine.loop
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
+        self._loop_thread.start()
         logger.info("SGLang %s engine for %s (%s, tp %d) ready in %.0f s", self.sglang_version, spec.model_path,
                     spec.device, spec.tp_size, time.perf_counter() - started)
         if spec.server_args:
@@ -144,18 +154,36 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict[str, Any]]) -> list[Completion]:
         """One answer per prompt, in order. ``sampling_params`` are SGLang's (max_new_tokens, temperature,
-        top_p, top_k, stop_token_ids); the engine schedules all prompts together."""
-        if self._engine is None:
-            raise RuntimeError("the generator was closed")
+        top_p, top_k, stop_token_ids); the engine schedules all prompts together (``Engine.generate``)."""
         if not prompts:
             return []
-        outputs = self._engine.generate(input_ids=[list(p) for p in prompts], sampling_params=list(sampling_params))
+        outputs = self._run(self._engine_or_raise().async_generate(
+            input_ids=[list(p) for p in prompts], sampling_params=list(sampling_params))).result()
         return [_completion(output) for output in outputs]
+
+    def submit(self, prompt: Sequence[int], sampling_params: dict[str, Any]) -> "concurrent.futures.Future[Completion]":
+        """One request, queued at once (thread-safe); the future holds its answer (or the engine's error)."""
+        engine = self._engine_or_raise()
+
+        async def answer() -> Completion:
+            return _completion(await engine.async_generate(input_ids=list(prompt), sampling_params=sampling_params))
+
+        return self._run(answer())
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=30)
             engine.shutdown()
+
+    def _engine_or_raise(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("the generator was closed")
+        return self._engine
+
+    def _run(self, coroutine: Any) -> "concurrent.futures.Future[Any]":
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
 
 def _completion(output: dict[str, Any]) -> Completion:

@@ -9,7 +9,9 @@ bytes on, then the buffer goes back to the pool. With fp8 storage the states
 are quantized on the device before the copy, so the copy moves half the bytes.
 Each token's states are also checked for NaN/Inf on the device, per layer (one
 bool per token and layer crosses to the host), and reduced per sample on the
-host: the writer acts on those flags and never scans the states itself.
+host: the writer acts on those flags and never scans the states itself. Where
+the time goes (the copy's wait, the device's check, quantization and copy) is
+added to the engine's ``StageTimes``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from extractor.quantize import quantize_fp8
+from extractor.timing import DeviceSpans, StageTimes
 from extractor.types import CapturedBatch
 
 
@@ -42,16 +45,20 @@ class PendingCopy:
     """One batch's states on their way to a host buffer; a context manager yielding them as numpy."""
 
     def __init__(self, copier: "HostCopier", buffer: _HostBuffer, lengths: np.ndarray,
-                 done: Optional[torch.cuda.Event]) -> None:
+                 done: Optional[torch.cuda.Event], spans: Optional[DeviceSpans] = None) -> None:
         self._copier = copier
         self._buffer: Optional[_HostBuffer] = buffer
         self._lengths = lengths
         self._done = done
+        self._spans = spans
 
     def __enter__(self) -> CapturedBatch:
         """Waits for the copy; the arrays are views of the buffer, valid until the block ends."""
         if self._done is not None:
-            self._done.synchronize()  # releases the GIL: the next forward keeps launching
+            with self._copier.times.stage("copy_wait"):
+                self._done.synchronize()  # releases the GIL: the next forward keeps launching
+            if self._spans is not None:
+                self._spans.add_to(self._copier.times)
         buffer = self._buffer
         assert buffer is not None, "a PendingCopy is entered once"
         tokens = int(self._lengths.sum())
@@ -82,8 +89,10 @@ class HostCopier:
     """
 
     def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, layers: int, hidden_size: int,
-                 last_hidden_state: bool, fp8: bool, count: int) -> None:
+                 last_hidden_state: bool, fp8: bool, count: int, times: StageTimes) -> None:
         cuda = device == "cuda"
+        self.times = times
+        """The engine's: the copy's wait and device spans are added to it."""
         self._layers = layers
         self._fp8 = fp8
         stored = torch.uint8 if fp8 else dtype  # fp8 travels as its raw bytes (copies and numpy know uint8)
@@ -120,8 +129,10 @@ class HostCopier:
         tensors["finite"] = torch.isfinite(torch.cat(scales, dim=1))
         return tensors
 
-    def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor]) -> PendingCopy:
-        """Queue the copy of ``aux`` (and ``last``) into a free buffer; blocks while all are held.
+    def start(self, lengths: np.ndarray, aux: torch.Tensor, last: Optional[torch.Tensor],
+              spans: Optional[DeviceSpans] = None) -> PendingCopy:
+        """Queue the copy of ``aux`` (and ``last``) into a free buffer; blocks while all are held. ``spans``
+        (CUDA) gets the device work of the NaN/Inf check and quantization (``capture``) and of the copy.
 
         One thread at a time (the engine's forward lock): forwards and their copies keep one order.
         """
@@ -136,15 +147,21 @@ class HostCopier:
             for host, states in copies:
                 host[:tokens].copy_(states)
             return PendingCopy(self, buffer, lengths, done=None)
+        if spans is not None:
+            spans.mark("capture")
         self._stream.wait_stream(torch.cuda.current_stream())  # the forward that produced the states
         with torch.cuda.stream(self._stream):
+            if spans is not None:
+                spans.mark(None, self._stream)
             for host, states in copies:
                 host[:tokens].copy_(states, non_blocking=True)
                 # The allocator must not hand this block to the next forward before the copy has read it.
                 states.record_stream(self._stream)
+            if spans is not None:
+                spans.mark("copy", self._stream)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return PendingCopy(self, buffer, lengths, done)
+        return PendingCopy(self, buffer, lengths, done, spans)
 
     def give_back(self, buffer: _HostBuffer) -> None:
         self._free.put(buffer)
@@ -153,11 +170,11 @@ class HostCopier:
 def finite_per_token(states: torch.Tensor, groups: int) -> torch.Tensor:
     """[T, groups*H] -> [T, groups] bool: whether each token's slice of each group is free of NaN/Inf.
 
-    A group at a time, so that the temporary is [T, H] bools, not the whole batch."""
-    hidden = states.shape[1] // groups
-    return torch.stack(
-        [torch.isfinite(states[:, g * hidden : (g + 1) * hidden]).all(dim=1) for g in range(groups)], dim=1
-    )
+    One reduction reads the states once and keeps only [T, groups] values: a slice's minimum and
+    maximum are finite exactly when all of it is (aminmax propagates NaN; -Inf is a minimum, +Inf
+    a maximum)."""
+    lowest, highest = torch.aminmax(states.reshape(states.shape[0], groups, -1), dim=2)
+    return torch.isfinite(lowest) & torch.isfinite(highest)
 
 
 def _as_numpy(states: torch.Tensor) -> np.ndarray:

@@ -26,6 +26,7 @@ from extractor.host_copy import HostCopier
 from extractor.layers import check_layer_ids, llama_convention, resolve_drafter_layer_ids
 from extractor.quantize import fp8_relative_errors
 from extractor.tensor_parallel import ActivityClock
+from extractor.timing import StageTimes
 from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,10 @@ class SyntheticEngine:
             torch.randn((tokens, hidden), generator=generator, device=device).to(dtype)
             if spec.has_last_hidden_state else None
         )
+        self._times = StageTimes()
         self._copier = HostCopier(
             spec.device, dtype, tokens, layers=len(layer_ids), hidden_size=hidden,
-            last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8, count=spec.host_buffers,
+            last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8, count=spec.host_buffers, times=self._times,
         )
         self._forward_lock = threading.Lock()
         self._activity = ActivityClock()
@@ -97,7 +99,7 @@ class SyntheticEngine:
             yield batch
 
     def activity(self) -> CaptureActivity:
-        return self._activity.snapshot()
+        return self._activity.snapshot(self._times.snapshot())
 
     def bare_prefill(self, input_ids: list[np.ndarray]) -> float:
         return self._pace(sum(len(ids) for ids in input_ids))

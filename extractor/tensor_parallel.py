@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -98,25 +98,30 @@ def wait_for_ranks(status: mp.Queue, ranks: Iterable[int], timeout_s: float) -> 
 
 
 class ActivityClock:
-    """Time covered by at least one batch between its forward's start and its states on the host."""
+    """Time covered by at least one batch between its forward's start and its states on the host, and the
+    process's CPU time from the end of the first batch to the end of the last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy_until = 0.0
+        self._first_cpu: Optional[float] = None
         self._value = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
 
     def record(self, started: float, ended: float, tokens: int) -> None:
+        cpu = time.process_time()
         with self._lock:
             value = self._value
             busy = max(0.0, ended - max(started, self._busy_until))
             self._busy_until = max(self._busy_until, ended)
+            self._first_cpu = cpu if self._first_cpu is None else self._first_cpu
             self._value = dataclasses.replace(
-                value, batches=value.batches + 1, tokens=value.tokens + tokens, busy_seconds=value.busy_seconds + busy
+                value, batches=value.batches + 1, tokens=value.tokens + tokens, busy_seconds=value.busy_seconds + busy,
+                process_cpu_seconds=cpu - self._first_cpu,
             )
 
-    def snapshot(self) -> CaptureActivity:
+    def snapshot(self, stage_seconds: dict[str, dict[str, float]]) -> CaptureActivity:
         with self._lock:
-            return self._value
+            return dataclasses.replace(self._value, stage_seconds=stage_seconds)
 
 
 class TensorParallelEngine:
@@ -191,13 +196,14 @@ class TensorParallelEngine:
         """States of one batch, views of a host buffer that is reused once the block ends.
 
         Safe to call from several threads: while one caller hands its batch on,
-        the next batch's forward runs.
+        the next batch's forward runs; the batch's requests are built before its turn.
         """
+        reqs = self._engine.requests(input_ids)
         with self._forward_lock:
             started = time.perf_counter()
             self._broadcast("capture_forward", input_ids)
             try:
-                pending = self._engine.start_capture(input_ids)
+                pending = self._engine.start_capture(input_ids, reqs)
             except BaseException:
                 # On CPU a dead rank fails the collective at once (connection reset): that is the
                 # fault the watchdog handles, not an error of this batch.
@@ -208,7 +214,7 @@ class TensorParallelEngine:
             yield batch
 
     def activity(self) -> CaptureActivity:
-        return self._activity.snapshot()
+        return self._activity.snapshot(self._engine.times.snapshot())
 
     def fp8_relative_errors(self, input_ids: list[np.ndarray]) -> list[float]:
         """Benchmark: fp8 round-trip error per captured layer (then the final state), on rank 0's device."""

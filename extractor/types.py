@@ -130,3 +130,9 @@ class CaptureActivity:
     """Wall time during which some batch was between the start of its forward and its states on the host."""
     hand_on_seconds: float = 0.0
     """Time spent handing states on (the job: ``ray.put`` into the object store), summed over batches."""
+    stage_seconds: dict = dataclasses.field(default_factory=dict)
+    """``{"wall": {stage: s}, "cpu": {...}, "device": {...}}`` summed over batches (``extractor.timing``; the
+    hand-on's ``hand_on`` too)."""
+    process_cpu_seconds: float = 0.0
+    """CPU time of the extractor's process (every thread: Ray's and its copy threads too) from its first batch
+    to its last."""

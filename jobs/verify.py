@@ -1,10 +1,10 @@
 """``python -m jobs.verify output.dir=DIR [--deep] [--details]`` (or ``eagle3-verify``): are a run's files whole?
 
 Checks every shard the manifest lists as done, where it is (output.dir or the sink,
-opened with ``output.sink_options``): size and sha256, schema and metadata, rows,
+opened with ``output.sink_options``): size and checksum, schema and metadata, rows,
 tokens, sample ids complete and each written once; ``--deep`` reads every state for
 NaN/Inf too. A shard consumed into an export: the export's files of it (opened with
-``dest_options``) against the sizes and sha256 listed when it was consumed; consumed
+``dest_options``) against the sizes and checksums listed when it was consumed; consumed
 shards are summed up per destination (``--details`` names them). ``storage.verify`` does
 the checking; this prints every problem, one line each, and exits 0 when there is none,
 6 (``EXIT_VERIFY_FAILED``) when there is any, 2 when the directory holds no run. Starts
@@ -42,7 +42,7 @@ class VerifyConfig:
     output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
     dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """fsspec options for the exports that consumed shards (jobs.export consume=true), as the export had them: their
-    files are checked against the sizes and sha256 listed when each shard was consumed."""
+    files are checked against the sizes and checksums listed when each shard was consumed."""
 
 
 DESCRIPTION = (
@@ -89,7 +89,7 @@ def format_report(report: VerifyReport, details: bool = False) -> str:
                      f"were there; counted as the manifest recorded them){which}")
     if report.exported_files_checked:
         lines.append(f"note: {report.exported_files_checked} files of the exports that consumed shards checked against "
-                     "the sizes and sha256 listed when they did")
+                     "the sizes and checksums listed when they did")
     checked = (
         f"{report.files_checked} files of {report.shards} shards: {report.rows} samples, {report.tokens} tokens, "
         f"{format_bytes(report.bytes)}"

@@ -1,11 +1,11 @@
-"""What an export holds of a shard it consumed: each file's size and sha256, listed in the export.
+"""What an export holds of a shard it consumed: each file's size and checksum, listed in the export.
 
 ``jobs.export consume=true`` deletes a run's shard file once its samples are exported and
 verified: the export is then the only copy of them. Before the run's manifest records the
 shard as consumed, the export writes the list of the files it made of the shard, with
-their sizes and sha256, into itself (``.export-files/shard-00007.json``, whole and fsynced),
-and the manifest records the list's own sha256 with the shard
-(``ShardRecord.exported_files_sha256``). ``jobs.verify`` and the export's rerun check the
+their sizes and checksums (``storage.checksum``), into itself (``.export-files/shard-00007.json``,
+whole and fsynced), and the manifest records the list's own checksum with the shard
+(``ShardRecord.exported_files_checksum``). ``jobs.verify`` and the export's rerun check the
 list against the manifest and every listed file against the list: a byte changed in an
 export that is the only copy is found, named, and never taken for whole.
 
@@ -15,13 +15,12 @@ the export's directory is what follows the first colon.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, Callable, Iterable, Mapping
 
 import fsspec
 
-from storage.sink import remote_sha256
+from storage import checksum
 
 EXPORTED_FILES_DIR = ".export-files"
 """In the export: one list per consumed shard (hidden: the trainers' loaders and listings skip it)."""
@@ -33,13 +32,9 @@ def list_path(shard_file: str) -> str:
 
 
 def list_bytes(shard_file: str, files: Mapping[str, tuple[int, str]]) -> bytes:
-    """The list's bytes: ``files`` maps a path relative to the export's directory to (size, sha256)."""
+    """The list's bytes: ``files`` maps a path relative to the export's directory to (size, checksum)."""
     payload = {"shard_file": shard_file, "files": {path: list(files[path]) for path in sorted(files)}}
     return (json.dumps(payload, indent=1) + "\n").encode()
-
-
-def sha256_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def export_directory(consumed_into: str) -> str:
@@ -48,12 +43,12 @@ def export_directory(consumed_into: str) -> str:
 
 
 def check_exported_files(
-    fs: fsspec.AbstractFileSystem, root: str, shard_file: str, list_sha256: str,
+    fs: fsspec.AbstractFileSystem, root: str, shard_file: str, list_checksum: str,
     map_: Callable[..., Iterable[Any]] = map,
 ) -> tuple[int, list[tuple[str, str]]]:
     """How many files the export at ``root`` lists for ``shard_file``, and every problem with them, as (path relative
-    to root, what is wrong): the list missing or not the one the manifest recorded (``list_sha256``), a listed file
-    missing, of another size or sha256. No problem when every file is as it was when the shard was consumed.
+    to root, what is wrong): the list missing or not the one the manifest recorded (``list_checksum``), a listed file
+    missing, of another size or checksum. No problem when every file is as it was when the shard was consumed.
     ``map_`` checks the files (a thread pool's map: reading and hashing wait on the storage)."""
     where = list_path(shard_file)
     try:
@@ -61,24 +56,24 @@ def check_exported_files(
             data = file.read()
     except FileNotFoundError:
         return 0, [(where, f"missing: the list of the files made of {shard_file}, written when it was consumed")]
-    if sha256_of(data) != list_sha256:
+    if checksum.of_bytes(data, checksum.algorithm_of(list_checksum)) != list_checksum:
         return 0, [(where, f"the list of the files made of {shard_file} is not the one the run's manifest recorded "
                            "when the shard was consumed (changed or replaced since)")]
     try:
         files: dict[str, Any] = json.loads(data)["files"]
     except (ValueError, KeyError, TypeError):
-        return 0, [(where, "not a list of exported files (its sha256 matches the manifest's: report it)")]
+        return 0, [(where, "not a list of exported files (its checksum matches the manifest's: report it)")]
 
     def check(item: tuple[str, Any]) -> str:
-        path, (size, sha256) = item
+        path, (size, expected) = item
         try:
             found = fs.info(f"{root}/{path}")["size"]
         except FileNotFoundError:
             return f"missing: exported from {shard_file}, which was then consumed"
         if found != size:
             return f"{found} bytes; {size} were exported from {shard_file}"
-        if remote_sha256(fs, f"{root}/{path}") != sha256:
-            return f"its sha256 is not the one recorded when {shard_file} was exported and consumed (changed since)"
+        if checksum.of_remote(fs, f"{root}/{path}", checksum.algorithm_of(expected)) != expected:
+            return f"its checksum is not the one recorded when {shard_file} was exported and consumed (changed since)"
         return ""
 
     items = sorted(files.items())

@@ -2,7 +2,7 @@
 
 One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
 many attempts it took, the last error, and for a done shard its file, rows,
-tokens, bytes, sha256 and where the file is now (local, in the sink, or
+tokens, bytes, checksum (``storage.checksum``) and where the file is now (local, in the sink, or
 consumed: deleted locally, by ``jobs.export consume=true`` once its samples were
 exported and verified, ``consumed_into`` then naming the export, or by a consumer
 that declared it first, ``storage.consumed``), and the samples whose states held
@@ -37,7 +37,8 @@ from storage.atomic import replace_atomically
 
 MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: checksums are ``<algorithm>:<hex>`` (``checksum``, ``exported_files_checksum``)."""
 COMPACT_MIN_UPDATES = 1000
 """The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""
 
@@ -59,7 +60,8 @@ class ShardRecord:
     rows: int = 0
     tokens: int = 0
     bytes: int = 0
-    sha256: str = ""
+    checksum: str = ""
+    """Of the file as its writer wrote it: ``<algorithm>:<hex>`` (``storage.checksum``)."""
     location: str = ""
     """Where a done shard's file is: local | sink | consumed."""
     sink_url: str = ""
@@ -70,8 +72,8 @@ class ShardRecord:
     consumed_into: str = ""
     """A consumed shard's samples are there: ``<format>:<dest>`` of the export that verified them, then deleted the
     file (``jobs.export consume=true``), or what the consumer that declared it said (``storage.consumed``)."""
-    exported_files_sha256: str = ""
-    """Of the list of the files an export made of the shard it consumed, with their sizes and sha256, kept in the
+    exported_files_checksum: str = ""
+    """Of the list of the files an export made of the shard it consumed, with their sizes and checksums, kept in the
     export (``storage.exported``): what ``jobs.verify`` checks the export, the only copy left, against."""
 
 

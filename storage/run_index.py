@@ -56,8 +56,8 @@ class ShardFile:
     last_sample_id: int
     run: int = 0
     """Which of the dataset's runs the file belongs to (its position in the list given)."""
-    sha256: str = ""
-    """As the manifest recorded it (empty for files listed without a manifest)."""
+    checksum: str = ""
+    """As the manifest recorded it (``storage.checksum``; empty for files listed without a manifest)."""
 
     @property
     def rows(self) -> int:
@@ -74,7 +74,7 @@ def local_path(url: str) -> str:
 
 
 def list_run_files(run: str, storage_options: Mapping[str, Any] | None = None) -> tuple[list[tuple[str, str]], str]:
-    """The run's shard files as (url, sha256), and a note on what was left out (empty when nothing was)."""
+    """The run's shard files as (url, checksum), and a note on what was left out (empty when nothing was)."""
     options = dict(storage_options or {})
     if is_local(run, options):
         directory = Path(local_path(run))
@@ -94,7 +94,7 @@ def list_run_files(run: str, storage_options: Mapping[str, Any] | None = None) -
 
 def _files_from_manifest(output_dir: Path) -> tuple[list[tuple[str, str]], str]:
     readable, left_out = manifest_shards(output_dir)
-    files = [(url, record["sha256"]) for record, url in readable]
+    files = [(url, record["checksum"]) for record, url in readable]
     if not files:
         exported = sorted({record["consumed_into"] for record in left_out if record.get("consumed_into")})
         if exported:
@@ -163,7 +163,7 @@ def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     return pq.ParquetFile(fs.open(path, "rb", cache_type="none"), page_checksum_verification=True)
 
 
-def read_footer(url: str, run: int, sha256: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardFile, ShardMetadata]:
+def read_footer(url: str, run: int, checksum: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardFile, ShardMetadata]:
     parquet = open_parquet(url, storage_options)
     try:
         footer = parquet.metadata
@@ -176,7 +176,7 @@ def read_footer(url: str, run: int, sha256: str, storage_options: Mapping[str, A
         else:  # files written without statistics: the column itself (8 bytes a sample)
             ids = parquet.read(columns=[schema.SAMPLE_ID]).column(0).to_numpy()
             first, last = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
-        shard = ShardFile(url, tuple(g.num_rows for g in groups), int(first), int(last), run, sha256)
+        shard = ShardFile(url, tuple(g.num_rows for g in groups), int(first), int(last), run, checksum)
     finally:
         parquet.close()
     return shard, metadata
@@ -202,7 +202,7 @@ class RunIndex:
         listed, notes = [], []
         for number, source in enumerate(sources):
             files, note = list_run_files(source, storage_options)
-            listed += [(url, number, sha256) for url, sha256 in files]
+            listed += [(url, number, checksum) for url, checksum in files]
             if note:
                 notes.append(note)
                 logger.warning("%s", note)
@@ -211,7 +211,7 @@ class RunIndex:
     @classmethod
     def from_files(cls, listed: Sequence[tuple[str, int, str]], storage_options: Mapping[str, Any] | None = None,
                    notes: Sequence[str] = ()) -> "RunIndex":
-        """The index over shard files already listed, as (url, run number, sha256 or "")."""
+        """The index over shard files already listed, as (url, run number, checksum or "")."""
         with concurrent.futures.ThreadPoolExecutor(min(FOOTER_THREADS, len(listed))) as pool:
             footers = list(pool.map(lambda item: read_footer(*item, storage_options), listed))
         metadata = _common_metadata(footers)

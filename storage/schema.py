@@ -59,6 +59,10 @@ STATE_DTYPES = ("model", FP8)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
 FINAL_STATES = ("post_norm", "pre_norm", "none")
+# Checksums of the files (``storage.checksum``): the manifest, the exports and their lists record
+# them as "<algorithm>:<hex>"; new files get output.checksum's algorithm.
+CHECKSUM_ALGORITHMS = ("xxh3_128", "sha256")
+DEFAULT_CHECKSUM = "xxh3_128"
 
 
 @dataclasses.dataclass(frozen=True)

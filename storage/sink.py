@@ -1,6 +1,6 @@
 """Copies committed shard files to a sink (any fsspec URL) and proves the copy is whole.
 
-Verification reads the remote object back and compares size and sha256 with
+Verification reads the remote object back and compares size and checksum with
 what the writer recorded while writing: it works the same for every fsspec
 backend (S3 ETags are not content hashes for multipart uploads), at the
 price of reading each shard once more over the network.
@@ -9,7 +9,6 @@ price of reading each shard once more over the network.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from storage import checksum
 from storage.atomic import open_new, remove_quietly
 
 READ_CHUNK_BYTES = 8 * 1024 * 1024
@@ -33,18 +33,11 @@ def sink_url_for(sink: str, file_name: str) -> str:
     return sink.rstrip("/") + "/" + file_name
 
 
-def remote_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open(path, "rb", block_size=READ_CHUNK_BYTES) as file:
-        while chunk := file.read(READ_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def upload_verified(
-    local_path: str, sink: str, expected_bytes: int, expected_sha256: str, storage_options: dict[str, Any]
+    local_path: str, sink: str, expected_bytes: int, expected_checksum: str, storage_options: dict[str, Any]
 ) -> str:
-    """Upload ``local_path`` under ``sink``; returns the remote URL once size and sha256 match."""
+    """Upload ``local_path`` under ``sink``; returns the remote URL once size and checksum (``storage.checksum``,
+    made with the algorithm ``expected_checksum`` names) match."""
     url = sink_url_for(sink, Path(local_path).name)
     fs, remote = fsspec.core.url_to_fs(url, **storage_options)
     fs.makedirs(fs._parent(remote), exist_ok=True)
@@ -55,9 +48,9 @@ def upload_verified(
     size = fs.info(remote)["size"]
     if size != expected_bytes:
         raise SinkVerificationError(f"{url}: {size} bytes in the sink, {expected_bytes} written locally")
-    digest = remote_sha256(fs, remote)
-    if digest != expected_sha256:
-        raise SinkVerificationError(f"{url}: sha256 {digest} in the sink, {expected_sha256} written locally")
+    found = checksum.of_remote(fs, remote, checksum.algorithm_of(expected_checksum))
+    if found != expected_checksum:
+        raise SinkVerificationError(f"{url}: checksum {found} in the sink, {expected_checksum} written locally")
     return url
 
 

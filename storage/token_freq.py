@@ -54,7 +54,7 @@ def count_tokens(run: str | os.PathLike, storage_options: Mapping[str, Any] | No
     """The loss-masked token counts over the shard files of ``run`` (an output.dir or a URL of shard files)."""
     counter = TokenCounter()
     files, _ = list_run_files(os.fspath(run), storage_options)
-    for url, _sha256 in files:
+    for url, _checksum in files:
         parquet = open_parquet(url, storage_options)
         try:
             table = parquet.read(columns=[schema.INPUT_IDS, schema.LOSS_MASK])

@@ -2,7 +2,7 @@
 
 ``verify_run`` reads the manifest (snapshot + journal) and, for every shard it lists
 as done, the file where the manifest says it is (``output.dir``, or its ``sink_url``
-through fsspec): its size and sha256 against what the writer recorded; its footer
+through fsspec): its size and checksum against what the writer recorded; its footer
 (the schema the format builds for its ``ShardMetadata``, the same metadata in every
 file, agreeing with the run's ``content`` block); its rows and tokens against the
 manifest; its sample ids against the rows the plan gives the shard (positions
@@ -14,7 +14,7 @@ against its tokens, and no NaN/Inf outside the samples the manifest flags as kep
 (fp8 runs: the raw values and their scales).
 
 A shard consumed into an export (``jobs.export consume=true``) has no file left here:
-the export's files of it are checked instead, against the sizes and sha256 listed when
+the export's files of it are checked instead, against the sizes and checksums listed when
 it was consumed (``storage.exported``). A done shard's file that is gone is missing
 unless a consumer declared it consumed (``storage.consumed``); a shard recorded as
 consumed without saying where its samples went is a problem too.
@@ -36,14 +36,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage import schema
+from storage import checksum, schema
 from storage.consumed import read_record, record_name
 from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
 from storage.run_index import open_parquet
 from storage.schema import ShardMetadata, build_schema, metadata_from_schema
-from storage.sink import remote_sha256
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name
 
 VERIFY_THREADS = 8
@@ -85,7 +84,7 @@ class VerifyReport:
     consumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Where consumed shards' samples went (``consumed_into``) -> those shards."""
     exported_files_checked: int = 0
-    """Files of exports that consumed shards, checked against the sizes and sha256 listed when they did."""
+    """Files of exports that consumed shards, checked against the sizes and checksums listed when they did."""
     shards: int = 0
     files_checked: int = 0
     rows: int = 0
@@ -151,7 +150,7 @@ def verify_run(
                 report.problems.append(_consumed_by_no_one(record, output_dir))
                 continue
             report.consumed.setdefault(record["consumed_into"], []).append(record["index"])
-            if record.get("exported_files_sha256"):
+            if record.get("exported_files_checksum"):
                 exports.append(record)
             continue
         url = record["sink_url"] if record["location"] == SINK else str(_home(record, node_directories, output_dir) / record["file"])
@@ -228,14 +227,14 @@ def _consumed_by_no_one(record: dict, output_dir: Path) -> Problem:
 
 def _check_export(record: dict, options: dict[str, Any], map_: Any, report: VerifyReport) -> list[Problem]:
     """A shard consumed into an export: the export's files of it, the only copy of its samples, against the list
-    of their sizes and sha256 written when it was consumed (and the list against the manifest)."""
+    of their sizes and checksums written when it was consumed (and the list against the manifest)."""
     index, dest = record["index"], export_directory(record["consumed_into"])
     rerun = (f"the export is the only copy of shard {index}'s samples: rerun the job's command with shards=[{index}] "
              "to write the shard again, then the export's command (it writes the shard's files again)")
     try:
         fs, root = fsspec.core.url_to_fs(dest, **options)
         root = root.rstrip("/") or "/"
-        listed, found = check_exported_files(fs, root, record["file"], record["exported_files_sha256"], map_)
+        listed, found = check_exported_files(fs, root, record["file"], record["exported_files_checksum"], map_)
         report.exported_files_checked += listed
     except Exception as error:  # an unreachable export must not hide the problems of the others
         return [Problem(f"{dest}/{list_path(record['file'])}", f"cannot be read: {type(error).__name__}: {error}",
@@ -282,10 +281,10 @@ def _check_shard(
             check.problem(f"{size} bytes, the manifest recorded {record['bytes']}",
                           "the file was changed or cut short after it was written; " + check.rerun)
         else:
-            digest = remote_sha256(fs, path)
-            if digest != record["sha256"]:
+            found = checksum.of_remote(fs, path, checksum.algorithm_of(record["checksum"]))
+            if found != record["checksum"]:
                 check.problem(
-                    f"sha256 {digest} differs from the manifest's {record['sha256']}",
+                    f"checksum {found} differs from the manifest's {record['checksum']}",
                     "the file changed after it was written (disk, copy or sink corruption); " + check.rerun,
                 )
         parquet = open_parquet(url, options)

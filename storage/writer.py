@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import queue
 import threading
@@ -23,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import nonfinite, schema
+from storage import checksum, nonfinite, schema
 from storage.atomic import create_new, fd_path, fsync_path
 from storage.schema import ShardMetadata
 
@@ -48,7 +47,7 @@ _COMPRESSION = {
     schema.LAST_HIDDEN_STATE_SCALES: "none",
 }
 # Where a writer's time goes, summed over its shards (``ShardWriter.clock``): building the Arrow
-# table, Parquet encoding + write() into the page cache, sha256 (reading the bytes back), fdatasync
+# table, Parquet encoding + write() into the page cache, the checksum (reading the bytes back), fdatasync
 # behind the writes and at commit, and closing + renaming. The hasher thread's stages overlap the others.
 STAGES = ("encode", "write", "hash", "sync", "commit")
 
@@ -83,7 +82,8 @@ class ShardFileInfo:
     rows: int
     tokens: int
     bytes: int
-    sha256: str
+    checksum: str
+    """``storage.checksum``'s ``<algorithm>:<hex>`` of the whole file."""
     nonfinite: tuple[dict, ...] = ()
     """Samples whose states held NaN/Inf, skipped or kept (``storage.nonfinite.screen`` records)."""
 
@@ -121,7 +121,7 @@ def choose_rows_per_group(bytes_per_row: int, target_bytes: int = ROW_GROUP_TARG
 
 
 class _TrailingHasher:
-    """sha256 of a file being appended to, by a thread that follows the writer.
+    """The checksum of a file being appended to, by a thread that follows the writer.
 
     The writer stays on pyarrow's native file (no Python call per page). The
     thread reads each batch's new bytes back from the page cache, hashes them,
@@ -132,16 +132,16 @@ class _TrailingHasher:
 
     CHUNK_BYTES = 8 * 1024 * 1024
 
-    def __init__(self, path: str, name: str) -> None:
+    def __init__(self, path: str, name: str, algorithm: str) -> None:
         """``path`` opens the file (``storage.atomic.fd_path``); ``name`` is its file name, for the thread's."""
         self._file = open(path, "rb", buffering=0)
-        self._hash = hashlib.sha256()
+        self._hash = checksum.Hasher(algorithm)
         self._hashed = 0
         self.clock = StageClock(("hash", "sync"))
         """This thread's time hashing and in fdatasync; read it once ``finish`` or ``stop`` returned."""
         self._targets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"checksum {name}", daemon=True)
         self._thread.start()
 
     def advance(self, size: int) -> None:
@@ -149,12 +149,12 @@ class _TrailingHasher:
         self._targets.put(size)
 
     def finish(self, size: int) -> str:
-        """Hex sha256 of the first ``size`` bytes (the whole, closed file)."""
+        """The checksum of the first ``size`` bytes (the whole, closed file)."""
         self.advance(size)
         self.stop()
         if self._error is not None:
             raise self._error
-        return self._hash.hexdigest()
+        return self._hash.value
 
     def stop(self) -> None:
         """Ends the thread once it has done what it was asked so far."""
@@ -269,11 +269,14 @@ class ShardWriter:
 
     ``on_nonfinite`` (``storage.nonfinite.ACTIONS``) is what happens to a sample the
     extractor flagged as holding NaN/Inf: fail the shard, skip the sample, or keep it.
+    ``checksum_algorithm`` is the file checksum's (``storage.checksum``).
     """
 
-    def __init__(self, path: str | os.PathLike, metadata: ShardMetadata, on_nonfinite: str = nonfinite.FAIL) -> None:
+    def __init__(self, path: str | os.PathLike, metadata: ShardMetadata, on_nonfinite: str = nonfinite.FAIL,
+                 checksum_algorithm: str = checksum.DEFAULT_ALGORITHM) -> None:
         if on_nonfinite not in nonfinite.ACTIONS:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(nonfinite.ACTIONS)}")
+        self.checksum_algorithm = checksum.check_algorithm(checksum_algorithm)
         self.path = Path(path)
         self.temp_path = self.path.with_name(temp_file_name(self.path.name))
         self.metadata = metadata
@@ -295,7 +298,7 @@ class ShardWriter:
         self._fd = create_new(self.temp_path)
         try:
             self._file = pa.OSFile(fd_path(self._fd), "wb")
-            self._hasher = _TrailingHasher(fd_path(self._fd), self.temp_path.name)
+            self._hasher = _TrailingHasher(fd_path(self._fd), self.temp_path.name, self.checksum_algorithm)
             self._writer = pq.ParquetWriter(
                 self._file,
                 self._schema,
@@ -368,7 +371,7 @@ class ShardWriter:
             size = self._file.tell()
             self._file.close()
         hasher, self._hasher = self._hasher, None
-        sha256 = hasher.finish(size)  # waits for the hasher, whose time its own clock counts
+        value = hasher.finish(size)  # waits for the hasher, whose time its own clock counts
         self.clock.add(hasher.clock)
         with self.clock.stage("sync"):
             os.fsync(self._fd)
@@ -377,7 +380,7 @@ class ShardWriter:
             os.replace(self.temp_path, self.path)
             fsync_path(self.path.parent)
         return ShardFileInfo(
-            path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, sha256=sha256,
+            path=str(self.path), rows=self._rows, tokens=self._tokens, bytes=size, checksum=value,
             nonfinite=tuple(self._nonfinite),
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 import torch
+import xxhash
 
 from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
@@ -50,6 +52,14 @@ def engine_spec(model: Path, layer_ids, dtype: str = "float32", tp_size: int = 1
     )
     fields.update(overrides)
     return EngineSpec(**fields)
+
+
+def checksum_of(data: bytes, like: str) -> str:
+    """``data``'s checksum in the ``<algorithm>:<hex>`` form and algorithm of ``like`` (a recorded value), computed
+    here with the hash libraries themselves, not through ``storage.checksum``."""
+    algorithm = like.split(":", 1)[0]
+    digest = {"xxh3_128": lambda: xxhash.xxh3_128(data).hexdigest(), "sha256": lambda: hashlib.sha256(data).hexdigest()}
+    return f"{algorithm}:{digest[algorithm]()}"
 
 
 class ExtractorHandle:
@@ -162,7 +172,7 @@ def assert_reads_as_parquet_dataset(out: Path, rows: int) -> None:
 
 
 def assert_run_verifies(output_dir: Path, sink_options: dict | None = None) -> None:
-    """``jobs.verify --deep`` finds no problem in the run (files, sizes, sha256, schema, ids, NaN/Inf)."""
+    """``jobs.verify --deep`` finds no problem in the run (files, sizes, checksums, schema, ids, NaN/Inf)."""
     from jobs.verify import format_report, verify
 
     report = verify(Path(output_dir), deep=True, sink_options=sink_options)

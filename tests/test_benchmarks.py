@@ -30,7 +30,8 @@ def test_throughput_benchmark_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for row in ("(a) bare SGLang prefill", "(a2) extractor alone", "(b) full job", "(c) disk sequential write",
-                "writer pool", "(d) pipeline capacity, synthetic states, disk", "writers' CPU s per GB"):
+                "(d) pipeline capacity, synthetic states, disk", "where the extractor's time goes",
+                "the writers' CPU seconds per GB"):
         assert row in result.stdout, row
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["tokens"] == 8 * 96
@@ -39,11 +40,41 @@ def test_throughput_benchmark_smoke(tmp_path):
     rows = results["rows"]
     assert sorted(rows) == ["b", "d"]
     for name, row in rows.items():
-        assert row["tokens"] == 8 * 96, name
+        assert row["tokens"] == 8 * 96 and row["extracted_again"] == 0, name  # consumed, never taken for lost
         assert set(row["stage_seconds"]) == {"put", "wait", "fetch", "encode", "write", "hash", "sync", "commit"}
+        assert row["writer_cpus"] == ["all cores"]  # a CPU engine: the writers are not pinned
+        # the job's extractor was the warm one of (a) and (a2) (the synthetic source's its own); what it did is the
+        # job's alone: its forward thread's CPU per stage, the puts, its process's CPU
+        assert row["time"]["extractor_tokens"] == 8 * 96 and row["time"]["cpu_hand_on"] > 0, row["time"]
+        assert row["time"]["extractor_process_cpu"] > 0
+    assert rows["b"]["time"]["forward_thread_cpu"] > 0 and rows["b"]["time"]["cpu_prepare"] > 0
+    assert results["a_time"]["cpu_forward"] > 0
+    assert results["extractor_starts"] == 2  # the model's for (a), (a2) and (b); the synthetic source's for (d)
+    assert results["a2_time"]["extractor_tokens"] == 8 * 96 and results["a2_time"]["cpu_capture"] > 0
     # the synthetic source writes the same layout as the model: same bytes per token
     assert rows["d"]["bytes_per_token"] == pytest.approx(rows["b"]["bytes_per_token"], rel=0.02)
     assert rows["d"]["sglang"] == "none (synthetic states)"
+
+
+def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_path):
+    """``benchmarks.regenerate`` on CPU with SmolLM2 (greedy): jobs.prepare regenerate=true, every first prompt sent
+    at once and three shards answered at once, gives for every prompt the very answer (text, tokens) of one
+    ``Engine.generate`` over all of them, the path it replaced for one-question conversations; both rates are
+    measured in the same run (no rate is asserted)."""
+    env = python_env()
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.regenerate", "--device", "cpu", "--prompts", "12", "--max-new-tokens", "16",
+         "--shard-size", "4", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    prepare, own = results["prepare"], results["sglang_offline"]
+    assert (prepare["answers"], prepare["shards"], results["same_answers"]) == (12, 3, 12), results
+    assert prepare["generated_tokens"] == own["generated_tokens"] > 0
+    assert prepare["tokens_per_s"] > 0 and own["tokens_per_s"] > 0 and results["prepare_over_sglang"] > 0
+    assert "prepare / SGLang = " in result.stdout and "Paris" in result.stdout
 
 
 @pytest.mark.extended

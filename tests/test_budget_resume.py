@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import signal
@@ -28,7 +27,7 @@ from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT
-from tests.helpers import DiskSampler, job_config, python_env, read_all
+from tests.helpers import DiskSampler, checksum_of, job_config, python_env, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
@@ -54,10 +53,6 @@ def budget_config(model, data, out, budget, *extra):
         model, data, out, f"data.shard_size={SHARD_SIZE}", f"output.disk_budget={budget}",
         "output.rescan_s=0.2", "output.max_inflight_batches=2", "extract.max_tokens_per_batch=200", *extra,
     )
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def assert_sample_ids_complete(samples, count=NUM_SAMPLES):
@@ -90,7 +85,7 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
         assert record["state"] == DONE and record["location"] == SINK
         assert not (out / record["file"]).exists()  # verified, then deleted locally
         remote = fs.cat_file(fs._strip_protocol(record["sink_url"]))
-        assert len(remote) == record["bytes"] and sha256(remote) == record["sha256"]
+        assert len(remote) == record["bytes"] and checksum_of(remote, "xxh3_128") == record["checksum"]
     # the uploaded shards hold every sample once
     local_copy = tmp_path / "downloaded"
     local_copy.mkdir()

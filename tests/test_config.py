@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
+from jobs.actors.cpus import format_cores
 from jobs.driver.config import OutputConfig
 from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
@@ -26,6 +28,10 @@ from tests.helpers import python_env
     ("model.tp_size=abc", "model.tp_size: Value 'abc' of type 'str' could not be converted to Integer"),
     ("extract.last_hidden_state=maybe", "extract.last_hidden_state='maybe': use one of post_norm, pre_norm, none"),
     ("output.state_dtype=fp8", "output.state_dtype='fp8': use one of model, float8_e4m3fn"),
+    ("output.checksum=md5", "output.checksum='md5': use one of xxh3_128, sha256"),
+    ("output.resume_check=sha256", "output.resume_check='sha256': use one of size, checksum"),
+    ("output.writer_cpus=8-2", "output.writer_cpus='8-2': use auto, all, or a list of cores such as 4-15"),
+    ("output.writer_cpus=some", "output.writer_cpus='some': use auto, all, or a list of cores such as 4-15"),
     ("model.engine=vllm", "model.engine='vllm': use one of sglang, synthetic"),
     ("extract.layers=[2,x]", "extract.layers[1]: Value 'x'"),
     ("extract.layers=[2,3", "cannot parse 'extract.layers=[2,3' as key=YAML value"),
@@ -227,3 +233,43 @@ def test_a_hub_id_is_found_in_the_local_hugging_face_cache(llama_fp32, demo_data
         f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and not in the local Hugging Face "
         f"cache ({cache}). Download it first (hf download HuggingFaceTB/SmolLM2-135M-Instruct), or name the "
         "checkpoint's directory"]
+
+
+PLACE_WRITER = """
+import json, os, sys, threading
+from jobs.actors import cpus
+cpus.MIN_WRITER_CORES = int(sys.argv[3])
+started = threading.Event()
+threading.Thread(target=lambda: (started.set(), threading.Event().wait()), daemon=True).start()  # a thread from before
+started.wait()
+said = cpus.place_this_process(cpus.WriterCpus(sys.argv[1], int(sys.argv[2])))
+threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+print(json.dumps({"said": said, "cores": sorted({tuple(sorted(os.sched_getaffinity(t))) for t in threads}),
+                  "nice": sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads})}))
+"""
+
+
+def test_writer_cpus_pin_and_lower_every_thread_of_a_writer():
+    """``jobs.actors.cpus.place_this_process`` as a writer actor runs it (in a process of its own: it changes every
+    thread of its process, those started before it too)."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip("needs two cores")
+
+    def place(setting: str, reserved: int, min_writer_cores: int = 1) -> dict:
+        result = subprocess.run([sys.executable, "-c", PLACE_WRITER, setting, str(reserved), str(min_writer_cores)],
+                                cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    last = available[-1]
+    assert place(str(last), 0) == {"said": f"cores {last}", "cores": [[last]], "nice": [0]}  # a list: as named
+    assert place("auto", 0) == {"said": "all cores", "cores": [available], "nice": [0]}  # a CPU engine: unchanged
+    assert place("auto", 1) == {"said": f"cores {format_cores(available[1:])}, nice 5", "cores": [available[1:]],
+                                "nice": [5]}  # off the reserved core, at a lower priority
+    too_few = place("auto", 1, min_writer_cores=len(available))
+    assert too_few["cores"] == [available] and too_few["nice"] == [5]
+    assert too_few["said"].startswith("all cores, nice 5 ("), too_few["said"]
+    refused = subprocess.run([sys.executable, "-c", PLACE_WRITER, "4096", "0", "1"], cwd=REPO_ROOT, env=python_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert "output.writer_cpus=4096: cores 4096 are not among the cores" in refused.stderr, refused.stderr[-2000:]

@@ -152,7 +152,7 @@ class FakeWriter:
         data = bytes(tokens * BYTES_PER_TOKEN)
         path.write_bytes(data)
         self.world.published.append(shard)
-        return ShardFileInfo(str(path), tokens // TOKENS, tokens, len(data), hashlib.sha256(data).hexdigest())
+        return ShardFileInfo(str(path), tokens // TOKENS, tokens, len(data), "xxh3_128:" + hashlib.md5(data).hexdigest())
 
     def _discard(self, shard: int) -> None:
         self._check_alive()
@@ -218,7 +218,7 @@ class FakeUploader:
         self.world = world
         self.upload = Method(world.runtime, self._upload)
 
-    def _upload(self, path: str, nbytes: int, sha256: str) -> str:
+    def _upload(self, path: str, nbytes: int, checksum: str) -> str:
         if self.world.sink_broken:
             raise OSError(30, "Read-only file system")
         self.world.uploaded.append(Path(path).name)

@@ -7,7 +7,6 @@ the files they leave: every sample exactly once, the manifest true to the disk.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import ipaddress
 import re
 import subprocess
@@ -30,7 +29,7 @@ from jobs.status import status_report
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
-from tests.helpers import assert_run_verifies, read_all, user_env
+from tests.helpers import assert_run_verifies, checksum_of, read_all, user_env
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -41,12 +40,12 @@ def start_job(args: list[str], cwd: Path = REPO_ROOT, **env: str) -> subprocess.
 
 
 def assert_manifest_matches_disk(out: Path, samples: int) -> None:
-    """Every shard done, its file present with the recorded size and sha256; nothing else written."""
+    """Every shard done, its file present with the recorded size and checksum; nothing else written."""
     manifest = read_manifest(out)
     for record in manifest["shards"]:
         assert record["state"] == DONE and record["location"] == LOCAL, record
         data = (out / record["file"]).read_bytes()
-        assert len(data) == record["bytes"] and hashlib.sha256(data).hexdigest() == record["sha256"]
+        assert len(data) == record["bytes"] and checksum_of(data, "xxh3_128") == record["checksum"]
     assert sorted(read_all(out)) == list(range(samples))
     assert not list(out.glob(TEMP_GLOB))
     report = status_report(out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import hashlib
 import http.server
 import logging
 import os
@@ -36,7 +35,7 @@ from jobs.rundir.summary import read_summary
 from storage.consumed import consume_shard
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
-from tests.helpers import assert_every_sample_once, assert_run_verifies
+from tests.helpers import assert_every_sample_once, assert_run_verifies, checksum_of
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
@@ -422,11 +421,11 @@ class SinkHandler(http.server.BaseHTTPRequestHandler):
 
 
 def local_files_are_whole(out: Path) -> list[dict]:
-    """The manifest's local shards, each checked against its file (size and sha256)."""
+    """The manifest's local shards, each checked against its file (size and checksum)."""
     local = [r for r in read_manifest(out)["shards"] if r["state"] == DONE and r["location"] == LOCAL]
     for record in local:
         data = (out / record["file"]).read_bytes()
-        assert len(data) == record["bytes"] and hashlib.sha256(data).hexdigest() == record["sha256"]
+        assert len(data) == record["bytes"] and checksum_of(data, "xxh3_128") == record["checksum"]
     return local
 
 
@@ -449,7 +448,7 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
         sink.mode, sink.uploads_accepted = "corrupt", None
         assert main(args) == EXIT_UPLOADS_FAILED
         local = local_files_are_whole(out)
-        assert len(local) == SHARDS - 1 and all("sha256" in r["error"] for r in local)
+        assert len(local) == SHARDS - 1 and all("checksum" in r["error"] for r in local)
 
         # a healthy sink: the rerun uploads and verifies the rest, then deletes them locally
         sink.mode = "ok"

@@ -201,12 +201,12 @@ def test_links_are_never_followed_and_a_consumed_export_is_checked(ray_cluster, 
         file.write(bytes([byte[0] ^ 0x01]))
     checked = verify_command(out)
     assert checked.returncode == 6, checked.stdout + checked.stderr
-    assert f"{dest}/{first_ckpt}: its sha256 is not the one recorded when shard-00000.parquet was exported" \
+    assert f"{dest}/{first_ckpt}: its checksum is not the one recorded when shard-00000.parquet was exported" \
         in checked.stdout, checked.stdout
     assert "rerun the job's command with shards=[0]" in checked.stdout
     rerun = export_command(out, dest, "consume=true")
     assert rerun.returncode == 4, rerun.stderr[-3000:]
-    assert f"{dest}/{first_ckpt}: its sha256 is not the one recorded" in rerun.stderr, rerun.stderr[-3000:]
+    assert f"{dest}/{first_ckpt}: its checksum is not the one recorded" in rerun.stderr, rerun.stderr[-3000:]
 
 
 def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links(tmp_path):

@@ -43,6 +43,8 @@ def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset
     assert summary["bytes"] == sum(f.stat().st_size for f in files)
     assert summary["shards_failed"] == {}
     assert summary["writers"] == 2 and summary["peak_open_shards"] == 2  # both writers worked at once
+    # output.writer_cpus=auto with a CPU engine (its threads take every core): writers not pinned
+    assert [node["writer_cpus"] for node in summary["nodes"].values()] == ["all cores"]
     assert json.loads((out / SUMMARY_FILE).read_text())["tokens"] == summary["tokens"]
     drafter = json.loads((out / DRAFTER_CONFIG_FILE).read_text())
     assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]

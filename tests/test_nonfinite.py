@@ -99,11 +99,11 @@ def test_fail_names_sample_shard_and_layer_then_skip_completes_the_run(ray_clust
     # a skipped sample is not a missing one: the rerun has nothing to do
     assert run(nan_config(nan_model, nan_data, out, "extract.on_nonfinite=skip"))["outcome"] == NOTHING_TO_DO
 
-    # 4 KB flipped in the middle of a shard: verify names the file's sha256, the reader raises
+    # 4 KB flipped in the middle of a shard: verify names the file's checksum, the reader raises
     flip_middle(out / shard_file_name(0))
     code, report = verify(out, capsys=capsys)
     assert code == EXIT_VERIFY_FAILED
-    assert re.search(rf"{out / shard_file_name(0)}: sha256 \w+ differs from the manifest's", report), report
+    assert re.search(rf"{out / shard_file_name(0)}: checksum xxh3_128:\w+ differs from the manifest's", report), report
     with pytest.raises(OSError, match="CRC checksum verification failed"):
         list(ShardReader(out / shard_file_name(0)))
 

@@ -163,11 +163,14 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert records[3]["consumed_into"] == "trainer run 7"
     assert not list(out.glob(".shard-*.consumed")), "the declaration is removed once the manifest records it"
 
+    # with checksums: shard 2 too, written again with sha256 beside the others' xxh3_128, each checked with its own
     checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
-                          "output.resume_check=sha256")
-    again = run(checksum)  # with checksums: shard 2 too
+                          "output.resume_check=checksum", "output.checksum=sha256")
+    again = run(checksum)
     assert again["this_run"]["shards_selected"] == 1
-    assert {r["index"]: r["attempts"] for r in read_manifest(out)["shards"]}[2] == 2
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert records[2]["attempts"] == 2 and records[2]["checksum"].startswith("sha256:")
+    assert records[4]["checksum"].startswith("xxh3_128:")
     assert {files[4].name: files[4].stat().st_mtime_ns} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
     assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",

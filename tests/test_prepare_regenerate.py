@@ -50,6 +50,9 @@ def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
     rows = demo_conversations(12, seed=7)
     rows[5]["conversations"][-1]["from"] = "narrator"  # invalid before any answer: listed, never sent to SGLang
+    # The regenerator answers every shard at once: the last shard's twelve exchanges (answered one after the other)
+    # keep it going well after the first shard is published, so the run is stopped with a shard left to answer.
+    rows[10]["conversations"] = [turn for _ in range(12) for turn in rows[10]["conversations"][-2:]]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out, log = tmp_path / "out", tmp_path / "prepare.log"
@@ -67,6 +70,7 @@ def test_regeneration_resumes_after_a_kill(ray_cluster, model, tmp_path):
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=120) == EXIT_SIGNAL_BASE + signal.SIGTERM, log.read_text()[-3000:]
     before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in (out / REGENERATED_DIR).glob("*.jsonl")}
+    assert 1 <= len(before) < 3, sorted(before)  # stopped with a shard left to answer
     assert not list(out.glob("part-*.parquet"))  # no tokens are published before the run completes
     assert json.loads((out / RECORD_FILE).read_text())["state"] == "running"
 

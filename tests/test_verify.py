@@ -65,7 +65,7 @@ def write_shard(path, meta, sample_ids, nan_samples=(), on_nonfinite="fail", fla
 
 def record(manifest: Manifest, index: int, info) -> None:
     manifest.update(index, state=DONE, file=shard_file_name(index), rows=info.rows, tokens=info.tokens,
-                    bytes=info.bytes, sha256=info.sha256, location=LOCAL, nonfinite=list(info.nonfinite))
+                    bytes=info.bytes, checksum=info.checksum, location=LOCAL, nonfinite=list(info.nonfinite))
 
 
 def write_run(out, shards=3, meta=None, invalid=(), **shard_options):
@@ -115,7 +115,7 @@ def test_every_problem_is_listed_one_line_each(tmp_path, capsys):
     assert code == EXIT_VERIFY_FAILED
     problems = "\n".join(lines)
     expected = [
-        r"shard-00000.parquet: sha256 \w+ differs from the manifest's \w+; the file changed .* shards=\[0\]",
+        r"shard-00000.parquet: checksum xxh3_128:\w+ differs from the manifest's xxh3_128:\w+; the file changed .* shards=\[0\]",
         r"shard-00001.parquet: missing: the manifest lists shard 1 as done here and no consumer declared it "
         r"consumed .*: it was lost; rerun the job.s command: it extracts the shard again",
         rf"shard-00002.parquet: {ROWS} rows, the manifest recorded {ROWS + 1}; .*shards=\[2\]",
@@ -191,7 +191,7 @@ def test_shards_in_the_sink_are_checked_where_they_are(tmp_path, capsys):
     flip_middle(sink / shard_file_name(1))
     code, lines = verify_lines(out, capsys=capsys)
     assert code == EXIT_VERIFY_FAILED
-    assert lines[0].startswith(f"file://{sink / shard_file_name(1)}: sha256 ")
+    assert lines[0].startswith(f"file://{sink / shard_file_name(1)}: checksum ")
 
 
 def test_writer_fails_skips_or_keeps_nonfinite_samples(tmp_path):

@@ -7,14 +7,14 @@ run's local shards (and before it reads the next shard):
    are fsynced now, so that no crash can take back a name the deletion relies on;
 2. verified against the shard: every file written now is read back from the storage (a local
    file's cached pages dropped first: the bytes come from the disk, not from memory) and its
-   size and sha256 compared with the bytes made from the shard; the files of the shard's first
+   size and checksum compared with the bytes made from the shard; the files of the shard's first
    and last samples (kept as the export read them from the shard) are loaded as the trainer
    loads them (``torch.load``, ``safetensors``) and compared, tensor by tensor, bit for bit, with
    what the format makes of them and with their own token ids and states;
-3. recorded: the list of the files made of the shard, with their sizes and sha256, is written into
+3. recorded: the list of the files made of the shard, with their sizes and checksums, is written into
    the export (``storage.exported``, ``.export-files/``) and made durable; then the run's manifest
    marks the shard ``consumed`` into ``<format>:<dest>`` (``consumed_into``), with the list's own
-   sha256 (one fsynced journal line): ``jobs.verify`` checks the export's files against the list
+   checksum (one fsynced journal line): ``jobs.verify`` checks the export's files against the list
    instead of a missing file, a resumed extraction counts the shard as done, the dataset leaves it
    out saying where it went;
 4. deleted: the shard file is unlinked and output.dir fsynced.
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from storage.atomic import fsync_path
-from storage.exported import check_exported_files, list_bytes, list_path, sha256_of
+from storage import checksum
+from storage.exported import check_exported_files, list_bytes, list_path
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
@@ -99,17 +100,18 @@ class ShardConsumer:
         dest.sync_directories(put.path for put in puts)
         written = [put for put in puts if put.wrote]  # the others were read back and compared before they were kept
         # Hashing releases the GIL: the files are read back and hashed by as many threads as wrote them.
-        for put, (size, sha256) in zip(written, self._pool.map(lambda put: dest.digest(put.path), written)):
-            if (size, sha256) != (put.size, put.sha256):
+        digests = self._pool.map(lambda put: dest.digest(put.path, checksum.algorithm_of(put.checksum)), written)
+        for put, (size, value) in zip(written, digests):
+            if (size, value) != (put.size, put.checksum):
                 raise ExportVerificationError(
-                    f"{dest.url}/{put.path} reads back as {size} bytes with sha256 {sha256}, but {put.size} bytes "
-                    f"with sha256 {put.sha256} were written from {shard.url}: the storage changed them. {shard.name} is "
+                    f"{dest.url}/{put.path} reads back as {size} bytes with checksum {value}, but {put.size} bytes "
+                    f"with checksum {put.checksum} were written from {shard.url}: the storage changed them. {shard.name} is "
                     "kept; check the disk under dest, then rerun the same command (the file is written again)"
                 )
         self._check_first_and_last(shard, ends)
         listed = self._list_files(shard, puts)
         self.manifest.update(shard.index, location=CONSUMED, consumed_into=self.job.key,
-                             exported_files_sha256=sha256_of(listed))
+                             exported_files_checksum=checksum.of_bytes(listed))
         self._delete(Path(shard.url))
         self.report["consumed"] += 1
         self.report["freed_bytes"] += shard.bytes
@@ -117,10 +119,10 @@ class ShardConsumer:
                     shard.name, shard.bytes / 1e6)
 
     def _list_files(self, shard: ExportShard, puts: Sequence[Put]) -> bytes:
-        """The list of the shard's files with their sizes and sha256 (``storage.exported``), written into the export
+        """The list of the shard's files with their sizes and checksums (``storage.exported``), written into the export
         and made durable before the manifest records the shard consumed; returns its bytes."""
         samples = set(self.job.paths(shard, rows=False))  # speculators' rows file goes once the dataset is made
-        files = {put.path: (put.size, put.sha256) for put in puts if put.path in samples}
+        files = {put.path: (put.size, put.checksum) for put in puts if put.path in samples}
         listed = list_bytes(shard.name, files)
         self.job.dest.write_bytes(list_path(shard.name), listed)
         self.job.dest.sync_directories([list_path(shard.name)])
@@ -185,12 +187,12 @@ class ShardConsumer:
 
 
 def check_consumed(job: PreparedExport, shard: ExportShard, map_: Callable[..., Iterable[Any]] = map) -> None:
-    """The files of a shard consumed into this export, the only copy of its samples, against the sizes and sha256
+    """The files of a shard consumed into this export, the only copy of its samples, against the sizes and checksums
     listed when it was consumed (shards consumed before exports listed them: not checked);
     ExportVerificationError naming every file that differs (``map_`` hashes them, a pool's map in threads)."""
-    if not shard.exported_files_sha256:
+    if not shard.exported_files_checksum:
         return
-    _, problems = check_exported_files(job.dest.fs, job.dest.root, shard.name, shard.exported_files_sha256, map_)
+    _, problems = check_exported_files(job.dest.fs, job.dest.root, shard.name, shard.exported_files_checksum, map_)
     if problems:
         named = "; ".join(f"{job.dest.url}/{path}: {what}" for path, what in problems[:5])
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

@@ -12,7 +12,6 @@ the file is uploaded to its final name directly: a rename there is a copy.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -22,15 +21,13 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from storage import checksum
 from storage.atomic import fsync_path, open_new
 
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
 """Object stores where an object becomes visible only when its upload is complete."""
-DIGEST_CHUNK = 8 << 20
-"""Bytes read at a time when a file is hashed back."""
-
 
 class Destination:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -102,23 +99,16 @@ class Destination:
         found = self.fs.find(base, detail=True)
         return {path[len(prefix):]: int(info["size"]) for path, info in found.items() if path.startswith(prefix)}
 
-    def digest(self, relpath: str) -> tuple[int, str]:
-        """Size and sha256 of ``relpath`` as the storage holds it. A local file's pages are first dropped from the
-        page cache (it was fsynced, so they are clean): the bytes then come from the disk, not from memory."""
-        sha = hashlib.sha256()
-        size = 0
+    def digest(self, relpath: str, algorithm: str) -> tuple[int, str]:
+        """Size and checksum (``storage.checksum``, of ``algorithm``) of ``relpath`` as the storage holds it. A local
+        file's pages are first dropped from the page cache (it was fsynced, so they are clean): the bytes then come
+        from the disk, not from memory."""
         if self.local:
             with open(self.path(relpath), "rb", buffering=0) as file:
                 os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                while chunk := file.read(DIGEST_CHUNK):
-                    sha.update(chunk)
-                    size += len(chunk)
-            return size, sha.hexdigest()
-        with self.fs.open(self.path(relpath), "rb") as file:
-            while chunk := file.read(DIGEST_CHUNK):
-                sha.update(chunk)
-                size += len(chunk)
-        return size, sha.hexdigest()
+                return checksum.of_stream(file, algorithm)
+        with self.fs.open(self.path(relpath), "rb", block_size=checksum.READ_CHUNK_BYTES) as file:
+            return checksum.of_stream(file, algorithm)
 
     def read_bytes(self, relpath: str) -> bytes:
         with self.fs.open(self.path(relpath), "rb") as file:

@@ -18,9 +18,9 @@ written, durable and verified against it (``training.consume``), so that the exp
 one shard's worth of space beyond the run instead of a second copy.
 
 ``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
-metadata, each shard's file, rows, sha256 and sample ids); a rerun of the same export skips the
+metadata, each shard's file, rows, checksum and sample ids); a rerun of the same export skips the
 files already there (with ``consume=true`` it reads them back first and rewrites any that
-differ; the files of shards consumed already are checked against the sizes and sha256 listed
+differ; the files of shards consumed already are checked against the sizes and checksums listed
 when they were, ``storage.exported``), and an export of anything else into that ``dest`` is
 refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while writing
 (rerun: it resumes), 5 a job holds the run (consume=true), 130/143 stopped by a signal (rerun:
@@ -33,7 +33,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
-import hashlib
 import importlib.util
 import io
 import json
@@ -53,7 +52,7 @@ import pyarrow.compute as pc
 import torch
 
 from common.checks import check_int, check_seconds
-from storage import schema
+from storage import checksum, schema
 from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE
 from storage.reader import Sample, sample_from_table
 from storage.run_index import (
@@ -76,8 +75,9 @@ from training.peer_formats import SPECFORGE, SPECULATORS
 logger = logging.getLogger("jobs.export")
 
 STATE_FILE = ".export_state.json"
-EXPORT_VERSION = 2
-"""2: the state lists every shard (file, rows, sha256, sample ids), so that shards consumed since still count."""
+EXPORT_VERSION = 3
+"""The state lists every shard (file, rows, checksum, sample ids), so that shards consumed since still count;
+3: checksums are ``storage.checksum``'s ``<algorithm>:<hex>``."""
 ROWS_DIR = ".export-rows"
 """speculators: each shard's dataset rows (input_ids, loss_mask, seq_len) as an Arrow file, until the dataset is
 written from them at the end (with consume=true the shards they come from are gone by then)."""
@@ -107,7 +107,7 @@ class ExportConfig:
     """fsspec options for dest (e.g. client_kwargs for an S3 endpoint)."""
     consume: bool = False
     """Delete each of the run's local shard files as soon as its samples are exported: after its files are written,
-    fsynced and verified against it (sizes and sha256 read back, its first and last sample loaded as the trainer loads
+    fsynced and verified against it (sizes and checksums read back, its first and last sample loaded as the trainer loads
     them). The export then needs one shard's worth of space beyond the run, not a second copy. The run's manifest
     records each shard as consumed into dest. Needs the run's output.dir, and no job running on it."""
     fp8: Optional[bool] = None
@@ -208,7 +208,7 @@ class ExportShard:
     name: str
     """Its file name (shard-00007.parquet): what the export state knows it by."""
     rows: int
-    sha256: str
+    checksum: str
     """As the run's manifest recorded it (empty for a run listed without a manifest)."""
     ids: np.ndarray
     """Its sample ids, sorted: speculators' row i is the i-th sample id over the shards in order."""
@@ -222,8 +222,8 @@ class ExportShard:
     """local | sink | consumed, as the manifest says (empty without a manifest)."""
     bytes: int = 0
     tokens: int = 0
-    exported_files_sha256: str = ""
-    """A shard consumed into this export: the sha256 of its files' list (``storage.exported``), as the run's manifest
+    exported_files_checksum: str = ""
+    """A shard consumed into this export: the checksum of its files' list (``storage.exported``), as the run's manifest
     recorded it (empty for one consumed before exports listed their files)."""
 
     @property
@@ -232,7 +232,7 @@ class ExportShard:
 
     def record(self) -> dict[str, Any]:
         """What the export state keeps of it."""
-        return {"file": self.name, "rows": self.rows, "sha256": self.sha256, "sample_ids": id_ranges([self.ids])}
+        return {"file": self.name, "rows": self.rows, "checksum": self.checksum, "sample_ids": id_ranges([self.ids])}
 
 
 @dataclasses.dataclass
@@ -324,7 +324,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
 # -- what the run holds, and what the export holds of it --------------------------------------------
 
 def _list_run(config: ExportConfig, key: str) -> tuple[list[tuple[str, str, Optional[dict]]], list[dict], list[str]]:
-    """The shard files to read (url, sha256, manifest record), the records of shards consumed into this export,
+    """The shard files to read (url, checksum, manifest record), the records of shards consumed into this export,
     and a note on what is left out (not done, or consumed elsewhere)."""
     directory = config.run_directory()
     if directory is None:
@@ -335,7 +335,7 @@ def _list_run(config: ExportConfig, key: str) -> tuple[list[tuple[str, str, Opti
                 "or drop consume"
             )
         files, _ = list_run_files(config.output.dir, config.output.sink_options)
-        return [(url, sha, None) for url, sha in files], [], []
+        return [(url, value, None) for url, value in files], [], []
     found, left_out = manifest_shards(directory)
     consumed = [r for r in left_out if r["state"] == DONE and r["location"] == CONSUMED and r["consumed_into"] == key]
     others = [r for r in left_out if r not in consumed]
@@ -345,7 +345,7 @@ def _list_run(config: ExportConfig, key: str) -> tuple[list[tuple[str, str, Opti
     note = left_out_note(directory, len(found) + len(consumed), len(found) + len(left_out), others)
     if note:
         logger.warning("%s", note)
-    return [(url, record["sha256"], record) for record, url in found], consumed, [note] if note else []
+    return [(url, record["checksum"], record) for record, url in found], consumed, [note] if note else []
 
 
 def _stored_metadata(stored: Optional[dict[str, Any]], config: ExportConfig) -> ShardMetadata:
@@ -364,7 +364,7 @@ def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Option
         record = records[file.url] or {}
         ids, tokens = _ids_and_tokens(file.url, config.output.sink_options)
         shards.append(ExportShard(
-            name=record.get("file") or file.url.rsplit("/", 1)[-1], rows=file.rows, sha256=file.sha256, ids=ids,
+            name=record.get("file") or file.url.rsplit("/", 1)[-1], rows=file.rows, checksum=file.checksum, ids=ids,
             url=file.url, index=record.get("index"), location=record.get("location", ""),
             bytes=record.get("bytes", 0), tokens=tokens,
         ))
@@ -378,9 +378,9 @@ def _shards(index: Optional[RunIndex], readable: Sequence[tuple[str, str, Option
             )
         mine = known[record["file"]]
         shards.append(ExportShard(
-            name=record["file"], rows=mine["rows"], sha256=mine["sha256"], ids=_ids_from_ranges(mine["sample_ids"]),
+            name=record["file"], rows=mine["rows"], checksum=mine["checksum"], ids=_ids_from_ranges(mine["sample_ids"]),
             index=record["index"], location=CONSUMED, bytes=record["bytes"], tokens=record["tokens"],
-            exported_files_sha256=record.get("exported_files_sha256", ""),
+            exported_files_checksum=record.get("exported_files_checksum", ""),
         ))
     shards.sort(key=lambda shard: (int(shard.ids[0]) if len(shard.ids) else -1, shard.name))
     row = 0
@@ -464,7 +464,7 @@ class Put:
 
     path: str
     size: int
-    sha256: str
+    checksum: str
     """Of the bytes made from the run's shard (consume only: what the file is verified against)."""
     wrote: bool
     """Written now; False: it was there with exactly these bytes (read back and compared)."""
@@ -591,17 +591,17 @@ def _file_bytes(job: PreparedExport, sample: Sample) -> bytes | memoryview:
 
 
 def _put(dest: Destination, path: str, data: bytes | memoryview, present: Optional[dict[str, int]]) -> Put:
-    """Write ``data`` to ``path``; with ``present`` (consume: the file is verified later, against the sha256 of
+    """Write ``data`` to ``path``; with ``present`` (consume: the file is verified later, against the checksum of
     ``data``), a file already there is read back and kept only if it holds exactly ``data``."""
-    sha256 = hashlib.sha256(data).hexdigest() if present is not None else ""
+    value = checksum.of_bytes(data) if present is not None else ""
     size = len(data)
     if present is not None and path in present:
-        if present[path] == size and dest.digest(path) == (size, sha256):
-            return Put(path, size, sha256, wrote=False)
+        if present[path] == size and dest.digest(path, checksum.DEFAULT_ALGORITHM) == (size, value):
+            return Put(path, size, value, wrote=False)
         logger.warning("%s/%s: not the bytes the run's shard gives (changed since it was written); writing it again",
                        dest.url, path)
     dest.write_bytes(path, data)
-    return Put(path, size, sha256, wrote=True)
+    return Put(path, size, value, wrote=True)
 
 
 def _state_bytes(sample: Sample) -> int:

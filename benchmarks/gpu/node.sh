@@ -80,7 +80,7 @@ run() {
   local status=0
   (cd "$root" && "$python" -m "benchmarks.$benchmark" --device cuda --out "$out/$name.json" "$@") \
     >"$out/$name.out" 2>"$out/$name.log" || status=$?
-  tail -40 "$out/$name.out"
+  tail -70 "$out/$name.out"
   [ "$status" -eq 0 ] || tail -60 "$out/$name.log"
   return "$status"
 }

@@ -18,10 +18,10 @@ class UploaderActor:
         self._sink = sink
         self._options = dict(storage_options)
 
-    def upload(self, local_path: str, nbytes: int, sha256: str) -> str:
-        """Upload and verify (size + sha256); returns the sink URL. The driver deletes the local copy."""
+    def upload(self, local_path: str, nbytes: int, checksum: str) -> str:
+        """Upload and verify (size + checksum); returns the sink URL. The driver deletes the local copy."""
         try:
-            return upload_verified(local_path, self._sink, nbytes, sha256, self._options)
+            return upload_verified(local_path, self._sink, nbytes, checksum, self._options)
         except SinkVerificationError:
             raise
         except Exception as error:

@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from extractor.types import CapturedBatch, TokenBatch, split_flat
+from jobs.actors.cpus import WriterCpus, place_this_process
 from jobs.errors import RERUN, JobFault, is_disk_full
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 from storage.writer import StageClock, temp_file_name
@@ -60,12 +61,24 @@ class ExtractorLost(RuntimeError):
 _EXTRACTOR_GONE = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError)
 
 
+@dataclasses.dataclass(frozen=True)
+class WriterSettings:
+    """What every writer of a node is started with."""
+
+    on_nonfinite: str = "fail"
+    """extract.on_nonfinite: what a shard writer does with a sample whose states hold NaN/Inf."""
+    checksum: str = "xxh3_128"
+    """output.checksum: the algorithm of each file's checksum (``storage.checksum``)."""
+    cpus: WriterCpus = WriterCpus("all", 0)
+    """Where on the node the writer runs (``jobs.actors.cpus``)."""
+
+
 class WriterActor:
-    def __init__(self, output_dir: str, metadata: ShardMetadata, on_nonfinite: str = "fail") -> None:
+    def __init__(self, output_dir: str, metadata: ShardMetadata, settings: WriterSettings = WriterSettings()) -> None:
+        self._cpus = place_this_process(settings.cpus)  # first: the threads started later inherit it
         self._dir = Path(output_dir)
         self._metadata = metadata
-        self._on_nonfinite = on_nonfinite
-        """extract.on_nonfinite: what a shard writer does with a sample whose states hold NaN/Inf."""
+        self._settings = settings
         self._open: dict[int, ShardWriter] = {}
         self._failed: dict[int, ShardFailed | ExtractorLost] = {}
         """Why a shard failed, raised again by its later calls."""
@@ -75,6 +88,10 @@ class WriterActor:
         """Answers once the actor's process is up (the driver starts the first batch after that), with
         the id of the node it runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def cpus(self) -> str:
+        """The cores and priority this writer runs with (``jobs.actors.cpus``)."""
+        return self._cpus
 
     def append(self, rows: BatchRows, captured: list[ray.ObjectRef]) -> int:
         """Write one batch; returns its token count (0 once the shard has failed). Raises ExtractorLost
@@ -89,7 +106,8 @@ class WriterActor:
             writer = self._open.get(rows.shard)
             if writer is None:
                 path = self._dir / shard_file_name(rows.shard)
-                writer = ShardWriter(path, self._metadata, self._on_nonfinite).__enter__()
+                writer = ShardWriter(path, self._metadata, self._settings.on_nonfinite,
+                                     self._settings.checksum).__enter__()
                 self._open[rows.shard] = writer
             writer.append(
                 rows.sample_ids.tolist(), rows.tokens.samples(), split_flat(rows.loss_masks, rows.tokens.offsets),
@@ -161,19 +179,21 @@ class WriterPool:
     """The writer actors; a dead one is replaced by a new one in its slot."""
 
     def __init__(
-        self, output_dir: Path, metadata: ShardMetadata, on_nonfinite: str, count: int, placement: dict[str, Any]
+        self, output_dir: Path, metadata: ShardMetadata, settings: WriterSettings, count: int, placement: dict[str, Any]
     ) -> None:
         self._output_dir = str(output_dir)
         self._metadata = metadata
-        self._on_nonfinite = on_nonfinite
+        self._settings = settings
         self._class = ray.remote(WriterActor).options(num_cpus=1, **placement)
         self.writers = [self._new() for _ in range(count)]
+        self.cpus = ""
+        """Where the writers run, as the first of them reported it (``wait_ready``)."""
 
     def __len__(self) -> int:
         return len(self.writers)
 
     def _new(self) -> Any:
-        return self._class.remote(self._output_dir, self._metadata, self._on_nonfinite)
+        return self._class.remote(self._output_dir, self._metadata, self._settings)
 
     def wait_ready(self) -> list[str]:
         """Every writer's process is up (process start-up is start-up time); returns their node ids."""
@@ -186,7 +206,9 @@ class WriterPool:
                 f"{ray.available_resources().get('CPU', 0):.0f} free now). Lower output.num_writers or "
                 f"free the cluster's CPUs. {RERUN}"
             )
-        return ray.get(refs)  # raises if a writer failed to start
+        nodes = ray.get(refs)  # raises if a writer failed to start
+        self.cpus = ray.get(self.writers[0].cpus.remote())
+        return nodes
 
     def is_member(self, writer: Any) -> bool:
         return any(writer is current for current in self.writers)

@@ -9,13 +9,13 @@ behind the writers).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
+from storage import checksum
 from storage.atomic import write_synced
 from storage.consumed import RECORD_GLOB, file_of_record, read_records
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
@@ -46,8 +46,9 @@ def _existing(directory: str, names: list[str]) -> list[str]:
     return [name for name in names if (Path(directory) / name).exists()]
 
 
-def _file_facts(directory: str, names: list[str], checksum: bool) -> dict[str, tuple[int, str]]:
-    """Size (and, with ``checksum``, sha256) of each of ``names`` that is a file there."""
+def _file_facts(directory: str, names: list[str], algorithms: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+    """Size (and, for a name in ``algorithms``, its checksum of that algorithm) of each of ``names`` that is a file
+    there."""
     facts = {}
     for name in names:
         path = Path(directory) / name
@@ -55,16 +56,8 @@ def _file_facts(directory: str, names: list[str], checksum: bool) -> dict[str, t
             size = path.stat().st_size
         except FileNotFoundError:
             continue
-        facts[name] = (size, _sha256(path) if checksum else "")
+        facts[name] = (size, checksum.of_file(path, algorithms[name]) if name in algorithms else "")
     return facts
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(8 * 1024 * 1024):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _remove(directory: str, names: list[str]) -> None:
@@ -142,9 +135,9 @@ class LocalDisk:
     def existing(self, names: Iterable[str]) -> set[str]:
         return set(_existing(str(self.directory), list(names)))
 
-    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
-        """Size and (with ``checksum``) sha256 of each named file present."""
-        return _file_facts(str(self.directory), list(names), checksum)
+    def file_facts(self, names: Iterable[str], algorithms: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+        """Size and (for a name in ``algorithms``) checksum of each named file present."""
+        return _file_facts(str(self.directory), list(names), dict(algorithms))
 
     def remove(self, names: Iterable[str]) -> None:
         _remove(str(self.directory), list(names))
@@ -194,8 +187,8 @@ class NodeDisk(LocalDisk):
     def existing(self, names: Iterable[str]) -> set[str]:
         return set(self._run(_existing, str(self.directory), list(names)))
 
-    def file_facts(self, names: Iterable[str], checksum: bool) -> dict[str, tuple[int, str]]:
-        return self._run(_file_facts, str(self.directory), list(names), checksum)
+    def file_facts(self, names: Iterable[str], algorithms: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+        return self._run(_file_facts, str(self.directory), list(names), dict(algorithms))
 
     def remove(self, names: Iterable[str]) -> None:
         self._run(_remove, str(self.directory), list(names))

@@ -135,7 +135,8 @@ class GenerationConfig:
     top_k: int = -1
     """Sample among the k likeliest tokens (-1: off)."""
     seed: int = 0
-    """SGLang's random seed: the same requests in the same order sample the same answers."""
+    """SGLang's random seed. Sampled answers also depend on which requests the engine batches together,
+    which follows the answers' timing: a rerun samples others (greedy answers do not change)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

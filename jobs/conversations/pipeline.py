@@ -30,7 +30,7 @@ from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.progress import Progress
 from jobs.conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
-from jobs.conversations.regenerate import regenerated_rows, start_regenerator
+from jobs.conversations.regenerate import regenerated_rows, shards_at_once, start_regenerator
 from jobs.conversations.template import ChatTemplate
 from jobs.conversations.tokenize import (
     ShardOutcome,
@@ -77,6 +77,17 @@ class Inputs:
     def server_args(self) -> dict[str, Any]:
         """The serving command's settings the engine applies (beyond the model.* keys)."""
         return self.serving.server_args_for(self.config.model) if self.serving else {}
+
+    def generator_spec(self, device: str) -> GeneratorSpec:
+        """The engine regeneration runs (``device`` resolved on the Ray cluster)."""
+        model = self.config.model
+        return GeneratorSpec(
+            model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
+            attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
+            mem_fraction_static=model.mem_fraction_static,
+            max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
+            seed=self.config.generation.seed, server_args=self.server_args(),
+        )
 
     def content(self) -> dict[str, Any]:
         """Everything that changes the parts' contents."""
@@ -189,7 +200,8 @@ def check_before_regenerating(inputs: Inputs, todo: set[int]) -> None:
 
 
 def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
-    """Answers for the shards in ``todo``, each published as soon as it is answered; returns the stats."""
+    """Answers for the shards in ``todo``, each published as soon as it and those before it are answered; returns
+    the stats (``seconds``: from the first shard sent to the last published, the engine's start-up not counted)."""
     config = inputs.config
     model = config.model
     done_before = (inputs.shards - len(todo)) * config.output.shard_size
@@ -197,36 +209,32 @@ def regenerate_all(inputs: Inputs, todo: set[int]) -> dict[str, Any]:
     started = time.perf_counter()
     with ray_session(config.ray.address):
         device = resolve_device(model.device, model.tp_size)
-        spec = GeneratorSpec(
-            model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
-            attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
-            mem_fraction_static=model.mem_fraction_static,
-            max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
-            seed=config.generation.seed, server_args=inputs.server_args(),
-        )
-        actor = start_regenerator(spec, inputs.chat, config.generation.sampling_params(),
-                                  config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings)
+        actor = start_regenerator(inputs.generator_spec(device), inputs.chat, config.generation.sampling_params(),
+                                  config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings,
+                                  config.output.shard_size)
+        at_once = shards_at_once(config.output.shard_size)
         progress = Progress("regenerate", inputs.total, config.progress.interval_s, already=min(done_before, inputs.total))
-        pending: Optional[tuple[int, list[ConversationRow], Any]] = None
+        pending: list[tuple[int, list[ConversationRow], Any]] = []
         try:
             stats["sglang_version"] = ray.get(actor.sglang_version.remote())  # the engine is up
             logger.info("regenerating %d of %d shards on %s (tp %d)", len(todo), inputs.shards, device, model.tp_size)
+            generating = time.perf_counter()
             for shard, rows in shards_of(input_rows(inputs, regenerate=True), config.output.shard_size):
                 if shard not in todo:
                     continue
                 valid = [(row.conversation_id, row.messages) for row in rows if row.messages is not None]
-                submitted = (shard, rows, actor.regenerate.remote(valid))
-                if pending is not None:  # one shard generates while the one before is published
-                    _publish_answers(inputs, *pending, stats, progress)
-                pending = submitted
-            if pending is not None:
-                _publish_answers(inputs, *pending, stats, progress)
+                pending.append((shard, rows, actor.regenerate.remote(valid)))
+                if len(pending) > at_once:  # the actor answers that many; the next waits in its queue
+                    _publish_answers(inputs, *pending.pop(0), stats, progress)
+            for answered in pending:
+                _publish_answers(inputs, *answered, stats, progress)
+            stats["seconds"] = time.perf_counter() - generating
             try:
                 ray.get(actor.close.remote(), timeout=60)  # a clean engine shutdown
             except Exception as error:  # the engine goes with the actor either way
                 logger.warning("closing the SGLang engine: %s", error)
         finally:
-            # Also on a failure or a signal: the shard in flight is not waited for (what was published stays),
+            # Also on a failure or a signal: the shards in flight are not waited for (what was published stays),
             # and the engine's own processes end with the actor's.
             progress.close()
             ray.kill(actor)
@@ -245,7 +253,7 @@ def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], re
         records.append({**record, "source": dataclasses.asdict(row.source), "id": row.row_id})
     out_dir.write_regenerated(inputs.out, shard, records)
     stats["shards"] += 1
-    for key in ("answers", "generated_tokens", "seconds", "cut_at_max_new_tokens"):
+    for key in ("answers", "generated_tokens", "cut_at_max_new_tokens"):
         stats[key] += shard_stats[key]
     progress.update(len(rows))
 

@@ -3,19 +3,26 @@
 For each conversation the assistant turns are replaced, in order, by the target's own answers:
 the prompt for an answer is the conversation so far (earlier answers already the target's),
 rendered with the chat template and ``add_generation_prompt=True``, exactly as step 1 will render
-it; a trailing user turn is answered too. Answers are generated in rounds (round r: the r-th answer
-of every conversation of the shard), each round one batch that ``sglang.Engine`` schedules itself.
+it; a trailing user turn is answered too. Every conversation's first prompt goes to the engine at
+once, and each next prompt as soon as the answer before it is back (``Generator.submit``): the
+engine's continuous batching always has work, instead of waiting at the end of each round for
+its slowest answer. With greedy decoding the answers are the ones a batch per round gives.
 
 The engine lives in a Ray actor (``Regenerator``) holding the model's ``tp_size`` GPUs on CUDA, one
-CPU on CPU. The driver sends it a shard's valid conversations, gets the regenerated ones back and
-publishes them as ``_regenerated/part-NNNNN.jsonl`` before the next shard's answers come back
-(one shard is always in flight): a killed run resumes from the next shard not published.
+CPU on CPU; it answers several shards at a time (``shards_at_once``: enough for more conversations
+than SGLang runs at once, at least two). The driver sends it shards, gets each one's regenerated
+conversations back in order and publishes them as ``_regenerated/part-NNNNN.jsonl`` while the
+next shards are answered: the engine never waits for a shard's slowest answer nor for a shard to
+be published, and a killed run resumes from the first shard not published.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -28,6 +35,18 @@ from jobs.conversations.template import ChatTemplate, Messages
 logger = logging.getLogger(__name__)
 
 REGENERATOR_CPUS = 1
+IN_FLIGHT_CONVERSATIONS = 8192
+"""Conversations the engine is given at once, over as many shards as that takes: more than SGLang runs at once
+(its default max_running_requests is 2048-4096), so its scheduler always has requests waiting, at a shard's end
+too."""
+MAX_SHARDS_AT_ONCE = 32
+"""Each shard being answered holds one of the actor's threads."""
+
+
+def shards_at_once(shard_size: int) -> int:
+    """Shards the regenerator answers at once: ``IN_FLIGHT_CONVERSATIONS`` worth, at least two (the next shard's
+    prompts wait in the engine behind the last answers of the one before), at most ``MAX_SHARDS_AT_ONCE``."""
+    return min(MAX_SHARDS_AT_ONCE, max(2, -(-IN_FLIGHT_CONVERSATIONS // shard_size)))
 AFTER_REGENERATION = "after regeneration: "
 """Starts the reason of a row that became invalid through its regenerated answers."""
 
@@ -71,6 +90,8 @@ class Regenerator:
         self.sampling = dict(sampling, stop_token_ids=sorted(self.chat.stop_ids))
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
+        self._chat_lock = threading.Lock()
+        """The tokenizer is not for two threads at once (a fast tokenizer raises "Already borrowed")."""
         self.generator = Generator(spec)
 
     def sglang_version(self) -> str:
@@ -78,39 +99,25 @@ class Regenerator:
 
     def regenerate(self, conversations: Sequence[tuple[int, Messages]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Each conversation with its answers replaced by the target's (or why it could not be), and the
-        shard's generation stats."""
+        shard's generation stats. Safe to call from several threads at once (``shards_at_once``)."""
         started = time.perf_counter()
         todo = [_Conversation(conversation_id, messages) for conversation_id, messages in conversations]
-        active = todo
-        generated = rounds = 0
-        while active:
-            prompts = [(conversation, conversation.next_prompt()) for conversation in active]
-            active = [conversation for conversation, prompt in prompts if prompt is not None]
-            if not active:
-                break
-            rounds += 1
-            ids = self.chat.prompt_ids([prompt for _, prompt in prompts if prompt is not None])
-            requests = []
-            for conversation, prompt_ids in zip(active, ids):
-                if isinstance(prompt_ids, str):
-                    conversation.reason = prompt_ids
-                    continue
-                room = min(self.max_new_tokens, self.context_length - len(prompt_ids))
-                if room < 1:
-                    conversation.reason = (f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} "
-                                           f"tokens, leaving no room in the model's context of {self.context_length}")
-                    continue
-                requests.append((conversation, prompt_ids, dict(self.sampling, max_new_tokens=room)))
-            completions = self.generator.generate([r[1] for r in requests], [r[2] for r in requests])
-            for (conversation, _, _), completion in zip(requests, completions):
-                generated += len(completion.output_ids)
-                try:
+        answered: queue.SimpleQueue[tuple[_Conversation, concurrent.futures.Future]] = queue.SimpleQueue()
+        pending = self._ask(todo, answered)
+        generated = 0
+        while pending:
+            conversation, future = answered.get()
+            pending -= 1
+            completion = future.result()  # the engine's error, if it failed, ends the shard
+            generated += len(completion.output_ids)
+            try:
+                with self._chat_lock:
                     text = self.chat.decode(completion.output_ids)
-                except Exception as error:  # ids the tokenizer has no text for (a model vocab larger than it)
-                    conversation.reason = f"the tokenizer cannot decode the answer ({type(error).__name__}: {error})"
-                    continue
-                conversation.answer(text, completion.finish_reason, len(completion.output_ids))
-            active = [conversation for conversation in active if conversation.reason is None]
+            except Exception as error:  # ids the tokenizer has no text for (a model vocab larger than it)
+                conversation.reason = f"the tokenizer cannot decode the answer ({type(error).__name__}: {error})"
+                continue
+            conversation.answer(text, completion.finish_reason, len(completion.output_ids))
+            pending += self._ask([conversation], answered)
         records = [
             {"conversation_id": c.conversation_id, "invalid": AFTER_REGENERATION + c.reason} if c.reason else
             {"conversation_id": c.conversation_id, "messages": c.done, "answers": c.answers}
@@ -118,20 +125,47 @@ class Regenerator:
         ]
         seconds = time.perf_counter() - started
         answers = [a for c in todo for a in c.answers]
-        stats = {"answers": len(answers), "generated_tokens": generated, "seconds": seconds, "rounds": rounds,
+        stats = {"answers": len(answers), "generated_tokens": generated, "seconds": seconds,
+                 "rounds": max((len(c.answers) for c in todo), default=0),
                  "cut_at_max_new_tokens": sum(a["finish_reason"] == FINISH_LENGTH for a in answers)}
         return records, stats
+
+    def _ask(self, conversations: Sequence[_Conversation],
+             answered: "queue.SimpleQueue[tuple[_Conversation, concurrent.futures.Future]]") -> int:
+        """Send each conversation's next prompt to the engine (its answer goes to ``answered``); returns how
+        many were sent. A conversation with no answer left, or whose prompt cannot be answered, is done."""
+        asking = [(c, prompt) for c in conversations if (prompt := c.next_prompt()) is not None]
+        if not asking:
+            return 0
+        with self._chat_lock:
+            ids = self.chat.prompt_ids([prompt for _, prompt in asking])
+        sent = 0
+        for (conversation, _), prompt_ids in zip(asking, ids):
+            if isinstance(prompt_ids, str):
+                conversation.reason = prompt_ids
+                continue
+            room = min(self.max_new_tokens, self.context_length - len(prompt_ids))
+            if room < 1:
+                conversation.reason = (f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} "
+                                       f"tokens, leaving no room in the model's context of {self.context_length}")
+                continue
+            future = self.generator.submit(prompt_ids, dict(self.sampling, max_new_tokens=room))
+            future.add_done_callback(lambda done, c=conversation: answered.put((c, done)))
+            sent += 1
+        return sent
 
     def close(self) -> None:
         self.generator.close()
 
 
 def start_regenerator(spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
-                      context_length: int) -> Any:
-    """The regeneration actor: the model's tp_size GPUs on CUDA (SGLang's engine runs its ranks itself)."""
+                      context_length: int, shard_size: int) -> Any:
+    """The regeneration actor: the model's tp_size GPUs on CUDA (SGLang's engine runs its ranks itself), answering
+    ``shards_at_once(shard_size)`` shards at a time."""
     return (
         ray.remote(Regenerator)
-        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS)
+        .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS,
+                 max_concurrency=shards_at_once(shard_size))
         .remote(spec, chat, sampling, max_new_tokens, context_length)
     )
 

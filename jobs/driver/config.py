@@ -10,9 +10,26 @@ import functools
 from typing import Any, Dict
 
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
-from storage.schema import STATE_DTYPES
+from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, STATE_DTYPES
 
-RESUME_CHECKS = ("size", "sha256")
+RESUME_CHECKS = ("size", "checksum")
+AUTO = "auto"
+WRITER_CPUS = (AUTO, "all")
+
+
+def parse_cpu_list(value: str, key: str) -> list[int]:
+    """``"4-7,9"`` -> [4, 5, 6, 7, 9] (the notation of taskset and /sys/devices/system/cpu)."""
+    cores: set[int] = set()
+    for part in str(value).split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            low, high = 0, -1
+        if low < 0 or high < low:
+            raise ValueError(f"{key}={value!r}: use auto, all, or a list of cores such as 4-15 or 2,3,8-11")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
 
 
 @dataclasses.dataclass
@@ -44,7 +61,16 @@ class OutputConfig:
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
     resume_check: str = "size"
     """What a rerun checks of every done shard's file before it trusts it: size (present, of its recorded size) or
-    sha256 (also its checksum; reads every file once). A file that fails is extracted again."""
+    checksum (also its recorded checksum; reads every file once). A file that fails is extracted again."""
+    checksum: str = DEFAULT_CHECKSUM
+    """Checksum of every shard file, computed as it is written, recorded in the manifest and checked by the
+    sink upload, resume_check=checksum and jobs.verify: xxh3_128 (xxhash; ~15x less CPU) or sha256 (what
+    sha256sum prints). Files are always checked with the algorithm they were recorded with."""
+    writer_cpus: str = AUTO
+    """Cores the writer actors run on. auto: with CUDA extractors, every core of the node but the first 2 per GPU
+    of its extractors + 2 (left to their forward threads, the driver and Ray), writers at nice 5; all cores on
+    CPU or on a node with fewer than 4 cores beyond those. all: no pinning. Or a core list for every node, e.g.
+    8-15. The summary's nodes.<node>.writer_cpus says what each node's writers got."""
     state_dtype: str = "model"
     """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
     per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
@@ -66,6 +92,9 @@ class OutputConfig:
         check_int("output.max_inflight_batches", self.max_inflight_batches, 0, "0 picks writers + 2")
         check_choice("output.state_dtype", self.state_dtype, STATE_DTYPES)
         check_choice("output.resume_check", self.resume_check, RESUME_CHECKS)
+        check_choice("output.checksum", self.checksum, CHECKSUM_ALGORITHMS)
+        if self.writer_cpus not in WRITER_CPUS:
+            parse_cpu_list(self.writer_cpus, "output.writer_cpus")
         if self.sink_options and not self.sink:
             raise ValueError("output.sink_options is set but output.sink is empty: name the sink URL too")
 

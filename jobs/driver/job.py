@@ -106,7 +106,7 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     manifest = _resumable_manifest(inputs, ranges)
     checked_node: Optional[str] = None
     if manifest is not None:
-        checked_node = _check_files_here(manifest, output_dir, config.output.resume_check == "sha256")
+        checked_node = _check_files_here(manifest, output_dir, config.output.resume_check == "checksum")
         selected = {record.index for record in select_shards(manifest, config.shards)}
         unchecked = any(r.location == LOCAL and r.node != checked_node for r in manifest.in_state(DONE))
         if not selected and not unchecked and not _uploads_left(manifest, config.output.sink):
@@ -243,7 +243,7 @@ def _prepare_directories(
     for group in groups:
         if not (group.directory == output_dir and group.name == checked_node):
             check_done_files(group.disk(), manifest, group.name, group.directory == output_dir,
-                             config.output.resume_check == "sha256")
+                             config.output.resume_check == "checksum")
     to_run = select_shards(manifest, config.shards)
     for group in groups:
         clean_output_dir(group.disk(), manifest, to_run, group.name, group.directory == output_dir)

@@ -40,7 +40,7 @@ def node_figures(lanes: Lanes) -> dict[str, dict[str, Any]]:
     return {
         lane.group.name: {
             "directory": str(lane.group.directory), "node_id": lane.group.node_id,
-            "writers": len(lane.writers), "budget_peak": lane.budget.peak,
+            "writers": len(lane.writers), "writer_cpus": lane.writers.cpus, "budget_peak": lane.budget.peak,
             "budget_overshoot": lane.budget.overshoot, "restarts": lane.extractor.generation,
         }
         for lane in lanes

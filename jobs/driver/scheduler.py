@@ -167,7 +167,7 @@ class Scheduler:
         lane.budget.commit(attempt.index, info.bytes, info.tokens, self._bytes_per_token)
         record = self._manifest.update(
             attempt.index, state=DONE, error="", file=Path(info.path).name, rows=info.rows, tokens=info.tokens,
-            bytes=info.bytes, sha256=info.sha256, location=LOCAL, sink_url="", node=lane.group.name,
+            bytes=info.bytes, checksum=info.checksum, location=LOCAL, sink_url="", node=lane.group.name,
             nonfinite=list(info.nonfinite),
         )
         self._progress.shard_settled(attempt.index)

@@ -19,7 +19,8 @@ from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.actors import uploader
 from jobs.actors.extractor import ExtractorHost
-from jobs.actors.writer import WriterPool
+from jobs.actors.cpus import writer_cpus
+from jobs.actors.writer import WriterPool, WriterSettings
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.budget import DiskBudget, format_bytes
 from jobs.driver.config import OutputConfig
@@ -65,7 +66,8 @@ def start_lanes(
         metadata = shard_metadata(engine, spec)
         budgets: dict[Path, DiskBudget] = {}
         for group, extractor in zip(groups, extractors):
-            writers = WriterPool(group.directory, metadata, extract.on_nonfinite, group.writers, group.placement())
+            writers = WriterPool(group.directory, metadata, _writer_settings(spec, groups, group, extract, output),
+                                 group.writers, group.placement())
             if group.directory not in budgets:
                 budgets[group.directory] = budget.for_disk(group.disk())
             max_inflight = output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
@@ -80,14 +82,21 @@ def start_lanes(
     return StartedLanes(Lanes(lanes, output_dir), engine, bytes_per_token)
 
 
+def _writer_settings(spec: EngineSpec, groups: list[NodeGroup], group: NodeGroup, extract: ExtractConfig,
+                     output: OutputConfig) -> WriterSettings:
+    on_node = sum(other.node_id == group.node_id for other in groups)
+    gpus = on_node * spec.tp_size if spec.device == "cuda" else 0
+    return WriterSettings(extract.on_nonfinite, output.checksum, writer_cpus(output.writer_cpus, gpus))
+
+
 def _wait_for_writers(lanes: list[Lane], spec: EngineSpec, bytes_per_token: int) -> None:
     """While the writers start: the batches in flight, and a little more, touch the object store's pages."""
     warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in lanes]
     for lane in lanes:
         _check_node(lane, lane.writers.wait_ready())
         logger.info(
-            "node %s: %d writers, at most %d batches in flight (about %s of states in memory) -> %s",
-            lane.group.name, len(lane.writers), lane.max_inflight,
+            "node %s: %d writers on %s, at most %d batches in flight (about %s of states in memory) -> %s",
+            lane.group.name, len(lane.writers), lane.writers.cpus, lane.max_inflight,
             format_bytes(lane.max_inflight * spec.max_tokens_per_batch * bytes_per_token), lane.group.directory,
         )
     ray.get(warmed)
@@ -152,8 +161,13 @@ def _check_node(lane: Lane, writer_nodes: list[str]) -> None:
 
 
 def _add_activity(total: CaptureActivity, more: CaptureActivity) -> CaptureActivity:
+    stages = {clock: dict(seconds) for clock, seconds in total.stage_seconds.items()}
+    for clock, seconds in more.stage_seconds.items():
+        for stage, value in seconds.items():
+            stages.setdefault(clock, {})[stage] = stages.get(clock, {}).get(stage, 0.0) + value
     return dataclasses.replace(
         total, batches=total.batches + more.batches, tokens=total.tokens + more.tokens,
         busy_seconds=total.busy_seconds + more.busy_seconds,
-        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds,
+        hand_on_seconds=total.hand_on_seconds + more.hand_on_seconds, stage_seconds=stages,
+        process_cpu_seconds=total.process_cpu_seconds + more.process_cpu_seconds,
     )

@@ -1,6 +1,6 @@
 """The upload queue: committed shard files on their way to the sink, from the offer to the local copy's deletion.
 
-An upload is verified remotely (size and sha256) before the queue records the
+An upload is verified remotely (size and checksum) before the queue records the
 shard as in the sink and deletes the local copy (record first: a crash in
 between leaves a local copy the next run removes). One that fails or does not
 verify leaves the file local, its error in the manifest, and is offered again at
@@ -59,7 +59,7 @@ class UploadQueue:
         self._uploading.add(record.index)
         self._retries.discard(record.index)
         path = lane.group.directory / record.file
-        self._work.add(uploader.upload.remote(str(path), record.bytes, record.sha256), Upload(record.index))
+        self._work.add(uploader.upload.remote(str(path), record.bytes, record.checksum), Upload(record.index))
 
     def settle(self, shard: int, ref: Any) -> None:
         """The upload ended: the shard is in the sink and its local copy deleted, or its error recorded."""

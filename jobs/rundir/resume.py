@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
+from storage.checksum import algorithm_of
 from storage.consumed import record_name
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
@@ -82,7 +83,7 @@ def check_done_files(
     disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
 ) -> list[int]:
     """Before a rerun trusts them: every done shard's file in this node's directory is there, of the size the
-    manifest recorded (and, with ``checksum``, of its sha256). A shard whose file is not is pending again (the
+    manifest recorded (and, with ``checksum``, of its recorded checksum). A shard whose file is not is pending again (the
     clean-up removes what is left of it) and is written again; returns those shards.
 
     A file that is gone was consumed only if a consumer declared it (``storage.consumed.consume_shard``): then it
@@ -92,11 +93,12 @@ def check_done_files(
         record for record in manifest.in_state(DONE)
         if record.location == LOCAL and (record.node == node or (not record.node and holds_unnamed))
     ]
-    facts = disk.file_facts([record.file for record in records], checksum)
+    algorithms = {record.file: algorithm_of(record.checksum) for record in records} if checksum else {}
+    facts = disk.file_facts([record.file for record in records], algorithms)
     declared = disk.consumed(record.file for record in records if record.file not in facts)
     damaged = []
     for record in records:
-        size, sha256 = facts.get(record.file, (None, ""))
+        size, found = facts.get(record.file, (None, ""))
         if size is None and record.file in declared:
             logger.info("shard %d: %s was consumed into %s (declared by its consumer)", record.index,
                         disk.directory / record.file, declared[record.file]["into"])
@@ -107,8 +109,8 @@ def check_done_files(
                        "consumed")
         elif size != record.bytes:
             problem = f"{size} bytes, the manifest recorded {record.bytes}"
-        elif checksum and sha256 != record.sha256:
-            problem = "its sha256 is not the one the manifest recorded"
+        elif checksum and found != record.checksum:
+            problem = "its checksum is not the one the manifest recorded"
         else:
             continue
         message = f"{disk.directory / record.file}: {problem}; the shard is written again"
