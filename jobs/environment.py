@@ -19,7 +19,7 @@ from jobs.errors import EXIT_BAD_INPUT
 REQUIRED_MODULES = {
     "torch": "torch", "transformers": "transformers", "ray": "ray", "pyarrow": "pyarrow", "fsspec": "fsspec",
     "omegaconf": "omegaconf", "PyYAML": "yaml", "numpy": "numpy", "psutil": "psutil", "tqdm": "tqdm",
-    "huggingface-hub": "huggingface_hub",
+    "huggingface-hub": "huggingface_hub", "xxhash": "xxhash",
 }
 """pyproject.toml's dependencies (distribution -> the module the code imports)."""
 RUNTIME_ENV = "conf/runtime-env.yaml"
