@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -49,10 +49,8 @@ from storage.exported import check_exported_files, list_bytes, list_path
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
+from training.export_job import ExportShard, PreparedExport, Put
 from training.peer_formats import SPECFORGE, SPECULATORS
-
-if TYPE_CHECKING:
-    from training.export import ExportShard, PreparedExport, Put
 
 logger = logging.getLogger("jobs.export")
 
@@ -188,7 +186,7 @@ class ShardConsumer:
 
 def check_consumed(job: PreparedExport, shard: ExportShard, map_: Callable[..., Iterable[Any]] = map) -> None:
     """The files of a shard consumed into this export, the only copy of its samples, against the sizes and checksums
-    listed when it was consumed (shards consumed before exports listed them: not checked);
+    listed when it was consumed (a shard declared consumed through ``storage.consumed`` lists none: not checked);
     ExportVerificationError naming every file that differs (``map_`` hashes them, a pool's map in threads)."""
     if not shard.exported_files_checksum:
         return
