@@ -52,7 +52,7 @@ from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
 from training.export_job import ExportShard, PreparedExport, Put
 from training.peer_formats import SPECFORGE, SPECULATORS
 
-logger = logging.getLogger("jobs.export")
+logger = logging.getLogger(__name__)
 
 FILE_OVERHEAD_BYTES = 4096
 """What a file adds beyond its tensors, at most: its header (torch's zip records, safetensors' JSON) and a

@@ -78,7 +78,7 @@ from training.destination import Destination, is_temp
 from training.final_state import FinalNorm, final_norm_for
 from training.peer_formats import SPECFORGE, SPECULATORS
 
-logger = logging.getLogger("jobs.export")
+logger = logging.getLogger(__name__)
 
 STATE_FILE = ".export_state.json"
 EXPORT_VERSION = 3
