@@ -1,30 +1,11 @@
 """Exports a run into the layout a trainer reads: SpecForge's ``.ckpt`` files or speculators' dataset.
 
-Writes a run's samples in the layout a trainer reads (``training.peer_formats`` names what
-each one reads, from its code): SpecForge's ``rows_{g}-{g+2000}/data_{sample_id}.ckpt``, or
-speculators' preprocessed dataset (``save_to_disk``: ``input_ids``, ``loss_mask``,
-``seq_len``, with ``token_freq.pt``) and ``hidden_states/hs_{i}.safetensors`` for its row ``i``.
-
-What the format needs is checked before anything is written: the final state the trainer
-reads (post-norm for SpecForge, pre-norm for speculators; a pre-norm run serves SpecForge too,
-the checkpoint's final norm applied at export: ``training.final_state``), a complete run,
-bit-exact states when ``exact=true``, room for the files on a local ``dest``. Then it goes a
-shard at a time: one row group of the shard read at a time, at most ``2 * threads`` samples
-being written, each file whole or absent (``training.destination``); speculators' rows of the
-shard go to a small hidden file beside them (``.export-rows/``), from which the dataset is made
-at the end.
-With ``consume=true`` each of the run's local shard files is deleted once its files are
-written, durable and verified against it (``training.consume``), so that the export needs
-one shard's worth of space beyond the run instead of a second copy.
-
-``.export_state.json`` in ``dest`` records what is being exported (format, states, the run's
-metadata, each shard's file, rows, checksum and sample ids); a rerun of the same export skips the
-files already there (with ``consume=true`` it reads them back first and rewrites any that
-differ; the files of shards consumed already are checked against the sizes and checksums listed
-when they were, ``storage.exported``), and an export of anything else into that ``dest`` is
-refused. Exit codes: 0 done, 2 bad config or input (nothing written), 4 an error while writing
-(rerun: it resumes), 5 a job holds the run (consume=true), 130/143 stopped by a signal (rerun:
-it resumes).
+``prepare`` checks, before anything is written, what the format needs (the final state the trainer
+reads, ``training.final_state``; a complete run; bit-exact states when ``exact=true``; room on a local
+``dest``) and claims ``dest`` with ``.export_state.json``; ``write`` then goes a shard at a time, with
+bounded memory, each file whole or absent (``training.destination``), and a rerun of the same export
+resumes. The layouts (``training.peer_formats``), the refusals, the exit codes and export in place
+(``consume=true``, ``training.consume``): docs/training.md.
 """
 
 from __future__ import annotations
