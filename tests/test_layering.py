@@ -6,9 +6,8 @@
 - ``common/`` (the shared config checks) imports nothing of the project.
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
-- No import circles between the project's modules (module-level imports, those under
-  ``if TYPE_CHECKING:`` included: a circle of types is still a circle). A package's ``__init__``
-  may import its own submodules; a submodule importing its package's ``__init__`` back is a circle.
+- No import circles (module-level imports, ``if TYPE_CHECKING:`` included: a circle of types is still
+  a circle); a package's ``__init__`` may import its submodules, a submodule never its ``__init__``.
 - Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
   ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
   ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
