@@ -29,7 +29,7 @@ import fsspec
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from storage import schema
+import storage.schema as schema
 from storage.consumed import read_record, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.schema import ShardMetadata, metadata_from_schema

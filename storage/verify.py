@@ -36,7 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage import checksum, schema
+import storage.checksum as checksum
+import storage.schema as schema
 from storage.consumed import read_record, record_name
 from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest

@@ -22,7 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import checksum, nonfinite, schema
+import storage.checksum as checksum
+import storage.nonfinite as nonfinite
+import storage.schema as schema
 from storage.atomic import create_new, fd_path, fsync_path
 from storage.schema import ShardMetadata
 
