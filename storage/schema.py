@@ -91,7 +91,8 @@ MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 FP8 = "float8_e4m3fn"
 # Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
 # float32 scale per token and layer (half the bytes through the host copy, object store and disk).
-STATE_DTYPES = ("model", FP8)
+SAME_AS_MODEL = "model"
+STATE_DTYPES = (SAME_AS_MODEL, FP8)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
 FINAL_STATES = ("post_norm", "pre_norm", "none")
@@ -99,6 +100,11 @@ FINAL_STATES = ("post_norm", "pre_norm", "none")
 # them as "<algorithm>:<hex>"; new files get output.checksum's algorithm.
 CHECKSUM_ALGORITHMS = ("xxh3_128", "sha256")
 DEFAULT_CHECKSUM = "xxh3_128"
+
+
+def stored_dtype(state_dtype: str, model_dtype: str) -> str:
+    """The element type the states are stored in for a ``STATE_DTYPES`` choice and the model's dtype."""
+    return model_dtype if state_dtype == SAME_AS_MODEL else state_dtype
 
 
 @dataclasses.dataclass(frozen=True)

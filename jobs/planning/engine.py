@@ -11,6 +11,7 @@ from extractor.config import ExtractConfig, ModelConfig
 from extractor.serving import parse_serving
 from extractor.types import EngineInfo, EngineSpec
 from storage import ShardMetadata
+from storage.schema import stored_dtype
 
 
 def build_engine_spec(
@@ -43,7 +44,7 @@ def build_engine_spec(
 def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
     return ShardMetadata(
         dtype=engine.dtype,
-        state_dtype=engine.dtype if spec.state_dtype == "model" else spec.state_dtype,
+        state_dtype=stored_dtype(spec.state_dtype, engine.dtype),
         hidden_size=engine.hidden_size,
         layer_ids=engine.layer_ids,
         layers_to_capture=engine.layers_to_capture,
