@@ -51,16 +51,6 @@ VERIFY_THREADS = 8
 IDS_SHOWN = 10
 """Sample ids named in one line; the count says how many there are."""
 
-_CONTENT_FIELDS = {
-    "model.path": "model_path",
-    "model.dtype": "dtype",
-    "model.tp_size": "tp_size",
-    "extract.layers": "layer_ids",
-    "extract.last_hidden_state": "last_hidden_state",
-}
-"""Keys of the manifest's ``content`` block -> the ShardMetadata field each file must carry for them."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Problem:
     where: str
@@ -122,14 +112,16 @@ class _ShardCheck:
 def verify_run(
     output_dir: str | Path, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
     invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
-    export_options: Mapping[str, Any] | None = None,
+    export_options: Mapping[str, Any] | None = None, expected_metadata: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
     ``storage_options`` open the sink's files (``output.sink_options``); ``invalid_sample_ids`` are
     the input rows the run left out under ``data.on_invalid=skip``; ``node_directories`` (node name ->
     directory) say where the shards a record places on a node are, when the run had several nodes;
-    ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``).
+    ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``);
+    ``expected_metadata`` (ShardMetadata field -> value) is what the run's manifest says every file must
+    record (the job reads it from the manifest's ``content``, whose keys are its own).
     """
     node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
@@ -167,7 +159,7 @@ def verify_run(
     for check in checks:
         report.problems += check.problems
         report.notes += [check.note] if check.note else []
-    report.problems += _disagreements(checks, manifest["content"])
+    report.problems += _disagreements(checks, dict(expected_metadata or {}))
     for directory in {output_dir, *node_directories.values()}:
         report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
     # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.
@@ -389,17 +381,13 @@ def _values(column: pa.ChunkedArray) -> Iterator[tuple[Any, int, int]]:
             yield data, int(offsets[row]), int(offsets[row + 1])
 
 
-def _disagreements(checks: list[_ShardCheck], content: dict[str, Any]) -> list[Problem]:
-    """Every file's metadata equals the first file's, and the first file's agrees with the run's content."""
+def _disagreements(checks: list[_ShardCheck], expected: dict[str, Any]) -> list[Problem]:
+    """Every file's metadata equals the first file's, and the first file's has the ``expected`` fields."""
     readable = [check for check in checks if check.metadata is not None]
     if not readable:
         return []
     first = readable[0]
     problems = []
-    expected = {field: content[key] for key, field in _CONTENT_FIELDS.items() if key in content}
-    if "output.state_dtype" in content and "model.dtype" in content:
-        stored = content["output.state_dtype"]
-        expected["state_dtype"] = content["model.dtype"] if stored == "model" else stored
     differing = [f"{field}={getattr(first.metadata, field)!r} in the file, {value!r} in the manifest"
                  for field, value in expected.items() if getattr(first.metadata, field) != value]
     if differing:
