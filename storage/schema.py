@@ -1,27 +1,10 @@
-"""Parquet format v2: one row per sample, hidden states as raw little-endian bytes.
+"""The shard file's format: every column, how each is stored, and every metadata key.
 
-Columns
-  sample_id                int64         row index of the sample in the input dataset
-  input_ids                list<int32>   the sample's tokens
-  loss_mask                list<uint8>   1 where the token is trained on (all ones if the input had none)
-  aux_hidden_states        large_binary  row-major [T, L*H] in ``state_dtype``, layers in ``layer_ids`` order
-  aux_hidden_states_scales large_binary  row-major [T, L] float32 (only with fp8 states)
-  last_hidden_state        large_binary  row-major [T, H] in ``state_dtype``: the final state, post_norm
-                                         or pre_norm as ``last_hidden_state`` in the metadata says
-                                         (only when extracted)
-  last_hidden_state_scales large_binary  row-major [T, 1] float32 (only with fp8 states)
-
-``state_dtype`` is the model dtype (bit-exact with SGLang) or float8_e4m3fn, where
-token t's slice of layer j is ``fp8 values * scales[t, j]`` (scale = amax / 448;
-0 for a slice of zeros).
-
-Hidden states are stored as bytes, not as Arrow floats: Arrow has no bfloat16
-or fp8, and ``FixedSizeList<halffloat>`` writes ~8x slower. Shape and dtype live
-in the file's key-value metadata (``ShardMetadata``), so a reader rebuilds
-tensors without parsing anything per row.
-
-Format v1 (no scale columns; ``has_last_hidden_state`` in the metadata, always
-post-norm; states in the model dtype) is read as the v2 metadata it implies.
+One row per sample; hidden states are raw little-endian bytes in ``state_dtype`` (the model's dtype,
+bit-exact with SGLang, or float8_e4m3fn with float32 scale columns), whose shape and dtype live in the
+file's key-value metadata (``ShardMetadata``): a reader rebuilds tensors without parsing anything per
+row. Files of format v1 are read as the v2 metadata they imply. What each column holds, and why bytes
+rather than Arrow floats: docs/format.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""Checks a run's files against its manifest: nothing missing, changed, duplicated, or NaN unawares.
+"""The checks behind ``jobs.verify``: a run's files against its manifest, every problem listed.
 
-``verify_run`` reads the manifest (snapshot + journal) and, for every shard it lists
-as done, the file where the manifest says it is (``output.dir``, or its ``sink_url``
-through fsspec): its size and checksum against what the writer recorded; its footer
-(the schema the format builds for its ``ShardMetadata``, the same metadata in every
-file, agreeing with the run's ``content`` block); its rows and tokens against the
-manifest; its sample ids against the rows the plan gives the shard (positions
-``[start, stop)`` of the input's sample ids less the invalid rows the run left out),
-less the samples left out for NaN/Inf states. Together that makes the ids of the
-whole input complete and each one written once. Every Parquet page read is checked
-against its CRC. ``deep`` also reads every state column: each value's length
-against its tokens, and no NaN/Inf outside the samples the manifest flags as kept
-(fp8 runs: the raw values and their scales).
-
-A shard consumed into an export (``jobs.export consume=true``) has no file left here:
-the export's files of it are checked instead, against the sizes and checksums listed when
-it was consumed (``storage.exported``). A done shard's file that is gone is missing
-unless a consumer declared it consumed (``storage.consumed``); a shard recorded as
-consumed without saying where its samples went is a problem too.
-
-Every problem is a ``Problem``: the file, what is wrong, what to do; all of them are
-listed, not just the first.
+``verify_run`` checks each shard the manifest lists as done, where the manifest says its file is
+(output.dir or the sink): size and checksum, the footer's schema and metadata, rows, tokens, and
+sample ids (together: every sample of the input in exactly one file, or accounted for); ``deep``
+also reads every state for NaN/Inf. A shard consumed into an export is checked through the
+export's files (``storage.exported``). Each problem is a ``Problem``: the file, what is wrong,
+what to do. The whole list of checks: docs/operations.md, "Checking a run".
 """
 
 from __future__ import annotations
