@@ -11,12 +11,12 @@ from extractor.config import ExtractConfig, ModelConfig
 from extractor.serving import parse_serving
 from extractor.types import EngineInfo, EngineSpec
 from storage import ShardMetadata
-from storage.schema import stored_dtype
+from storage.schema import SAME_AS_MODEL, stored_dtype
 
 
 def build_engine_spec(
     model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int,
-    state_dtype: str = "model",
+    state_dtype: str = SAME_AS_MODEL,
 ) -> EngineSpec:
     """``model`` as ``jobs.planning.inputs.read_inputs`` left it: the serving command's values already in its keys."""
     serving = parse_serving(model.serving)
