@@ -6,7 +6,8 @@
 - ``common/`` (the shared config checks) imports nothing of the project.
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
-- No import circles between the project's modules (module-level imports).
+- No import circles between the project's modules (module-level imports); ``storage``'s modules import each
+  other, never the package itself (its ``__init__`` imports the writer).
 - Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
   ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
   ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
@@ -123,6 +124,10 @@ def test_no_import_circles():
     # A package's __init__ importing its own submodules is not a circle of the layout.
     circles = [c for c in circles if not all(_within(m, c[0]) or _within(c[0], m) for m in c)]
     assert circles == []
+
+
+def test_storage_modules_import_submodules_not_the_package():
+    assert _violations(lambda name, imported: name.startswith("storage.") and imported == "storage") == []
 
 
 def test_the_product_imports_nothing_around_it():
