@@ -1,22 +1,12 @@
 """Files that appear whole, and only where the caller says: new, never through a link, then renamed.
 
-Every file the job, its exports and ``jobs.prepare`` write is created new under a
-temp name beside its final one (``O_CREAT | O_EXCL | O_NOFOLLOW``), written, fsynced,
-then renamed over the final name; the directory is fsynced after the rename so that
-the new name itself survives a power loss. A reader (or a process that survives a
-crash) sees the old file or the new one, never a part.
-
-No write follows a symbolic link: a temp name is the caller's own, so whatever is
-there (a file a stopped run left, a link someone planted) is removed, the link itself
-and never what it points to, and the file created in its place; a link at the final
-name is replaced by the rename, which does not follow it either. So a link planted in
-a directory the job writes to cannot make it write anywhere else. A write that fails
-(a full disk) removes its temp file: the final name keeps its last whole version.
-
-``reserve_space`` sets blocks aside for a file that must be written even when the
-disk is full (the run's summary, as a run stopped by a full disk ends):
-``replace_atomically(..., reserve=...)`` writes into those blocks and renames them
-into place.
+Every file the job, its exports and ``jobs.prepare`` write is created new under a temp name beside
+its final one, written, fsynced, renamed over the final name, and the directory fsynced: a reader (or
+a process that survives a crash) sees the old file or the new one, never a part, even after a power
+loss. No write follows a symbolic link (``create_new``; the rename replaces a link at the final name
+without following it), so a link planted where the job writes cannot send its bytes anywhere else.
+A write that fails (a full disk) removes its temp file; ``reserve_space`` sets blocks aside for a
+file that must be written even then.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Consuming a run's shard files: declared first, then deleted; a file gone without a declaration is damage.
 
-A trainer may take committed shard files out of a run's directory while the run goes on
-(that is how a run larger than its disk budget gets written) or after it. It declares
-each one first: ``consume_shard(path, into)`` durably writes a small record beside the
-file (``.shard-00007.parquet.consumed``: the file, its size, where its samples went,
-who and when), then deletes the file. Only the job writes the manifest: the running
-job's rescan (or a rerun's start-up) finds the file gone and the record there, records
-the shard as consumed into ``into``, and removes the record. A done shard's file that is
-gone without a record was lost, not consumed: the shard is extracted again, and
-``jobs.verify`` reports it missing until it is.
-
-The record is written like every file here (``storage.atomic``: new temp file, fsync,
-rename; a link planted at its name is replaced, never followed) and read without
-following a link; its leading dot makes Parquet dataset readers skip it.
+A trainer may take committed shard files out of a run's directory while the run goes on (how a run
+larger than its disk budget gets written) or after it: ``consume_shard(path, into)`` durably writes
+a small record beside the file (``.shard-00007.parquet.consumed``), then deletes the file. Only the
+job writes the manifest: its rescan (or a rerun's start-up) finds the file gone and the record there,
+records the shard as consumed into ``into`` and removes the record. A done shard's file gone without
+a record was lost, not consumed: it is extracted again. docs/operations.md has the user's side.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import fsspec
 
-from storage import checksum
+import storage.checksum as checksum
 
 EXPORTED_FILES_DIR = ".export-files"
 """In the export: one list per consumed shard (hidden: the trainers' loaders and listings skip it)."""

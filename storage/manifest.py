@@ -1,26 +1,10 @@
 """The manifest: the state of every shard of a run, a snapshot plus an append-only journal.
 
-One record per shard of the plan: ``pending``, ``done`` or ``failed``, how
-many attempts it took, the last error, and for a done shard its file, rows,
-tokens, bytes, checksum (``storage.checksum``) and where the file is now (local, in the sink, or
-consumed: deleted locally, by ``jobs.export consume=true`` once its samples were
-exported and verified, ``consumed_into`` then naming the export, or by a consumer
-that declared it first, ``storage.consumed``), and the samples whose states held
-NaN/Inf, left out or kept (``storage.nonfinite``). The ``content`` block holds
-everything that changes what the shards contain; resuming with different
-content is refused, naming the keys that differ.
-
-Only the driver writes it, and ``jobs.export consume=true`` (holding the run's lock, as the driver does). An update appends one JSON line to the journal
-(``MANIFEST_JOURNAL_FILE``) and fsyncs it, so its cost does not grow with the
-number of shards. Now and then (every ``max(COMPACT_MIN_UPDATES, shards)``
-updates, at open and at close) the state is compacted into the snapshot
-(``MANIFEST_FILE``: temp file, fsync, rename) and the journal starts over.
-Each journal line carries a sequence number and the snapshot the last one it
-holds, so lines already in the snapshot are never applied twice, even after a
-crash between the rename and the journal's reset. A crash mid-append leaves a
-torn last line, which is ignored: that update never returned (and a failed
-write is never continued: the next line starts on a line of its own).
-The leading dots make Parquet dataset readers skip both files beside the shards.
+One record per shard of the plan (``ShardRecord``: its state, and for a done shard its file, size,
+checksum, where the file is now and the samples with NaN/Inf states), and the run's ``content``:
+everything that changes what the shards contain, so that a resume with other content is refused,
+naming the keys that differ. Only the driver writes it, and ``jobs.export consume=true`` under the
+run's lock. What a user reads in it: docs/operations.md and docs/format.md.
 """
 
 from __future__ import annotations
@@ -81,6 +65,18 @@ _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardRecor
 
 
 class Manifest:
+    """A run's manifest, open for updates.
+
+    An update appends one JSON line to the journal (``MANIFEST_JOURNAL_FILE``) and fsyncs it, so its
+    cost does not grow with the number of shards. Every ``max(COMPACT_MIN_UPDATES, shards)`` updates,
+    at open and at close, the state is compacted into the snapshot (``MANIFEST_FILE``: temp file,
+    fsync, rename) and the journal starts over. Each journal line carries a sequence number and the
+    snapshot the last one it holds, so lines already in the snapshot are never applied twice, even
+    after a crash between the rename and the journal's reset. A crash mid-append leaves a torn last
+    line, which is ignored: that update never returned (and a failed write is never continued: the
+    next line starts on a line of its own).
+    """
+
     def __init__(
         self, path: Path, content: dict[str, Any], shards: dict[int, ShardRecord], sequence: int = 0, run_id: str = "",
     ) -> None:

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from storage import schema
+import storage.schema as schema
 from storage.schema import ShardMetadata, metadata_from_schema
 
 

@@ -1,18 +1,11 @@
 """A run's shard files, and an index over their samples built from the files' footers.
 
-A run is an ``output.dir`` or a URL holding shard files. In an ``output.dir`` the
-manifest (``.manifest.json`` + ``.manifest.journal``) names the shards: every done
-shard's file, local or, once uploaded, at its ``sink_url``. Where there is no
-manifest (a sink URL, a copy of the files), the ``shard-*.parquet`` files there are
-the run: a file under its final name is complete (the writer renames it when it
-is), and temp files are hidden names that do not match.
-
-Each file's footer (one small read, a range request for a URL) gives its row groups
-and their rows, the range of its sample ids (the ``sample_id`` column statistics)
-and its ``ShardMetadata``; the index keeps only those, so it pickles small, and
-finding a sample is two bisects. Files of different runs mix only when everything
-that shapes a training sample agrees (``TRAINING_FIELDS``); the error names both
-files and the field.
+A run is an ``output.dir`` (its manifest names every done shard's file, local or at its
+``sink_url``) or a URL holding shard files (the ``shard-*.parquet`` there: a file under its final
+name is complete). Each file's footer, one small read, gives its row groups, the range of its sample
+ids and its ``ShardMetadata``; the index keeps only those, so it pickles small and finding a sample
+is two bisects. Files of different runs mix only when everything that shapes a training sample
+agrees (``TRAINING_FIELDS``).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import fsspec
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from storage import schema
+import storage.schema as schema
 from storage.consumed import read_record, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.schema import ShardMetadata, metadata_from_schema

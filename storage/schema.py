@@ -1,27 +1,10 @@
-"""Parquet format v2: one row per sample, hidden states as raw little-endian bytes.
+"""The shard file's format: every column, how each is stored, and every metadata key.
 
-Columns
-  sample_id                int64         row index of the sample in the input dataset
-  input_ids                list<int32>   the sample's tokens
-  loss_mask                list<uint8>   1 where the token is trained on (all ones if the input had none)
-  aux_hidden_states        large_binary  row-major [T, L*H] in ``state_dtype``, layers in ``layer_ids`` order
-  aux_hidden_states_scales large_binary  row-major [T, L] float32 (only with fp8 states)
-  last_hidden_state        large_binary  row-major [T, H] in ``state_dtype``: the final state, post_norm
-                                         or pre_norm as ``last_hidden_state`` in the metadata says
-                                         (only when extracted)
-  last_hidden_state_scales large_binary  row-major [T, 1] float32 (only with fp8 states)
-
-``state_dtype`` is the model dtype (bit-exact with SGLang) or float8_e4m3fn, where
-token t's slice of layer j is ``fp8 values * scales[t, j]`` (scale = amax / 448;
-0 for a slice of zeros).
-
-Hidden states are stored as bytes, not as Arrow floats: Arrow has no bfloat16
-or fp8, and ``FixedSizeList<halffloat>`` writes ~8x slower. Shape and dtype live
-in the file's key-value metadata (``ShardMetadata``), so a reader rebuilds
-tensors without parsing anything per row.
-
-Format v1 (no scale columns; ``has_last_hidden_state`` in the metadata, always
-post-norm; states in the model dtype) is read as the v2 metadata it implies.
+One row per sample; hidden states are raw little-endian bytes in ``state_dtype`` (the model's dtype,
+bit-exact with SGLang, or float8_e4m3fn with float32 scale columns), whose shape and dtype live in the
+file's key-value metadata (``ShardMetadata``): a reader rebuilds tensors without parsing anything per
+row. Files of format v1 are read as the v2 metadata they imply. What each column holds, and why bytes
+rather than Arrow floats: docs/format.md.
 """
 
 from __future__ import annotations
@@ -47,15 +30,52 @@ LAST_HIDDEN_STATE_SCALES = LAST_HIDDEN_STATE + SCALES_SUFFIX
 STATE_COLUMNS = (AUX_HIDDEN_STATES, LAST_HIDDEN_STATE)
 SCALE_COLUMNS = (AUX_HIDDEN_STATES_SCALES, LAST_HIDDEN_STATE_SCALES)
 
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of a shard file and how the writer stores it."""
+
+    name: str
+    type: pa.DataType
+    compression: str
+    """Parquet codec. Token columns are small and compress well; state columns are high-entropy floats
+    where compression costs far more time than the ~20% it saves."""
+    statistics: bool = False
+    """Min/max per row group in the footer: only sample ids, which a reader may look up."""
+
+    @property
+    def parquet_path(self) -> str:
+        """The Parquet leaf column's path: a list's values live at ``<name>.list.element``, and a setting
+        keyed by the list's own name would not reach them."""
+        return f"{self.name}.list.element" if pa.types.is_list(self.type) else self.name
+
+
+COLUMNS: dict[str, Column] = {column.name: column for column in (
+    Column(SAMPLE_ID, pa.int64(), "zstd", statistics=True),
+    Column(INPUT_IDS, pa.list_(pa.int32()), "zstd"),
+    Column(LOSS_MASK, pa.list_(pa.uint8()), "zstd"),
+    Column(AUX_HIDDEN_STATES, pa.large_binary(), "none"),
+    Column(AUX_HIDDEN_STATES_SCALES, pa.large_binary(), "none"),
+    Column(LAST_HIDDEN_STATE, pa.large_binary(), "none"),
+    Column(LAST_HIDDEN_STATE_SCALES, pa.large_binary(), "none"),
+)}
+"""Every column a shard file may have; ``columns`` says which one has."""
+
 # Parquet key-value metadata key under which ShardMetadata is stored as JSON.
 METADATA_KEY = b"eagle3_hidden_states"
+# Every ShardMetadata field is also a plain key of the file unless marked _JSON_ONLY. The plain keys are part
+# of the format (``storage.verify`` compares a file's with what ``build_schema`` makes of its metadata), so a
+# field left out of them stays out.
+_FLAT = "flat_key"
+_JSON_ONLY = {_FLAT: False}
 
 # Storable element types and their bytes (the names are torch's: the reader maps them back).
 MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 FP8 = "float8_e4m3fn"
 # Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
 # float32 scale per token and layer (half the bytes through the host copy, object store and disk).
-STATE_DTYPES = ("model", FP8)
+SAME_AS_MODEL = "model"
+STATE_DTYPES = (SAME_AS_MODEL, FP8)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
 FINAL_STATES = ("post_norm", "pre_norm", "none")
@@ -63,6 +83,11 @@ FINAL_STATES = ("post_norm", "pre_norm", "none")
 # them as "<algorithm>:<hex>"; new files get output.checksum's algorithm.
 CHECKSUM_ALGORITHMS = ("xxh3_128", "sha256")
 DEFAULT_CHECKSUM = "xxh3_128"
+
+
+def stored_dtype(state_dtype: str, model_dtype: str) -> str:
+    """The element type the states are stored in for a ``STATE_DTYPES`` choice and the model's dtype."""
+    return model_dtype if state_dtype == SAME_AS_MODEL else state_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +109,12 @@ class ShardMetadata:
     """What the last_hidden_state column holds: post_norm (after the model's final norm), pre_norm
     (the residual stream entering it) or none (no such column)."""
     model_path: str
-    model_architecture: str
+    model_architecture: str = dataclasses.field(metadata=_JSON_ONLY)
     sglang_version: str
     tp_size: int
     format_version: int = FORMAT_VERSION
-    byte_order: str = "little"
-    language_model_architecture: str = ""
+    byte_order: str = dataclasses.field(default="little", metadata=_JSON_ONLY)
+    language_model_architecture: str = dataclasses.field(default="", metadata=_JSON_ONLY)
     """The language model inside ``model_architecture`` (DeepseekV3ForCausalLM inside
     KimiK25ForConditionalGeneration; the same class for a bare LM); empty in files that predate it."""
 
@@ -145,33 +170,28 @@ def metadata_from_schema(arrow_schema: pa.Schema, source: str) -> ShardMetadata:
     return ShardMetadata.from_json(kv[METADATA_KEY].decode(), source=source)
 
 
+def columns(metadata: ShardMetadata) -> list[Column]:
+    """The columns of a shard file with this metadata, in the file's order."""
+    names = [SAMPLE_ID, INPUT_IDS, LOSS_MASK]
+    for state in STATE_COLUMNS if metadata.has_last_hidden_state else STATE_COLUMNS[:1]:
+        names += [state, state + SCALES_SUFFIX] if metadata.fp8 else [state]
+    return [COLUMNS[name] for name in names]
+
+
+def flat_metadata(metadata: ShardMetadata) -> dict[bytes, bytes]:
+    """Each field of ``metadata`` as a plain key-value pair (lists as JSON), so that `parquet-tools meta` or
+    pyarrow users see them without our reader; fields marked ``_JSON_ONLY`` are only in the JSON record."""
+    flat = {}
+    for field in dataclasses.fields(metadata):
+        if field.metadata.get(_FLAT, True):
+            value = getattr(metadata, field.name)
+            flat[field.name.encode()] = (value if isinstance(value, str) else json.dumps(value)).encode()
+    return flat
+
+
 def build_schema(metadata: ShardMetadata) -> pa.Schema:
     """The Arrow schema every shard file is written with; the metadata rides in it."""
     if sys.byteorder != "little":
         raise RuntimeError("the shard format stores little-endian bytes; this host is big-endian")
-    states = [AUX_HIDDEN_STATES] + ([LAST_HIDDEN_STATE] if metadata.has_last_hidden_state else [])
-    fields = [
-        pa.field(SAMPLE_ID, pa.int64(), nullable=False),
-        pa.field(INPUT_IDS, pa.list_(pa.int32()), nullable=False),
-        pa.field(LOSS_MASK, pa.list_(pa.uint8()), nullable=False),
-    ]
-    for name in states:
-        fields.append(pa.field(name, pa.large_binary(), nullable=False))
-        if metadata.fp8:
-            fields.append(pa.field(name + SCALES_SUFFIX, pa.large_binary(), nullable=False))
-    flat = {
-        METADATA_KEY: metadata.to_json().encode(),
-        # Plain keys too, so `parquet-tools meta` or pyarrow users see them without our reader.
-        b"format_version": str(metadata.format_version).encode(),
-        b"dtype": metadata.dtype.encode(),
-        b"state_dtype": metadata.state_dtype.encode(),
-        b"last_hidden_state": metadata.last_hidden_state.encode(),
-        b"hidden_size": str(metadata.hidden_size).encode(),
-        b"layer_ids": json.dumps(metadata.layer_ids).encode(),
-        b"layers_to_capture": json.dumps(metadata.layers_to_capture).encode(),
-        b"drafter_layer_ids": json.dumps(metadata.drafter_layer_ids).encode(),
-        b"model_path": metadata.model_path.encode(),
-        b"sglang_version": metadata.sglang_version.encode(),
-        b"tp_size": str(metadata.tp_size).encode(),
-    }
-    return pa.schema(fields, metadata=flat)
+    fields = [pa.field(column.name, column.type, nullable=False) for column in columns(metadata)]
+    return pa.schema(fields, metadata={METADATA_KEY: metadata.to_json().encode(), **flat_metadata(metadata)})

@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage import checksum
+import storage.checksum as checksum
 from storage.atomic import open_new, remove_quietly
 
 READ_CHUNK_BYTES = 8 * 1024 * 1024

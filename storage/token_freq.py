@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import schema
+import storage.schema as schema
 from storage.atomic import replace_atomically
 from storage.manifest import CONSUMED, DONE, LOCAL, read_manifest
 from storage.run_index import list_run_files, open_parquet

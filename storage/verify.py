@@ -1,26 +1,11 @@
-"""Checks a run's files against its manifest: nothing missing, changed, duplicated, or NaN unawares.
+"""The checks behind ``jobs.verify``: a run's files against its manifest, every problem listed.
 
-``verify_run`` reads the manifest (snapshot + journal) and, for every shard it lists
-as done, the file where the manifest says it is (``output.dir``, or its ``sink_url``
-through fsspec): its size and checksum against what the writer recorded; its footer
-(the schema the format builds for its ``ShardMetadata``, the same metadata in every
-file, agreeing with the run's ``content`` block); its rows and tokens against the
-manifest; its sample ids against the rows the plan gives the shard (positions
-``[start, stop)`` of the input's sample ids less the invalid rows the run left out),
-less the samples left out for NaN/Inf states. Together that makes the ids of the
-whole input complete and each one written once. Every Parquet page read is checked
-against its CRC. ``deep`` also reads every state column: each value's length
-against its tokens, and no NaN/Inf outside the samples the manifest flags as kept
-(fp8 runs: the raw values and their scales).
-
-A shard consumed into an export (``jobs.export consume=true``) has no file left here:
-the export's files of it are checked instead, against the sizes and checksums listed when
-it was consumed (``storage.exported``). A done shard's file that is gone is missing
-unless a consumer declared it consumed (``storage.consumed``); a shard recorded as
-consumed without saying where its samples went is a problem too.
-
-Every problem is a ``Problem``: the file, what is wrong, what to do; all of them are
-listed, not just the first.
+``verify_run`` checks each shard the manifest lists as done, where the manifest says its file is
+(output.dir or the sink): size and checksum, the footer's schema and metadata, rows, tokens, and
+sample ids (together: every sample of the input in exactly one file, or accounted for); ``deep``
+also reads every state for NaN/Inf. A shard consumed into an export is checked through the
+export's files (``storage.exported``). Each problem is a ``Problem``: the file, what is wrong,
+what to do. The whole list of checks: docs/operations.md, "Checking a run".
 """
 
 from __future__ import annotations
@@ -36,7 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage import checksum, schema
+import storage.checksum as checksum
+import storage.schema as schema
 from storage.consumed import read_record, record_name
 from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
@@ -49,16 +35,6 @@ VERIFY_THREADS = 8
 """Files checked at once: hashing and reading wait on the disk or the network (and release the GIL)."""
 IDS_SHOWN = 10
 """Sample ids named in one line; the count says how many there are."""
-
-_CONTENT_FIELDS = {
-    "model.path": "model_path",
-    "model.dtype": "dtype",
-    "model.tp_size": "tp_size",
-    "extract.layers": "layer_ids",
-    "extract.last_hidden_state": "last_hidden_state",
-}
-"""Keys of the manifest's ``content`` block -> the ShardMetadata field each file must carry for them."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -121,14 +97,16 @@ class _ShardCheck:
 def verify_run(
     output_dir: str | Path, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
     invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
-    export_options: Mapping[str, Any] | None = None,
+    export_options: Mapping[str, Any] | None = None, expected_metadata: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
     ``storage_options`` open the sink's files (``output.sink_options``); ``invalid_sample_ids`` are
     the input rows the run left out under ``data.on_invalid=skip``; ``node_directories`` (node name ->
     directory) say where the shards a record places on a node are, when the run had several nodes;
-    ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``).
+    ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``);
+    ``expected_metadata`` (ShardMetadata field -> value) is what the run's manifest says every file must
+    record (the job reads it from the manifest's ``content``, whose keys are its own).
     """
     node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
@@ -166,7 +144,7 @@ def verify_run(
     for check in checks:
         report.problems += check.problems
         report.notes += [check.note] if check.note else []
-    report.problems += _disagreements(checks, manifest["content"])
+    report.problems += _disagreements(checks, dict(expected_metadata or {}))
     for directory in {output_dir, *node_directories.values()}:
         report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
     # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.
@@ -388,17 +366,13 @@ def _values(column: pa.ChunkedArray) -> Iterator[tuple[Any, int, int]]:
             yield data, int(offsets[row]), int(offsets[row + 1])
 
 
-def _disagreements(checks: list[_ShardCheck], content: dict[str, Any]) -> list[Problem]:
-    """Every file's metadata equals the first file's, and the first file's agrees with the run's content."""
+def _disagreements(checks: list[_ShardCheck], expected: dict[str, Any]) -> list[Problem]:
+    """Every file's metadata equals the first file's, and the first file's has the ``expected`` fields."""
     readable = [check for check in checks if check.metadata is not None]
     if not readable:
         return []
     first = readable[0]
     problems = []
-    expected = {field: content[key] for key, field in _CONTENT_FIELDS.items() if key in content}
-    if "output.state_dtype" in content and "model.dtype" in content:
-        stored = content["output.state_dtype"]
-        expected["state_dtype"] = content["model.dtype"] if stored == "model" else stored
     differing = [f"{field}={getattr(first.metadata, field)!r} in the file, {value!r} in the manifest"
                  for field, value in expected.items() if getattr(first.metadata, field) != value]
     if differing:

@@ -22,7 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import checksum, nonfinite, schema
+import storage.checksum as checksum
+import storage.nonfinite as nonfinite
+import storage.schema as schema
 from storage.atomic import create_new, fd_path, fsync_path
 from storage.schema import ShardMetadata
 
@@ -35,17 +37,6 @@ TEMP_GLOB = f"{TEMP_PREFIX}{SHARD_GLOB}{TEMP_SUFFIX}"
 # A row group is the unit a reader fetches. Keep it near this size so that one
 # sample (88 MB for 2K tokens of Kimi-K2.5's three layers) is not read with many others.
 ROW_GROUP_TARGET_BYTES = 256 * 1024 * 1024
-# Token columns are small and compress well; state columns are high-entropy floats
-# where compression costs far more time than the ~20% it saves.
-_COMPRESSION = {
-    schema.SAMPLE_ID: "zstd",
-    schema.INPUT_IDS: "zstd",
-    schema.LOSS_MASK: "zstd",
-    schema.AUX_HIDDEN_STATES: "none",
-    schema.LAST_HIDDEN_STATE: "none",
-    schema.AUX_HIDDEN_STATES_SCALES: "none",
-    schema.LAST_HIDDEN_STATE_SCALES: "none",
-}
 # Where a writer's time goes, summed over its shards (``ShardWriter.clock``): building the Arrow
 # table, Parquet encoding + write() into the page cache, the checksum (reading the bytes back), fdatasync
 # behind the writes and at commit, and closing + renaming. The hasher thread's stages overlap the others.
@@ -96,16 +87,6 @@ def shard_file_name(shard: int) -> str:
 def temp_file_name(name: str) -> str:
     """Name a shard file has while it is written."""
     return f"{TEMP_PREFIX}{name}{TEMP_SUFFIX}"
-
-
-def column_compression(arrow_schema: pa.Schema) -> dict[str, str]:
-    """Codec per Parquet leaf column: a list column's values live at ``<name>.list.element``,
-    and a codec keyed by the list's own name would not reach them."""
-    codecs: dict[str, str] = {}
-    for field in arrow_schema:
-        leaf = f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name
-        codecs[leaf] = _COMPRESSION[field.name]
-    return codecs
 
 
 def state_bytes_per_token(metadata: ShardMetadata) -> int:
@@ -299,12 +280,13 @@ class ShardWriter:
         try:
             self._file = pa.OSFile(fd_path(self._fd), "wb")
             self._hasher = _TrailingHasher(fd_path(self._fd), self.temp_path.name, self.checksum_algorithm)
+            columns = schema.columns(self.metadata)
             self._writer = pq.ParquetWriter(
                 self._file,
                 self._schema,
-                compression=column_compression(self._schema),
+                compression={column.parquet_path: column.compression for column in columns},
                 use_dictionary=False,
-                write_statistics=[schema.SAMPLE_ID],
+                write_statistics=[column.parquet_path for column in columns if column.statistics],
                 store_schema=True,
                 # A CRC per page: a reader that verifies them (ours do) raises on a corrupted page
                 # instead of returning wrong states.

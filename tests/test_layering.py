@@ -7,7 +7,8 @@
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
 - No import circles (module-level imports, ``if TYPE_CHECKING:`` included: a circle of types is still
-  a circle); a package's ``__init__`` may import its submodules, a submodule never its ``__init__``.
+  a circle); a package's ``__init__`` may import its submodules, a submodule never its ``__init__``
+  (``storage``'s modules import each other, never the package itself).
 - Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
   ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
   ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
@@ -142,6 +143,10 @@ def test_no_import_circles():
     graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
              for name, path in modules.items()}
     assert _circles(graph) == []
+
+
+def test_storage_modules_import_submodules_not_the_package():
+    assert _violations(lambda name, imported: name.startswith("storage.") and imported == "storage") == []
 
 
 def test_the_product_imports_nothing_around_it():

@@ -16,6 +16,7 @@ import torch
 from extractor.quantize import dequantize_fp8, fp8_relative_errors, quantize_fp8
 from storage import ShardMetadata, ShardReader, ShardWriter
 from storage.reader import read_metadata
+from storage.schema import METADATA_KEY, build_schema
 from storage.writer import choose_rows_per_group, state_bytes_per_token, temp_file_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import checksum_of
@@ -96,6 +97,14 @@ def test_metadata_and_schema_are_in_the_file(tmp_path):
     names = pq.read_schema(info.path).names
     assert names == ["sample_id", "input_ids", "loss_mask", "aux_hidden_states"]
     assert ShardReader(info.path)[0].last_hidden_state is None
+
+
+def test_the_plain_metadata_keys_are_the_formats():
+    """The plain keys come from ShardMetadata's fields: a field added there must not change them unnoticed."""
+    kv = build_schema(metadata()).metadata
+    assert set(kv) == {METADATA_KEY} | {key.encode() for key in (
+        "format_version", "dtype", "state_dtype", "last_hidden_state", "hidden_size", "layer_ids", "layers_to_capture",
+        "drafter_layer_ids", "model_path", "sglang_version", "tp_size")}
 
 
 def test_token_columns_are_zstd_and_states_are_not(tmp_path):

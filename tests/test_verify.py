@@ -12,10 +12,11 @@ import pytest
 
 from extractor.config import NONFINITE_ACTIONS
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.planning.content import expected_metadata
 from jobs.rundir.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
 from storage import ShardMetadata, ShardReader, ShardWriter, nonfinite, shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
+from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest, read_manifest
 from storage.nonfinite import NonFiniteStates
 from storage.verify import verify_run
 
@@ -84,6 +85,11 @@ def write_run(out, shards=3, meta=None, invalid=(), **shard_options):
     return manifest
 
 
+def verify(out, deep=False):
+    """storage.verify's report, with what the manifest's content says every file must record, as jobs.verify has it."""
+    return verify_run(out, deep=deep, expected_metadata=expected_metadata(read_manifest(out)["content"]))
+
+
 def verify_lines(out, *extra, capsys) -> tuple[int, list[str]]:
     code = verify_main([f"output.dir={out}", *extra])
     return code, capsys.readouterr().out.strip().splitlines()
@@ -138,6 +144,20 @@ def test_every_problem_is_listed_one_line_each(tmp_path, capsys):
         list(ShardReader(tmp_path / shard_file_name(0)))
 
 
+def test_files_must_record_what_the_manifests_content_says(tmp_path, capsys):
+    """The content's layers and state dtype (``model``: the model's own) against every file's metadata."""
+    stored = dict(content(metadata()), **{"extract.layers": [0, 1, 2], "output.state_dtype": "float8_e4m3fn"})
+    manifest = Manifest.open(tmp_path, stored, [(0, 0, ROWS)])
+    record(manifest, 0, write_shard(tmp_path / shard_file_name(0), metadata(), [0, 1, 2, 3]))
+    manifest.close()
+    code, lines = verify_lines(tmp_path, capsys=capsys)
+    assert code == EXIT_VERIFY_FAILED
+    assert "shard-00000.parquet: metadata does not match the run's manifest: " in lines[0]
+    assert "layer_ids=[1, 2, 3] in the file, [0, 1, 2] in the manifest" in lines[0]
+    assert "state_dtype='bfloat16' in the file, 'float8_e4m3fn' in the manifest" in lines[0]
+    assert expected_metadata(content(metadata()))["state_dtype"] == "bfloat16"
+
+
 def test_deep_finds_nan_the_manifest_does_not_flag(tmp_path, capsys):
     write_run(tmp_path, nan_samples={5}, on_nonfinite="keep")
     code, lines = verify_lines(tmp_path, "--deep", capsys=capsys)
@@ -146,7 +166,7 @@ def test_deep_finds_nan_the_manifest_does_not_flag(tmp_path, capsys):
 
     other = tmp_path / "unflagged"
     write_run(other, nan_samples={5, 10}, flag=False)
-    assert verify_run(other).ok  # the bytes are as written: only reading the states finds the NaN
+    assert verify(other).ok  # the bytes are as written: only reading the states finds the NaN
     code, lines = verify_lines(other, "--deep", capsys=capsys)
     assert code == EXIT_VERIFY_FAILED
     assert [line.split(":")[0][-19:] for line in lines[:2]] == ["shard-00001.parquet", "shard-00002.parquet"]
@@ -171,7 +191,7 @@ def test_deep_checks_fp8_values_and_scales(tmp_path):
                           aux, last, aux_scales, last_scales)
             record(manifest, index, writer.finalize())
     manifest.close()
-    problems = [str(p) for p in verify_run(tmp_path, deep=True).problems]
+    problems = [str(p) for p in verify(tmp_path, deep=True).problems]
     assert len(problems) == 2, problems
     assert "shard-00000.parquet: aux_hidden_states of 1 samples holds NaN/Inf" in problems[0]
     assert "shard-00001.parquet: aux_hidden_states_scales of 1 samples holds NaN/Inf" in problems[1]

@@ -10,7 +10,7 @@ import functools
 from typing import Any, Dict
 
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
-from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, STATE_DTYPES
+from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, SAME_AS_MODEL, STATE_DTYPES
 
 RESUME_CHECKS = ("size", "checksum")
 AUTO = "auto"
@@ -71,7 +71,7 @@ class OutputConfig:
     of its extractors + 2 (left to their forward threads, the driver and Ray), writers at nice 5; all cores on
     CPU or on a node with fewer than 4 cores beyond those. all: no pinning. Or a core list for every node, e.g.
     8-15. The summary's nodes.<node>.writer_cpus says what each node's writers got."""
-    state_dtype: str = "model"
+    state_dtype: str = SAME_AS_MODEL
     """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
     per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
 

@@ -11,11 +11,12 @@ from extractor.config import ExtractConfig, ModelConfig
 from extractor.serving import parse_serving
 from extractor.types import EngineInfo, EngineSpec
 from storage import ShardMetadata
+from storage.schema import SAME_AS_MODEL, stored_dtype
 
 
 def build_engine_spec(
     model: ModelConfig, extract: ExtractConfig, layer_ids: list[int], device: str, longest_sample: int,
-    state_dtype: str = "model",
+    state_dtype: str = SAME_AS_MODEL,
 ) -> EngineSpec:
     """``model`` as ``jobs.planning.inputs.read_inputs`` left it: the serving command's values already in its keys."""
     serving = parse_serving(model.serving)
@@ -43,7 +44,7 @@ def build_engine_spec(
 def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
     return ShardMetadata(
         dtype=engine.dtype,
-        state_dtype=engine.dtype if spec.state_dtype == "model" else spec.state_dtype,
+        state_dtype=stored_dtype(spec.state_dtype, engine.dtype),
         hidden_size=engine.hidden_size,
         layer_ids=engine.layer_ids,
         layers_to_capture=engine.layers_to_capture,

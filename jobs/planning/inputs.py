@@ -18,31 +18,12 @@ from jobs.cluster.node_disk import read_claim
 from jobs.cluster.session import inside_ray_job
 from jobs.config import ConfigError, JobConfig, resolve_paths
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.planning.content import run_content
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
 from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
 
 logger = logging.getLogger(__name__)
-
-
-def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
-    """Everything that changes what the shard files contain: a resume must match it exactly."""
-    return {
-        "model.path": spec_fields["model_path"],
-        "model.dtype": spec_fields["dtype"],
-        "model.tp_size": spec_fields["tp_size"],
-        "model.device": spec_fields["device"],
-        "model.attention_backend": spec_fields["attention_backend"],
-        "model.load_format": spec_fields["load_format"],
-        "extract.layers": list(spec_fields["layer_ids"]),
-        "extract.last_hidden_state": spec_fields["last_hidden_state"],
-        "output.state_dtype": spec_fields["state_dtype"],
-        "model.engine": spec_fields["engine"],
-        "data.fingerprint": data_fingerprint,
-        "data.shard_size": config.data.shard_size,
-        # Only with serving settings that reach the forward: runs without them keep the content they had.
-        **({"model.serving": spec_fields["server_args"]} if spec_fields["server_args"] else {}),
-    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE
 from storage import ShardMetadata
 from storage.manifest import MANIFEST_FILE, read_manifest
+from storage.schema import stored_dtype
 from storage.sink import probe as probe_sink
 from storage.writer import state_bytes_per_token
 
@@ -106,7 +107,7 @@ def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: l
     """The shard metadata as far as config.json tells it (what SGLang captures is known after loading)."""
     return ShardMetadata(
         dtype=config.model.dtype,
-        state_dtype=config.model.dtype if config.output.state_dtype == "model" else config.output.state_dtype,
+        state_dtype=stored_dtype(config.output.state_dtype, config.model.dtype),
         hidden_size=checkpoint.hidden_size,
         layer_ids=list(layer_ids),
         layers_to_capture=[],
