@@ -1,26 +1,15 @@
 """The driver's own work at a million samples: open and check the input, plan, read rows, record the manifest.
 
 No model runs here: every step is what the driver does per run, per shard or per batch, on a real
-Parquet file of synthetic token ids (random lengths around --mean-tokens).
-
-  open      open_tokenized_dataset: one streaming pass that checks every row, keeps lengths, sample
-            ids and the fingerprint; the memory the dataset object holds afterwards
-  plan      plan_shards: shards of --rows/--shards rows, each packed into batches
-  rows      dataset.rows() for every batch of every shard, in plan order (what sending batches reads)
-  manifest  Manifest.update once per shard (the journal), against one full rewrite of the manifest
-            (what every update cost before the journal)
-  schedule  the whole job in this process (``jobs.extract.run``, what ``python -m jobs.extract`` runs),
-            with the synthetic states source (``model.engine=synthetic``: states of a checkpoint's
-            shape, no model) of a tiny hidden size, into a tmpfs: this process is the driver, and its
-            CPU time across the run is the driver's cost. A second run of one shard on the same input
-            measures what every run pays once (open, plan, Ray and actors up and down); the difference,
-            per batch and per shard, is the driver's cost of scheduling.
+Parquet file of synthetic token ids (random lengths around --mean-tokens). The steps (``open``, ``plan``,
+``rows``, ``manifest``, ``schedule``: the whole job with the synthetic states source, its CPU time the
+driver's) are functions of a shared context, run in order (``STEPS``); what each measures: docs/benchmarks.md.
 
     python -m benchmarks.driver_scale --rows 1000000 --shards 10000 --mean-tokens 8 --max-samples-per-batch 32
     python -m benchmarks.driver_scale --rows 5000 --shards 50 --mean-tokens 8        # CI smoke test
 
-Steps are functions of a shared context, run in order (``STEPS``). ``--profile FILE`` runs the
-schedule step's full run under cProfile (slower) and prints where the driver's Python time goes.
+``--profile FILE`` runs the schedule step's full run under cProfile (slower) and prints where the
+driver's Python time goes.
 """
 
 from __future__ import annotations

@@ -3,25 +3,10 @@
     python -m benchmarks.regenerate [--device cpu|cuda] [--model DIR | --gguf FILE] [--prompts N]
                                     [--max-new-tokens 128] [--shard-size 500] [--set key=value ...]
 
-Writes ``--prompts`` one-question conversations (questions from a fixed list of templates and
-numbers, so that prompts and answers vary in length), then, in one run:
-
-1. ``python -m jobs.prepare ... regenerate=true`` on them as a user would (``output.shard_size``
-   ``--shard-size``, so that several shards pass through the engine); its rate is the record's
-   generated tokens over the time from the first shard sent to the last published;
-2. SGLang's own offline throughput: one ``Engine.generate`` over all the same prompts, rendered with
-   the same chat template, with the same sampling parameters (greedy by default, the same stop
-   tokens and max_new_tokens), the same engine settings (``Inputs.generator_spec`` of the same keys:
-   CUDA graphs as ``model.cuda_graph`` says, on by default) and the same process
-   settings (a Ray actor with the regenerator's CPUs and GPUs); its rate is the generated tokens
-   over that call's time.
-
-It prints both rates, their ratio, and how many answers are the same text in both (greedy: all,
-unless batch-dependent numerics flip a token). The default model is SmolLM2-135M-Instruct
-(``testbeds.smollm2``; ``--gguf FILE`` builds it from a carried GGUF on a machine without a
-registry); on CPU, where the engine computes in float32, it fails (exit 1) if the answer to "What is
-the capital of France?" does not name Paris, as the trained model answers there (in bf16 on the H200
-it answered otherwise, 2026-12-02).
+Writes ``--prompts`` one-question conversations, runs ``python -m jobs.prepare ... regenerate=true`` on
+them as a user would, then one ``Engine.generate`` over the same prompts with the same chat template,
+sampling, engine and process settings; prints both rates, their ratio, and how many answers are the
+same text. What each rate counts and the check on CPU: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,44 +1,16 @@
 """Throughput of the whole job against bare SGLang prefill, and where its time goes, in one run on one machine.
 
-  (a) bare prefill: the extractor's forward on the job's batches with capture off, nothing copied
-  (a2) the extractor alone: capture forward, copy to host, put in Ray's object store (no writers)
-  (b) the job: Ray, extractor actor, writer actors, Parquet on local disk (fsynced), tokens/s
-      from the first batch to the last committed file
-  (b2) the same job with output.dir on a tmpfs (--memory-dir): what the pipeline does without the disk
-  (b2-shared) as (b2) with output.writer_cpus=all: the writers share the extractor's cores
-  (b2-sha256) as (b2) with output.checksum=sha256
-  (c) the disk's raw sequential write speed (write + fsync) and the writers' bytes/s
-  (d) the pipeline's own capacity: the same job with the synthetic states source (no model; states
-      of the shape's real layout copied from device memory through the same host copy), to the
-      disk and, with --memory-dir, to a tmpfs; in GB/s of states
-  --fp8 adds (b-fp8) on disk and (d-fp8) on the tmpfs (else the disk) with
-      output.state_dtype=float8_e4m3fn, and the fp8 relative error of every stored layer against
-      the model-dtype states of the same batches, measured on the device; (b2-fp8) on request
-  --rows picks the job rows (default: b, b2 with --memory-dir, b-fp8 with --fp8, and the (d) rows).
-
-Where the time goes, per row, in seconds per million tokens (the row's own wall time per million
-tokens beside it): the extractor's forward thread (its CPU and wall under the forward lock:
-building SGLang's batch, launching the forward, launching the capture's NaN/Inf check, fp8 cast
-and copy), the device's own time from CUDA events (the forward with SGLang's concatenation of the
-captured layers; the check and cast; the copy to pinned host memory), the wait for the copy, the
-object-store put (wall and its thread's CPU) and the extractor process's CPU (every thread); then
-the writers' CPU seconds per GB of states: fetching from the object store, building the Arrow
-table, Parquet encode + write, the checksum, fdatasync/fsync, commit.
-
-The model loads once: (a), (a2) and every job row of the same engine settings run on one warm
-extractor actor (the job's own start-up of the extractor is replaced by it, the writers start
-as in any run); an fp8 row or the synthetic source starts its own. Rows run in that order.
-On CUDA, --samples 0 (the default) takes enough samples for 2M tokens per row.
+Rows, in this order, on one warm extractor where the engine settings allow: (a) bare prefill, (a2) the
+extractor alone, (b) the job to local disk, (b2...) the same job to a tmpfs (``--memory-dir``) with
+variants, (c) the disk's raw write speed, (d) the pipeline's own capacity with the synthetic states
+source; ``--fp8`` adds fp8 rows, ``--rows`` picks the job rows. Then where each row's time went: the
+extractor's side in seconds per million tokens, the writers' CPU seconds per GB of states, by stage.
 
     python -m benchmarks.throughput --shape tiny --device cpu          # CI smoke test
-    python -m benchmarks.throughput --shape llama8b --device cuda --memory-dir /dev/shm --consume 16GB \\
-        --rows b2,b2-shared                                            # on a GPU machine (docs/benchmarks.md)
+    python -m benchmarks.throughput --shape llama8b --device cuda --memory-dir /dev/shm --consume 16GB \
+        --rows b2,b2-shared                                            # on a GPU machine
 
-`tiny` and `small` are saved random-weight checkpoints; `llama8b`, `deepseek_v3_reduced` and
-`kimi_k25_reduced` (Kimi-K2.5's published layout with INT4 routed experts, 10 layers: one H200)
-use SGLang's dummy weights built from a config.json alone (random per process and per TP layout),
-see testbeds/shapes.py. Layers default to the job's [2, N//2, N-3] when that is valid for the
-shape's depth, else to the first capturable ones; `--set extract.layers=[...]` picks others.
+What each row and stage measures, the shapes, and how to run it on a GPU machine: docs/benchmarks.md.
 """
 
 from __future__ import annotations

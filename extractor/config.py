@@ -17,8 +17,8 @@ FINAL_STATES = ("post_norm", "pre_norm", "none")
 # What happens to a sample whose captured states hold NaN or Inf (the writer acts on the
 # extractor's per-sample flags): its shard fails, it is left out, or it is written flagged.
 NONFINITE_ACTIONS = ("fail", "skip", "keep")
-# Booleans of earlier configs (extract.last_hidden_state=true/false), as OmegaConf hands them to a str field.
-_LEGACY_FINAL_STATES = {"true": "post_norm", "false": "none"}
+# extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
+_BOOLEAN_FINAL_STATES = {"true": "post_norm", "false": "none"}
 
 
 def _is_int(value: object) -> bool:
@@ -147,7 +147,7 @@ class ExtractConfig:
             "fail stops the shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged"))
         check_int("extract.max_restarts", self.max_restarts, 0, "0: never restart")
         check_int("extract.max_attempts", self.max_attempts, 1)
-        kind = _LEGACY_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
+        kind = _BOOLEAN_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(
                 f"extract.last_hidden_state={self.last_hidden_state!r}: use one of {', '.join(FINAL_STATES)} "

@@ -1,28 +1,14 @@
 """CPU-only adjustments SGLang needs to run its ModelRunner on this machine's CPUs.
 
-SGLang's CPU engine expects the ``sgl_kernel`` extension, which PyPI only ships
-for CUDA.  Loading a dense model through the ModelRunner imports a handful of
-names from it and, on the EXTEND path, calls exactly one of them:
-``assign_req_to_token_pool_cpu``.  ``install_cpu_shims`` registers a small
-stand-in module that implements that op in plain torch and makes every other
-name raise a ``NotImplementedError`` that names the op when *called* (importing
-it stays harmless, as SGLang imports many ops it never uses on CPU).
+- ``sgl_kernel``, which PyPI ships for CUDA only: a stand-in module whose one op the EXTEND path
+  calls (``assign_req_to_token_pool_cpu``) is plain torch (``install_cpu_shims``).
+- NCCL, which SGLang loads whenever torch is a CUDA build, then fails on a CPU device: a
+  ``SGLANG_NCCL_SO_PATH`` that does not exist takes SGLang's own "no NCCL here" path (gloo).
+- DeepSeek attention (MLA), whose ``torch_native`` backend has no handler: routed to the absorbed-MLA
+  method SGLang's own CPU path uses (``register_torch_native_mla``).
 
-SGLang also loads NCCL for its tensor-parallel groups whenever torch is a CUDA
-build (the torch 2.14.1 wheel SGLang 0.5.23 pins is one), and then fails on a
-CPU device. Pointing ``SGLANG_NCCL_SO_PATH`` at a library that does not exist
-makes SGLang take its own "no NCCL here" path, and the groups use gloo.
-
-DeepSeek-V2/V3 attention (MLA) picks its forward method from a registry keyed
-by attention backend. ``torch_native`` has no entry, and the fallback (the
-triton handler) picks plain MHA for prefill, which reads the MLA latent cache
-with the wrong width ("Expected size ... [4, 32] but got: [4, 48]").
-``register_torch_native_mla`` maps torch_native to the absorbed-MLA method
-that SGLang's own CPU path uses (``_dispatch_mla_subtype``).
-
-Nothing here runs on GPU: ``extractor.engine`` calls ``install_cpu_shims`` only
-when the device is ``cpu`` and the real ``sgl_kernel`` cannot be imported.
-Checked against SGLang 0.5.23 (CI) and 0.5.17 (by hand, torch 2.11).
+``extractor.engine`` calls these only on ``device=cpu`` without a real ``sgl_kernel``. Checked against
+SGLang 0.5.23 (CI) and 0.5.17 (by hand, torch 2.11).
 """
 
 from __future__ import annotations
@@ -37,6 +23,7 @@ import torch
 
 SHIM_MODULE_NAME = "sgl_kernel"
 NO_NCCL_LIBRARY = "nccl-is-not-used-on-cpu.so"
+"""What ``SGLANG_NCCL_SO_PATH`` names on CPU: no such library, so SGLang's tensor-parallel groups use gloo."""
 
 
 def assign_req_to_token_pool_cpu(
@@ -92,7 +79,9 @@ def _build_shim_module() -> types.ModuleType:
 def register_torch_native_mla() -> None:
     """Route DeepSeek MLA attention to absorbed MLA under torch_native; call after importing sglang.
 
-    The registry is read on every forward (deepseek_v2.py ``dispatch_attn_forward_method``),
+    MLA picks its forward method from a registry keyed by attention backend. ``torch_native`` has no
+    entry, and the fallback (the triton handler) picks plain MHA for prefill, which reads the MLA latent
+    cache with the wrong width ("Expected size ... [4, 32] but got: [4, 48]"). The registry is read on every forward (deepseek_v2.py ``dispatch_attn_forward_method``),
     so this only has to happen before the first batch.
     """
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
@@ -104,7 +93,13 @@ def register_torch_native_mla() -> None:
 
 
 def install_cpu_shims() -> None:
-    """Make SGLang's CPU engine run here; call before the first sglang import."""
+    """Make SGLang's CPU engine run here; call before the first sglang import.
+
+    Loading a dense model through the ModelRunner imports a handful of ``sgl_kernel`` names and, on the
+    EXTEND path, calls one: ``assign_req_to_token_pool_cpu``. The stand-in implements it in plain torch;
+    every other name raises a ``NotImplementedError`` naming the op when called (importing it stays
+    harmless: SGLang imports many ops it never uses on CPU).
+    """
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
     if SHIM_MODULE_NAME in sys.modules:

@@ -1,20 +1,13 @@
 """Text generation with ``sglang.Engine``: the target answers prompts again (``jobs.prepare regenerate=true``).
 
-The only SGLang this module touches is the public offline API: ``sglang.Engine(**server_args)``,
-``Engine.async_generate(input_ids=..., sampling_params=...)``, the event loop it is bound to
-(``Engine.loop``) and ``Engine.shutdown()``. The engine runs the model's tensor-parallel ranks in
-processes it spawns (its scheduler), batches the requests it is given (continuous batching, radix
-cache), and returns token ids: the tokenizer is not loaded here (``skip_tokenizer_init``), so the
-caller renders prompts and decodes answers with the very tokenizer and chat template its loss mask
-comes from. The engine's event loop runs in a thread of its own: ``submit`` hands it one request
-from any thread and returns at once, so a caller keeps the engine fed (a conversation's next
-prompt goes in as soon as its last answer is back) instead of waiting for a whole batch's
-slowest answer; ``generate`` is ``Engine.generate``: one batch, every answer back together.
-
-On CPU (checked with SGLang 0.5.23, torch 2.14.1): ``SGLANG_USE_CPU_ENGINE=1``, the torch_native
-attention backend, and the ``sgl_kernel`` stand-in of ``extractor.cpu_shims``. The scheduler
-processes are spawned (fresh interpreters), so the stand-in reaches them as a package on their
-path (``extractor/cpu_site``), never over a real sgl-kernel.
+Only SGLang's public offline API is touched: ``sglang.Engine(**server_args)``, ``Engine.async_generate``,
+its event loop (``Engine.loop``) and ``Engine.shutdown()``. The engine takes and returns token ids
+(``skip_tokenizer_init``), so the caller renders prompts and decodes answers with the very tokenizer
+and chat template its loss mask comes from. The engine's loop runs in a thread of its own: ``submit``
+hands it one request from any thread and returns at once, so a conversation's next prompt goes in as
+soon as its last answer is back; ``generate`` is one batch, every answer back together. On CPU
+(checked with SGLang 0.5.23, torch 2.14.1) the scheduler processes are spawned, so the ``sgl_kernel``
+stand-in of ``extractor.cpu_shims`` reaches them as a package on their path (``extractor/cpu_site``).
 
 Importing this module loads neither SGLang nor torch: the driver builds a ``GeneratorSpec`` here
 and the Ray actor builds the ``Generator``.

@@ -1,22 +1,13 @@
 """The tensor-parallel group's rendezvous store, listening on 127.0.0.1 only.
 
-SGLang initialises torch.distributed with ``tcp://127.0.0.1:<nccl_port>``; for that
-URL torch's rank 0 starts a TCPStore that listens on every interface whatever host
-the URL names, so anyone who reaches the port could talk to the group's store.
-Every rank of the group runs on this node (the extractor spawns them), so the
-extractor's process hosts the store itself on a socket bound to loopback, and every
-rank joins it as a client. That is torchelastic's agent-store arrangement:
-``TORCHELASTIC_USE_AGENT_STORE=True`` with ``MASTER_ADDR``/``MASTER_PORT`` naming the
-store (torch 2.11 and 2.14 honour it for ``tcp://`` init; 2.14 only when the URL
-names that same address, which it does).
-
-The collective libraries open listening sockets of their own on the interface they
-pick: NCCL's bootstrap on the first non-loopback interface by default, gloo on the
-address the host name resolves to. With the whole group on one node loopback reaches
-every rank, so both are pointed at ``lo`` unless the environment already names an
-interface. On an H200 (torch 2.11.0+cu130, NCCL 2.28.9) this left every socket of a
-NCCL group on 127.0.0.1; without ``NCCL_SOCKET_IFNAME=lo`` its four bootstrap sockets
-listened on the host's address.
+For SGLang's ``tcp://127.0.0.1:<nccl_port>`` torch's rank 0 starts a TCPStore that listens on every
+interface, so anyone who reaches the port could talk to the group's store. Every rank runs on this
+node, so the extractor's process hosts the store on loopback and every rank joins it as a client:
+torchelastic's agent-store arrangement (``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_ADDR`` and
+``MASTER_PORT`` naming the store; torch 2.11 and 2.14 honour it for ``tcp://`` init, 2.14 only when
+the URL names that same address, which it does). NCCL's and gloo's own listening sockets are pointed
+at ``lo`` unless the environment names an interface. What this was measured to do on an H200:
+docs/architecture.md ("Safe by default").
 """
 
 from __future__ import annotations

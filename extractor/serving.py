@@ -1,30 +1,14 @@
 """The SGLang server's own settings as the extractor's input (``model.serving``).
 
-A drafter is served beside a target whose numerics the server's settings decide
-(quantization, kv-cache dtype, attention/MoE/GEMM backends, the TP/EP layout,
-deterministic kernels...). ``model.serving`` takes the command line the server
-runs with (or its ``ServerArgs`` fields); ``parse_serving`` reads it with the
-installed SGLang's own parser (``ServerArgs.add_cli_args``), so a flag is known,
-refused or defaulted exactly as ``sglang serve`` would. Every field the command
-sets to other than SGLang's default is then:
+A drafter is served beside a target whose numerics the server's settings decide (quantization,
+kv-cache dtype, backends, the TP/EP layout...). ``parse_serving`` reads the server's command with the
+installed SGLang's own parser, so a flag is known, refused or defaulted exactly as ``sglang serve``
+would; every field it sets to other than SGLang's default is then applied (the default, so that a
+difference is reported, never hidden), a ``model.*`` key (``MODEL_FIELDS``), set by the extractor
+(``EXTRACTOR_FIELDS``), the drafter's (``speculative_*``) or left out (``LEFT_OUT``): docs/serving.md.
 
-- **applied**: passed to the extractor's ``ServerArgs`` and recorded in the run's
-  content (a rerun with other values is refused, ``jobs.check_serving`` names each
-  difference). This is the default: a field no rule below names, including any
-  that a later SGLang adds, is applied, so a difference is reported, never hidden.
-- a **model key** (``MODEL_FIELDS``): the ``model.*`` key of the same name takes the
-  serving command's value (``effective_model``), a conflicting explicit key is refused.
-- **set by the extractor** (``EXTRACTOR_FIELDS``): what capture needs (one eager
-  forward per batch of whole samples, nothing cached between batches, its own pools
-  and port); the serving value is logged and replaced.
-- **the drafter** (``speculative_*``): describes the drafter the server runs, not the
-  target's forward; kept for ``jobs.check_serving``'s drafter check.
-- **left out** (``LEFT_OUT``): a short list of categories that say where the server
-  listens, how it reports, how it schedules requests, what text it handles: none
-  of them enters the target's forward over a batch of token ids.
-
-Importing this module loads no SGLang: the driver imports it, and ``parse_serving``
-imports SGLang's argument parser (through ``extractor.sglang_compat``) when called.
+Importing this module loads no SGLang: the driver imports it, and ``parse_serving`` imports SGLang's
+argument parser (through ``extractor.sglang_compat``) when called.
 """
 
 from __future__ import annotations

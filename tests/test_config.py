@@ -98,8 +98,8 @@ def test_sections_check_themselves_when_built_in_python():
     assert not ModelConfig().trust_remote_code
 
 
-def test_final_state_kinds_and_earlier_booleans():
-    """Earlier configs' extract.last_hidden_state=true/false still mean what they meant."""
+def test_final_state_kinds_and_booleans():
+    """extract.last_hidden_state=true/false mean post_norm/none."""
     assert load_config(["extract.last_hidden_state=true"]).extract.last_hidden_state == "post_norm"
     assert load_config(["extract.last_hidden_state=false"]).extract.last_hidden_state == "none"
     assert load_config(["extract.last_hidden_state=pre_norm"]).extract.last_hidden_state == "pre_norm"

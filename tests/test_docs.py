@@ -277,7 +277,7 @@ def test_named_paths_modules_and_names_exist(page):
 
 
 def test_the_checks_catch_what_they_should():
-    """The path and module checks above are not vacuous: old names from before the layout fail them."""
+    """The path and module checks above are not vacuous: names of modules that do not exist fail them."""
     assert _dotted_problem("storage.training") == "storage defines no training"
     assert _dotted_problem("jobs.pipeline") == "jobs defines no pipeline"
     assert _dotted_problem("storage.manifest.read_manifest") is None

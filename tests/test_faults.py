@@ -259,8 +259,8 @@ class Consumer(threading.Thread):
 @pytest.mark.parametrize("kill", ["extractor", "writer"])
 def test_a_fault_while_waiting_for_disk_loses_no_shard(ray_cluster, llama_fp32, dataset, tmp_path, kill):
     """With the budget at 1.5 shards and a trainer consuming, the run waits for disk before most shards;
-    a fault then used to send a shard back as the next one was opened: one shard was never written and
-    the run said complete (exit 0). Now every shard is written exactly once, in the same run."""
+    a fault then must not send a shard back as the next one is opened (one shard never written, the run
+    saying complete, exit 0): every shard is written exactly once, in the same run."""
     out, consumed = tmp_path / "out", tmp_path / "consumed"
     tight = ("output.num_writers=1", "progress.interval_s=0.2")
     budget = int(1.5 * predicted_shard_bytes(llama_fp32, dataset, out, *tight))

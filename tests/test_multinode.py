@@ -89,7 +89,7 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
 @pytest.mark.extended
 def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_fp32, tmp_path):
     """Without a sink the files stay on their nodes; a rerun of named shards may place them on the
-    other node, and the copy the manifest no longer vouches for is removed."""
+    other node, and the copy the manifest does not vouch for is removed."""
     cluster, node_ids = two_nodes
     data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=6)
     out = tmp_path / "out"

@@ -108,7 +108,7 @@ def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dat
 
 def test_layers_sglang_cannot_capture_are_refused_before_ray(deepseek, demo_dataset, tmp_path):
     """deepseek_v2 adds +1 only when the first id is 1: no drafter ids make it capture [0, 2, 4]. The job
-    used to load the model on every node first and end as a fault (exit 4)."""
+    refuses them with exit 2 before Ray starts, not as a fault (exit 4) after loading the model on every node."""
     out = tmp_path / "out"
     result = extract(*base_args(deepseek, demo_dataset, out), "extract.layers=[0,2,4]")
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp
 def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     ray_cluster, llama_fp32, demo_dataset, tmp_path,
 ):
-    """Truncated, replaced or deleted files: the rerun used to say "nothing to do" without a look, then took a
+    """Truncated, replaced or deleted files: the rerun looks before it says "nothing to do", and never takes a
     deleted file for consumed (exit 0, its samples gone, jobs.verify OK). A file is consumed only when its consumer
     declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
     (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
@@ -201,8 +201,8 @@ def test_an_input_file_changed_in_place_is_noticed(tmp_path):
 
 
 def test_sigterm_during_the_model_load_ends_interrupted(llama_fp32, demo_dataset, tmp_path):
-    """The driver waits inside a Ray call while the extractor loads: the signal used to surface as
-    ``SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set``, exit 4."""
+    """The driver waits inside a Ray call while the extractor loads: the signal ends the run as interrupted,
+    not as ``SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set``, exit 4."""
     out = tmp_path / "out"
     job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *base_args(llama_fp32, demo_dataset, out)],
                            cwd=REPO_ROOT, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

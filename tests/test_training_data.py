@@ -223,7 +223,7 @@ def test_one_pre_norm_run_serves_both_trainers(runs, llama_fp32, tmp_path, capsy
     assert load_config([]).extract.last_hidden_state == "pre_norm"
     assert ShardReader(next(runs["pre"].glob("shard-*.parquet"))).metadata.last_hidden_state == "pre_norm"
     dest = tmp_path / "specforge"
-    with caplog.at_level(logging.INFO, logger="jobs.export"):
+    with caplog.at_level(logging.INFO, logger="training.export"):
         assert export(runs["pre"], "specforge", dest) == 0
     norm = f"model.norm.weight of {llama_fp32}, eps 1e-06"
     assert f"the files' hidden_state is the model's final norm ({norm}) applied to it at export" in caplog.text

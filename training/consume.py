@@ -1,34 +1,12 @@
 """Export in place: a shard of the run is deleted only once its samples are safe in the export.
 
-With ``jobs.export consume=true``, after the export has written all the files of one of the
-run's local shards (and before it reads the next shard):
-
-1. durable: each file was fsynced when written (``training.destination``); their directories
-   are fsynced now, so that no crash can take back a name the deletion relies on;
-2. verified against the shard: every file written now is read back from the storage (a local
-   file's cached pages dropped first: the bytes come from the disk, not from memory) and its
-   size and checksum compared with the bytes made from the shard; the files of the shard's first
-   and last samples (kept as the export read them from the shard) are loaded as the trainer
-   loads them (``torch.load``, ``safetensors``) and compared, tensor by tensor, bit for bit, with
-   what the format makes of them and with their own token ids and states;
-3. recorded: the list of the files made of the shard, with their sizes and checksums, is written into
-   the export (``storage.exported``, ``.export-files/``) and made durable; then the run's manifest
-   marks the shard ``consumed`` into ``<format>:<dest>`` (``consumed_into``), with the list's own
-   checksum (one fsynced journal line): ``jobs.verify`` checks the export's files against the list
-   instead of a missing file, a resumed extraction counts the shard as done, the dataset leaves it
-   out saying where it went;
-4. deleted: the shard file is unlinked and output.dir fsynced.
-
-A kill anywhere leaves what a rerun finishes: before 3 the shard is still the run's, its files
-are read back and compared again, and any that differ are written again; between 3 and 4 the
-rerun deletes the file. A rerun checks the files of the shards consumed already against their
-lists: the export is the only copy of their samples. No shard is deleted while a file of it is
-unverified, and the export works on one shard at a time, so it holds at most one shard's files
-beyond the run: the disk peaks at about the larger of the run and its export, plus one shard.
-The export is a little larger than the run (int64 token ids and a header per file: about 0.03%
-at Kimi-K2.5's shape), and larger still when it widens the states (an fp8 run to SpecForge's
-model dtype: twice); ``check_space`` refuses, before anything is written, an export whose peak
-would not fit. """
+With ``jobs.export consume=true``, after the export has written all the files of one of the run's
+local shards, ``ShardConsumer`` makes them durable, verifies them against the shard, records the
+shard as consumed (in the export and in the run's manifest) and only then deletes it, so that the
+export needs one shard of room beyond the run, not a second copy. A kill anywhere leaves what a rerun
+finishes, and ``check_space`` refuses, before anything is written, an export whose peak would not
+fit. The steps, what a kill leaves and the space it needs: docs/training.md ("Export in place").
+"""
 
 from __future__ import annotations
 
@@ -38,7 +16,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -49,12 +27,10 @@ from storage.exported import check_exported_files, list_bytes, list_path
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
+from training.export_job import ExportShard, PreparedExport, Put
 from training.peer_formats import SPECFORGE, SPECULATORS
 
-if TYPE_CHECKING:
-    from training.export import ExportShard, PreparedExport, Put
-
-logger = logging.getLogger("jobs.export")
+logger = logging.getLogger(__name__)
 
 FILE_OVERHEAD_BYTES = 4096
 """What a file adds beyond its tensors, at most: its header (torch's zip records, safetensors' JSON) and a
@@ -93,8 +69,23 @@ class ShardConsumer:
             self.manifest.close()
 
     def consume(self, shard: ExportShard, puts: Iterable[Put], ends: Sequence[Sample]) -> None:
-        """Steps 1-4 of the module docstring for a local shard whose files ``puts`` are; ``ends``: its first and last
-        samples as the export read them from it."""
+        """Consume a local shard whose files ``puts`` are; ``ends``: its first and last samples as the export read
+        them from it. In order, each before the next:
+
+        1. durable: each file was fsynced when written (``training.destination``); their directories are
+           fsynced now, so that no crash can take back a name the deletion relies on;
+        2. verified against the shard: every file written now is read back from the storage (a local file's
+           cached pages dropped first) and its size and checksum compared with the bytes made from the shard;
+           the files of the first and last samples are loaded as the trainer loads them and compared, bit for
+           bit, with what the format makes of them and with their own token ids and states;
+        3. recorded: the list of the shard's files with their sizes and checksums is written into the export
+           (``storage.exported``) and made durable; then the run's manifest marks the shard consumed into
+           ``<format>:<dest>``, with the list's own checksum;
+        4. deleted: the shard file is unlinked and output.dir fsynced.
+
+        A kill before 3 leaves the shard the run's (a rerun reads its files back and writes any that
+        differ); between 3 and 4, the rerun deletes the file (``finish_consumed``).
+        """
         dest = self.job.dest
         puts = list(puts)
         dest.sync_directories(put.path for put in puts)
@@ -188,7 +179,7 @@ class ShardConsumer:
 
 def check_consumed(job: PreparedExport, shard: ExportShard, map_: Callable[..., Iterable[Any]] = map) -> None:
     """The files of a shard consumed into this export, the only copy of its samples, against the sizes and checksums
-    listed when it was consumed (shards consumed before exports listed them: not checked);
+    listed when it was consumed (a shard declared consumed through ``storage.consumed`` lists none: not checked);
     ExportVerificationError naming every file that differs (``map_`` hashes them, a pool's map in threads)."""
     if not shard.exported_files_checksum:
         return

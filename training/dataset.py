@@ -5,17 +5,11 @@
 ...                     sampler=DistributedSampler(dataset))    # shards by rank
 >>> HiddenStatesDataset("out", view="specforge")   # SpecForge's items, in the order its loader reads them
 >>> HiddenStatesDataset("out", view="speculators", train_ratio=0.9, split="train")  # speculators' ArrowDataset
->>> # speculators' own loader over it: its _setup_dataloader reads approx_lengths and hidden_states_dtype
 
-Any sample is two bisects away (file, then row group, from an index built once from the
-files' footers, ``storage.run_index``); reading it decodes its row group only, from a
-memory-mapped file (local) or by range reads (a URL). State tensors are views on that row
-group's buffers; fp8 shards are dequantized to the model dtype unless ``raw_fp8``. The last row
-group read stays cached, so reading samples in file order decodes each group once, and an
-in-place op on a sample's tensor changes what later reads of that row group return: ``clone()``
-before modifying one (``collate`` copies). Files are opened lazily in the process that reads
-them: the dataset pickles as its index (a few numbers per file), so each ``DataLoader`` worker
-opens its own.
+Any sample is two bisects away (``storage.run_index``) and decodes its row group only; state tensors
+are views on the last row group read, which stays cached: ``clone()`` before modifying one
+(``collate`` copies). The dataset pickles as its index, so each ``DataLoader`` worker opens its own
+files. What it reads, and what it costs: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Which final state each trainer reads, and the model's final RMSNorm applied at export, so that one run
 with the pre-norm final state serves both trainers.
 
-speculators reads the final state before the model's final norm, SpecForge after it. The norm
-cannot be undone, but it can be applied: a run that stores the pre-norm state (the residual stream
-entering the norm, ``extract.last_hidden_state=pre_norm``, the default) gives SpecForge its
-post-norm state by applying the checkpoint's own final norm at export, with SGLang's own arithmetic
-(``RMSNorm.forward_native``, SGLang 0.5.17-0.5.23; its CUDA kernel computes the same in the same order):
+speculators reads the final state before the model's final norm, SpecForge after it. The norm cannot
+be undone, but it can be applied: a pre-norm run (the default) gives SpecForge its post-norm state
+through the checkpoint's own final norm, with SGLang's own arithmetic (``RMSNorm.forward_native``,
+SGLang 0.5.17-0.5.23), one rounding to the model dtype at the end:
 
     x = state.float(); x = x * rsqrt(mean(x**2, -1) + eps); out = (x * weight).to(dtype)
 
-one rounding to the model dtype at the end. Where SGLang hands the norm the state and a residual
-separately (every model below: ``norm(hidden_states, residual)``), it normalises their float32 sum,
-of which the run stores the model-dtype rounding; in float32 that is the sum itself and the states
-come out bit for bit, in bfloat16 they can differ by one unit in the last place (docs/training.md,
-"One run for both trainers", has the measured difference). A post-norm run serves SpecForge only.
-
-The weight is read from the checkpoint's safetensors (the names listed in its index, else in the
-files' headers): ``model.norm.weight``, or ``language_model.model.norm.weight`` in a multimodal
-wrapper (Kimi-K2.5); ``eps`` is ``rms_norm_eps`` of ``config.json`` (of its ``text_config`` in a
-wrapper). Only the language models whose final norm is that plain RMSNorm are handled
-(``PLAIN_RMSNORM``); for another, extract the post-norm state for SpecForge.
-
-Nothing here imports torch or safetensors until a norm is loaded: ``jobs.plan`` asks what a run will serve.
+Bit for bit in float32, at most a unit or two in the last place in bf16; only models whose final norm
+is that plain RMSNorm (``PLAIN_RMSNORM``). Where the weight and eps come from, and the measured
+difference: docs/training.md ("One run for both trainers"). Nothing here imports torch or safetensors
+until a norm is loaded: ``jobs.plan`` asks what a run will serve.
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
 """What the two EAGLE-3 trainers read, built from a ``Sample``: their files and their dataset items.
 
-Matched against their public code (read 2026-12):
-
-SpecForge (sgl-project/SpecForge)
-  files: ``scripts/prepare_hidden_states.py`` (``HiddenStatesGenerator._get_file_path``,
-  ``DataPoint``): one ``torch.save(asdict(DataPoint))`` per sample at
-  ``rows_{g}-{g + file_group_size}/data_{idx}.ckpt``, ``g = idx // file_group_size * file_group_size``,
-  ``file_group_size`` 2000, ``idx`` the sample's global index in its dataset; keys in that order
-  ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``hidden_state`` [1, T, H] (the target model's
-  final state after its final norm: the trainer applies only ``lm_head``), ``aux_hidden_state``
-  [1, T, L*H] (the captured layers concatenated in layer order); model dtype, nothing shifted.
-  item: ``specforge/data/preprocessing.py`` ``list_local_files`` (``*.ckpt`` / ``*.ckpt.gz`` under
-  the directory, sorted by path) and ``OfflineEagle3Dataset`` (``torch.load(path,
-  weights_only=False, mmap=True)``; ``process_data``), the same as
-  ``specforge/algorithms/eagle3/data.py`` ``normalize_offline_sample``: ``aux_hidden_state`` and
-  ``hidden_state`` squeezed and cut to ``max_len``, ``input_ids`` and ``loss_mask`` cut to
-  ``max_len``, every tensor given a leading batch dimension of 1, the last ``loss_mask`` entry set
-  to 0, ``attention_mask`` ones (int64). SpecForge 0.2.0's trainer lists the files with
-  ``specforge/runtime/data_plane/offline_reader.py`` ``list_feature_files`` (absolute paths, sorted
-  as strings: the order ``training.dataset``'s SpecForge view keeps) and loads each with
-  ``feature_store.load_feature_file``; the tests run those two and ``normalize_offline_sample``.
-
-speculators (vllm-project/speculators)
-  files: ``scripts/data_generation_offline.py`` writes ``<preprocessed>/hidden_states/hs_{i}.safetensors``
-  for row ``i`` of the preprocessed HF dataset (``save_to_disk`` by ``scripts/prepare_data.py``,
-  columns ``input_ids`` and ``loss_mask`` int64 lists and ``seq_len``, torch format, with
-  ``token_freq.pt`` beside it: ``speculators/train/vocab_mapping.py``
-  ``save_token_frequency_distribution``, {token id: count over loss-masked tokens}). A file holds
-  ``hidden_states`` [T, L+1, H] (the captured layers, then the verifier's final state before its
-  final norm) and ``token_ids`` [T] int64; the fp8 variant
-  (``speculators/data_generation/fp8_hidden_states_connector.py``, ``fp8_utils.py``) stores
-  ``hidden_states`` as float8_e4m3fn with ``hidden_states_scales`` float32 [T, 1, 1]: one scale per
-  token over all its layers, ``scale = max(amax / 448, 1e-12)``, ``fp8 = (x.float() / scale)``.
-  item: ``speculators/train/data.py`` ``ArrowDataset._get_raw_data`` (``FileTransfer`` loads
-  ``hs_{i}.safetensors`` with ``safetensors.torch.load_file``) and ``BaseDataset.__getitem__``:
-  ``hidden_states`` = ``hidden_states[:, :-1].flatten(1)`` [T, L*H], ``input_ids`` = ``token_ids``,
-  ``verifier_last_hidden_states`` = ``hidden_states[:, -1]`` [T, H], ``loss_mask`` = the dataset
-  row's (int64), the ``*hidden_states*`` keys cast to ``hidden_states_dtype`` (bf16), then
-  ``lengths`` = [T] and ``position_ids`` = arange(T), int64.
+Matched against their public code (read 2026-12), cited in each function below: SpecForge
+(sgl-project/SpecForge; one ``torch.save`` dict per sample under ``rows_*/``) and speculators
+(vllm-project/speculators; a preprocessed HF dataset and one ``hs_{i}.safetensors`` per row). The
+layouts as a user sees them: docs/training.md.
 """
 
 from __future__ import annotations
@@ -66,13 +32,24 @@ QUANTIZE_CHUNK_TOKENS = 256
 # -- SpecForge ------------------------------------------------------------------------------------
 
 def specforge_path(sample_id: int, group_size: int = SPECFORGE_GROUP_SIZE) -> str:
-    """Where SpecForge keeps sample ``sample_id``: ``rows_{g}-{g+2000}/data_{sample_id}.ckpt``."""
+    """Where SpecForge keeps sample ``sample_id``: ``rows_{g}-{g+2000}/data_{sample_id}.ckpt``.
+
+    ``scripts/prepare_hidden_states.py`` ``HiddenStatesGenerator._get_file_path``:
+    ``rows_{g}-{g + file_group_size}/data_{idx}.ckpt``, ``g = idx // file_group_size * file_group_size``,
+    ``idx`` the sample's global index in its dataset.
+    """
     group = sample_id // group_size * group_size
     return f"rows_{group}-{group + group_size}/data_{sample_id}.ckpt"
 
 
 def specforge_file(sample: Sample) -> dict[str, torch.Tensor]:
-    """The dict SpecForge's generator ``torch.save``s for a sample (``asdict(DataPoint)``, in its key order)."""
+    """The dict SpecForge's generator ``torch.save``s for a sample (``asdict(DataPoint)``, in its key order).
+
+    ``scripts/prepare_hidden_states.py`` ``DataPoint``: ``input_ids`` [T] int64, ``loss_mask`` [T] int64,
+    ``hidden_state`` [1, T, H] (the target's final state after its final norm: the trainer applies only
+    ``lm_head``), ``aux_hidden_state`` [1, T, L*H] (the captured layers concatenated in layer order); model
+    dtype, nothing shifted.
+    """
     return {
         "input_ids": sample.input_ids.to(torch.int64),
         "loss_mask": sample.loss_mask.to(torch.int64),
@@ -82,7 +59,19 @@ def specforge_file(sample: Sample) -> dict[str, torch.Tensor]:
 
 
 def specforge_item(sample: Sample, max_len: int = SPECFORGE_MAX_LEN) -> dict[str, torch.Tensor]:
-    """What SpecForge's ``OfflineEagle3Dataset`` returns for this sample's file."""
+    """What SpecForge's ``OfflineEagle3Dataset`` returns for this sample's file.
+
+    ``specforge/data/preprocessing.py`` ``list_local_files`` (``*.ckpt`` / ``*.ckpt.gz`` under the
+    directory, sorted by path) and ``OfflineEagle3Dataset`` (``torch.load(path, weights_only=False,
+    mmap=True)``; ``process_data``), the same as ``specforge/algorithms/eagle3/data.py``
+    ``normalize_offline_sample``: ``aux_hidden_state`` and ``hidden_state`` squeezed and cut to
+    ``max_len``, ``input_ids`` and ``loss_mask`` cut to ``max_len``, every tensor given a leading batch
+    dimension of 1, the last ``loss_mask`` entry set to 0, ``attention_mask`` ones (int64). SpecForge
+    0.2.0's trainer lists the files with ``specforge/runtime/data_plane/offline_reader.py``
+    ``list_feature_files`` (absolute paths, sorted as strings: the order ``training.dataset``'s SpecForge
+    view keeps) and loads each with ``feature_store.load_feature_file``; the tests run those two and
+    ``normalize_offline_sample``.
+    """
     loss_mask = sample.loss_mask[:max_len].to(torch.int64).unsqueeze(0)  # a new tensor: the mask is changed
     loss_mask[0, -1] = 0
     return {
@@ -97,13 +86,18 @@ def specforge_item(sample: Sample, max_len: int = SPECFORGE_MAX_LEN) -> dict[str
 # -- speculators ----------------------------------------------------------------------------------
 
 def speculators_path(row: int) -> str:
-    """Where speculators keeps the states of dataset row ``row``."""
+    """Where speculators keeps the states of dataset row ``row``: ``scripts/data_generation_offline.py``
+    writes ``<preprocessed>/hidden_states/hs_{i}.safetensors`` for row ``i`` of the preprocessed dataset."""
     return f"{SPECULATORS_HIDDEN_STATES_DIR}/hs_{row}.safetensors"
 
 
 def speculators_file(sample: Sample, hidden_size: int, fp8: bool) -> dict[str, torch.Tensor]:
     """The tensors of ``hs_{i}.safetensors``: ``hidden_states`` [T, L+1, H] (+ ``hidden_states_scales``
     [T, 1, 1] float32 when ``fp8``) and ``token_ids`` [T] int64.
+
+    ``hidden_states`` holds the captured layers, then the verifier's final state before its final norm;
+    the fp8 variant (``speculators/data_generation/fp8_hidden_states_connector.py``, ``fp8_utils.py``)
+    stores it as float8_e4m3fn with one float32 scale per token over all its layers.
 
     ``sample`` holds model-dtype states, or raw fp8 states with their per-layer scales (a reader with
     ``raw_fp8=True``); fp8 output is quantized as speculators does, from float32 values: the model-dtype
@@ -149,7 +143,15 @@ def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def speculators_item(sample: Sample, hidden_size: int,
                      hidden_states_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """What speculators' ``ArrowDataset`` returns for this sample's row and ``hs_{i}`` file."""
+    """What speculators' ``ArrowDataset`` returns for this sample's row and ``hs_{i}`` file.
+
+    ``speculators/train/data.py`` ``ArrowDataset._get_raw_data`` (``FileTransfer`` loads ``hs_{i}.safetensors``
+    with ``safetensors.torch.load_file``) and ``BaseDataset.__getitem__``: ``hidden_states`` =
+    ``hidden_states[:, :-1].flatten(1)`` [T, L*H], ``input_ids`` = ``token_ids``,
+    ``verifier_last_hidden_states`` = ``hidden_states[:, -1]`` [T, H], ``loss_mask`` = the dataset row's
+    (int64), the ``*hidden_states*`` keys cast to ``hidden_states_dtype`` (bf16), then ``lengths`` = [T]
+    and ``position_ids`` = arange(T), int64.
+    """
     tokens = sample.input_ids.shape[0]
     return {
         "hidden_states": sample.aux_hidden_states.to(hidden_states_dtype),
@@ -162,7 +164,10 @@ def speculators_item(sample: Sample, hidden_size: int,
 
 
 def speculators_row(sample: Sample) -> dict[str, Any]:
-    """The sample's row of speculators' preprocessed dataset."""
+    """The sample's row of speculators' preprocessed dataset: ``save_to_disk`` by ``scripts/prepare_data.py``,
+    columns ``input_ids`` and ``loss_mask`` int64 lists and ``seq_len``, torch format, with ``token_freq.pt``
+    beside it (``speculators/train/vocab_mapping.py`` ``save_token_frequency_distribution``: {token id: count
+    over loss-masked tokens})."""
     return {
         "input_ids": sample.input_ids.to(torch.int64).numpy(),
         "loss_mask": sample.loss_mask.to(torch.int64).numpy(),

@@ -5,20 +5,10 @@ and put the files together again there.
     python -m benchmarks.gpu.stage pack OUT PATH... [--limit-mb 50] [--hopper-kernel]      (here)
     python3 -m benchmarks.gpu.stage receive FOLDER DEST                                    (there, per folder)
 
-``pack`` carries every PATH (a file, or a directory with everything under it, such as a wheelhouse of
-scripts/wheelhouse.sh) into ``OUT/01``, ``OUT/02``, ...; a file larger than a folder travels in parts.
-Every folder holds ``MANIFEST.json`` (each file's path under DEST, size, sha256 and parts), so the
-folders may arrive in any order. ``receive`` keeps a folder's parts under ``DEST/.parts``; once every
-part is there it joins each file, checks its sha256 and puts it at ``DEST/<its path>`` (a PATH's base
-name, then the path inside it); until then it says which folders are still to come.
-
-``--hopper-kernel`` carries sglang-kernel's wheel trimmed to what importing ``sgl_kernel`` loads on Hopper
-(H100, H200): the FA3 library ``flash_ops`` (342 MB of the wheel's 383; SGLang then serves with
-``attention_backend=flashinfer``), the Blackwell kernels ``sm100/`` and ``infllm_ops`` stay behind. The
-trimmed wheel keeps its RECORD true and carries the build tag ``1hopper`` in its name; the wheelhouse's
-``SHA256SUMS`` travels naming it.
-
-Only the standard library: ``receive`` runs on the machine before anything is installed there.
+Every folder holds ``MANIFEST.json`` (each file's path, size, sha256 and parts), so the folders may
+arrive in any order; ``--hopper-kernel`` trims sglang-kernel's wheel to what Hopper loads
+(docs/benchmarks.md). Only the standard library: ``receive`` runs on the machine before anything is
+installed there.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The output directory of ``jobs.prepare``: what it holds, and the rules for writing into it.
 
-    output.path/
-      part-00000.parquet ...    conversation_id int64, id string, input_ids list<int32>, loss_mask list<uint8>:
-                                what jobs.extract reads (it ignores conversation_id and id); one per shard
-      _prepare.json             the side record: state, settings, tokenizer and template hashes, counts, lengths
-      _skipped_rows.jsonl       every row left out (invalid under data.on_invalid=skip, or too long), with why
-      _regenerated/part-00000.jsonl ...   with regenerate=true: the target's answers, one file per shard
-      .job.lock                 held while a prepare runs (jobs.rundir.lock)
-
-Names starting with ``_`` or ``.`` are skipped by Parquet dataset readers and by ``jobs.extract``,
-so ``data.path=output.path`` reads the parts only. Parts are written under hidden temp names and
-all renamed into place at the end, then ``_prepare.json`` says ``complete``: a reader never sees the
-parts of a run that did not finish, and a failed run leaves no part under its final name. A
-regenerated shard file is published (temp name, fsync, rename) as soon as its shard is answered: a
-killed run resumes from the shards already answered.
-
-Refused, untouched (exit 2): a non-empty directory without ``_prepare.json`` (not ours), one that holds
-a file this command did not write (readers would take it for data), a complete prepare of other
-settings or inputs, regenerated answers of other generation settings. Nothing the
-user named is ever deleted; only this command's own temp files and stale parts (recognised by
-their metadata) are replaced.
+Parts (``part-NNNNN.parquet``, what ``jobs.extract`` reads) are written under hidden temp names and
+renamed into place together at the end, then the side record ``_prepare.json`` says ``complete``: a
+reader never sees the parts of a run that did not finish. Regenerated answers are published a shard
+at a time, so a killed run resumes from those. A directory that is not this command's, or holds a
+prepare of other settings or inputs, is refused untouched (exit 2); nothing the user named is ever
+deleted. The layout and the refusals: docs/conversations.md.
 """
 
 from __future__ import annotations

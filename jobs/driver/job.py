@@ -224,9 +224,7 @@ def _check_files_here(manifest: Manifest, output_dir: Path, checksum: bool) -> O
     claim = read_claim(output_dir)
     if not claim or claim.get("run_id") != manifest.run_id or claim.get("host") != socket.gethostname():
         return None
-    node = claim.get("node")
-    if node is None:  # a claim of an earlier version
-        return None
+    node = claim["node"]  # this run's own claim (its run_id, this host) always names its node
     check_done_files(LocalDisk(output_dir), manifest, node, True, checksum)
     return node
 

@@ -1,29 +1,13 @@
 """The run's progress, told three ways: Ray metrics, ``.summary.json``, and a line on the terminal or in the log.
 
-The driver tells ``RunProgress`` what happens (tokens written, a shard settled, a
-wait for disk budget) and calls ``tick()`` from its loops. A tick reads the
-manifest and the disk budget (the truth, owned by the driver) into a
-``ProgressSnapshot`` and reports it:
-
-- from the moment the run is set up (before the models load) until it ends,
-  every ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter): Ray
-  metrics on the metrics endpoint (``ray start --metrics-export-port``, the
-  dashboard's Grafana panels), labelled ``run`` = output.dir (Ray adds
-  ``NodeAddress``, ``SessionName``...). Ray's Prometheus exporter names them
-  ``ray_`` + the name given here (counters end in ``_total``). Every series
-  exists from the start, counters at 0, so that every panel has data before
-  the first wait or the first batch. Ray 2.60 drops a gauge that is not set
-  again for 20-30 s, so each refresh sets every one (while the models load, a
-  thread does).
-- every ``progress.interval_s``: the ``progress`` block of ``.summary.json``,
-  which ``jobs.status`` reads, and, when stderr is not a terminal (``ray job
-  submit``, a file, a pipe), a log line: ``shards 12/50, samples 2.4k/10k,
-  tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``.
-- on a terminal, the same text as one live line instead of log lines, redrawn
-  every ``LIVE_REFRESH_S`` and left on the screen when the run ends.
-
-Ray's Jobs API cannot carry it: a job's ``metadata`` is fixed at submission
-(``JobSubmissionClient`` has no call that updates it).
+The driver tells ``RunProgress`` what happens (tokens written, a shard settled, a wait for disk
+budget) and calls ``tick()`` from its loops. A tick reads the manifest and the disk budget (the
+truth, owned by the driver) into a ``ProgressSnapshot`` and reports it: Ray metrics every
+``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter) from set-up to the end (every series
+from the start, every gauge set again each time: Ray drops one not set for 20-30 s), the ``progress``
+block of ``.summary.json`` every ``progress.interval_s`` (what ``jobs.status`` reads), and a log line,
+or one live line redrawn every ``LIVE_REFRESH_S`` on a terminal. The metrics, the line and why Ray's
+Jobs API cannot carry it: docs/operations.md.
 """
 
 from __future__ import annotations

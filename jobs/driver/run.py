@@ -1,23 +1,16 @@
-"""The driver's loop: open what fits, send batches, settle what completes, until every shard is settled.
+"""One extraction over the data-parallel groups: the lanes, and the owners the driver's loop turns over.
 
-``ExtractionRun`` starts one lane per data-parallel group (``jobs.driver.startup``)
-and then loops over small owners, each of which alone changes what it holds:
-the scheduler opens shards and sends their batches (lanes, attempts, the shards'
-life in the manifest), ``Completions`` hands each finished piece of work to the one
-it concerns, the upload queue carries committed files to the sink, the rescanner
-notices files consumed (or lost: written again), and ``DiskWait`` keeps the clock of a wait for
-disk. At most ``output.max_inflight_batches`` batches per lane sit between its
-extractor and a finished write, which bounds the states held in its node's
-memory: a disk slower than the extractor holds the extractor back.
+``ExtractionRun`` starts one lane per data-parallel group (``jobs.driver.startup``) and composes small
+owners, each of which alone changes what it holds: the scheduler (shards, batches, lanes, attempts),
+``Completions``, the upload queue, the rescanner and ``DiskWait``; ``jobs.driver.loop.DriverLoop``
+turns over them until every shard is settled. At most ``output.max_inflight_batches`` batches per
+lane sit between its extractor and a finished write, which bounds the states held in its node's memory.
 
-Faults are survived in the same run: a dead extractor is started again (at most
-``extract.max_restarts`` times; the run, and other nodes' lanes, go on while its
-model loads), a dead writer is replaced, and every shard a fault cut short is
-discarded (no temp file stays) and extracted again (at most ``extract.max_attempts``
-tries per shard); past those bounds the job stops with ``JobFault`` (exit 4) and a
-rerun resumes. A run that ends early (a signal, a fault, no disk) winds down on
-leaving the ``with`` block: open shards are discarded and any shard its writer had
-already published is recorded, so that no whole file is left unrecorded.
+Faults are survived in the same run (an extractor started again, a writer replaced, a shard cut short
+extracted again) up to ``extract.max_restarts`` and ``extract.max_attempts``; past them the job stops
+with ``JobFault`` (exit 4) and a rerun resumes. A run that ends early winds down on leaving the
+``with`` block: open shards are discarded and any shard already published is recorded, so that no
+whole file is left unrecorded.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The scheduler: opens shards, sends their batches, and settles each attempt; it alone changes lanes and attempts.
 
-One shard is one file written by one writer, in order, then ``finish``. Each
-data-parallel group (a ``Lane``: an extractor, its writers and its node's disk
-budget) holds up to one open shard per writer, and the scheduler sends the
-batches of a lane's open shards interleaved, always for the one with the
-fewest batches in flight. Shards are handed out dynamically: the next shard
-goes to whichever lane has a free writer and room in its budget, so a fast
-node takes more. A shard is opened only once its whole predicted size fits
-its lane's budget, so open shards can always be finished; when nothing is open
-and the next shard does not fit, ``open_what_fits`` says so and the driver
-waits for disk (``jobs.driver.disk_wait``) without the scheduler doing anything.
-Work per batch does not depend on the dataset's size: the plan is computed once,
-and only the batch's own rows are read.
-
-The shard's life in the manifest follows the scheduler: pending when opened,
-done when published, failed when its writer reports an error or faults cut it
-short ``extract.max_attempts`` times; pending again when its file is lost
+One shard is one file written by one writer, in order. Each lane (an extractor, its writers, its
+node's disk budget) holds up to one open shard per writer; the scheduler sends the batches of a lane's
+open shards interleaved, always for the one with the fewest in flight, and hands the next shard to
+whichever lane has a free writer and room in its budget, so a fast node takes more. A shard opens only
+once its whole predicted size fits, so open shards can always be finished; when nothing is open and
+the next shard does not fit, ``open_what_fits`` says so and the driver waits for disk
+(``jobs.driver.disk_wait``). Work per batch does not depend on the dataset's size: the plan is
+computed once, and only the batch's own rows are read. The shard's life in the manifest follows the
+scheduler: pending when opened, done when published, failed when its writer reports an error or
+faults cut it short ``extract.max_attempts`` times; pending again when its file is lost
 (``jobs.driver.rescan``).
 """
 

@@ -1,29 +1,12 @@
 """What a run would do, before it does it: the dry run behind ``python -m jobs.plan``.
 
-Takes the job's own config and reads what the job reads before Ray starts: the
-checkpoint's config.json and the dataset. No weight is loaded, Ray is not started,
-nothing is written (a sink gets the job's own test write, read and delete). It refuses
-what the job refuses, in the job's order, with the job's message and exit code: the
-config, the input, output.dir (writable, outside the input), a run of other content in
-output.dir (or another run's node directory), the layers, the sink, a job holding
-output.dir (exit 5), shard files without a manifest, ``shards=[...]`` the plan does not
-have, and, for a private cluster on this host with ``model.device=cpu``, what the job
-refuses once Ray is up (``model.dp_size``, ``output.num_writers`` against this host's
-CPUs). Prints samples, tokens, invalid rows, shards and batches, bytes per token, which
-trainers' exports the run serves, the predicted bytes against ``output.disk_budget`` and the free space,
-the layers SGLang will capture and the drafter ids, and what will not fit. Each
-number comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``,
-``plan_shards``, ``DiskBudget.predict``, ``check_shards_fit``); the layers come
-from SGLang's own model class built on the meta device, as ``jobs.check_drafter``
-does, asked in a child process and cached with the job's own check
-(``jobs.planning.capture``): the first time about 15 s on 2 cores (SGLang's import),
-then well under a second. ``--json`` prints the same as one JSON object.
-
-Exit codes (``jobs.errors``): 0 the run fits; 2 the job would refuse it (bad config or
-input, invalid rows with ``data.on_invalid=fail``, a shard larger than the budget);
-3 it would stop for disk (the run needs more than ``output.disk_budget`` without a
-sink, or more than the filesystem has free above ``output.min_free_bytes``); 5 another
-job holds output.dir.
+Takes the job's own config and reads what the job reads before Ray starts (the checkpoint's
+config.json and the dataset): no weight loaded, no Ray, nothing written. It refuses what the job
+refuses, in the job's order, with the job's message and exit code, and prints what the run would
+write against the disk budget and the free space, and the layers SGLang will capture. Each number
+comes from the function the job itself uses (``jobs.planning.inputs.read_inputs``, ``plan_shards``,
+``DiskBudget.predict``, ``check_shards_fit``; the layers from ``jobs.planning.capture``), so the plan
+cannot drift from the run. What it prints, refuses and exits with: docs/operations.md.
 """
 
 from __future__ import annotations

@@ -19,11 +19,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What earlier versions of the job called the manifest (before the output directory had to read
-# as a Parquet dataset).
-LEGACY_MANIFEST_FILE = "manifest.json"
-
-
 def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     """The shards this run extracts, in plan order."""
     if selection == SELECT_PENDING:
@@ -147,12 +142,6 @@ def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
     if manifest_exists:
         return
     existing = sorted(output_dir.glob(SHARD_GLOB))
-    if (output_dir / LEGACY_MANIFEST_FILE).exists():
-        raise ValueError(
-            f"output.dir={output_dir} was written by an earlier version of this job ({LEGACY_MANIFEST_FILE}); "
-            f"rename manifest.json, summary.json and drafter_config.json there to {MANIFEST_FILE}, "
-            ".summary.json and .drafter_config.json, then rerun"
-        )
     if existing:
         raise ValueError(
             f"output.dir={output_dir} holds {len(existing)} shard files (e.g. {existing[0].name}) but no "
