@@ -11,9 +11,9 @@ import dataclasses
 import json
 from typing import Sequence
 
+from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import JobConfig, parse_command
-from jobs.driver.budget import format_bytes
 from jobs.planning.dry_run import DryRun, dry_run
 
 DESCRIPTION = (

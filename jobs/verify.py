@@ -17,9 +17,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
+from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import ConfigError, parse_command
-from jobs.driver.budget import format_bytes
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.planning.content import expected_metadata
 from jobs.rundir.lock import read_owner

@@ -15,8 +15,8 @@ import fsspec
 import pytest
 import ray
 
+from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
-from jobs.driver.budget import format_bytes
 from jobs.errors import BudgetExhausted
 from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset

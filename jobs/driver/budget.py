@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
@@ -23,14 +24,6 @@ INITIAL_OVERHEAD_PER_TOKEN = 16
 FILE_OVERHEAD_BYTES = 64 * 1024
 # Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
 BATCH_OVERHEAD_BYTES = 16 * 1024
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(count) < 1000 or unit == "TB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1000
-    raise AssertionError("unreachable")
 
 
 class AdmissionPolicy(Protocol):

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from jobs.driver.budget import format_bytes
+from common.checks import format_bytes
 from jobs.driver.lanes import Lane
 from jobs.driver.progress import RunProgress
 from jobs.errors import BudgetExhausted

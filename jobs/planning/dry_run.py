@@ -32,10 +32,11 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from common.checks import format_bytes
 from jobs.cluster.nodes import plan_groups, this_host
 from jobs.cluster.session import starts_private_cluster, this_host_cpus
 from jobs.config import ConfigError, JobConfig
-from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.planning.capture import ProbeFailed, capture_plan

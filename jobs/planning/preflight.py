@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from common.checks import format_bytes
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
 from jobs.config import ConfigError, JobConfig
-from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.budget import DiskBudget
 from jobs.errors import BudgetExhausted
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
