@@ -26,8 +26,8 @@ from typing import Any, Optional, Sequence
 from extractor.checkpoint import read_config, text_config
 from extractor.serving import ServingSettings, classify, parse_serving, resolved_dtype
 from jobs.cli import console_entry, run_command
-from jobs.config import ConfigError, parse_command
-from jobs.errors import EXIT_OK, EXIT_SERVING_MISMATCH
+from jobs.config import parse_command
+from jobs.errors import EXIT_OK, EXIT_SERVING_MISMATCH, ConfigError
 from storage.manifest import read_manifest
 
 logger = logging.getLogger("jobs.check_serving")

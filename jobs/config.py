@@ -32,6 +32,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
 from jobs.driver.config import OutputConfig, ProgressConfig
+from jobs.errors import ConfigError
 from jobs.inputs.config import DataConfig, DemoConfig
 
 T = TypeVar("T")
@@ -53,10 +54,6 @@ def check_selection(selection: Any) -> None:
         f"shards={selection!r}: use `pending` (every shard not done yet: resume), "
         "`failed` (rerun failed shards only) or a list of shard indices like [3,17]"
     )
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: one line that names the key and the fix (exit code 2)."""
 
 
 @dataclasses.dataclass

@@ -34,6 +34,11 @@ RERUN = "Done shards are kept; rerun the same command to resume"
 EXIT_SIGNAL_BASE = 128
 
 
+class ConfigError(ValueError):
+    """A user mistake in the config: one line that names the key and the fix (exit code 2, as every
+    ``ValueError`` a command refuses with)."""
+
+
 class JobStopped(RuntimeError):
     """The job ended early but cleanly: what is done is recorded, a rerun resumes."""
 

@@ -19,8 +19,8 @@ from typing import Any, Dict, Sequence
 
 from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
-from jobs.config import ConfigError, parse_command
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.config import parse_command
+from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED, ConfigError
 from jobs.planning.content import expected_metadata
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary

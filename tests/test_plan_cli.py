@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from jobs.config import ConfigError
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, ConfigError
 from jobs.extract import run
 from jobs.plan import main
 from storage import ShardReader

@@ -22,9 +22,9 @@ from typing import Any, Iterable
 from common.checks import format_bytes
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
-from jobs.config import ConfigError, JobConfig
+from jobs.config import JobConfig
 from jobs.driver.budget import DiskBudget
-from jobs.errors import BudgetExhausted
+from jobs.errors import BudgetExhausted, ConfigError
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
 from jobs.planning.shards import Shard
