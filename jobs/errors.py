@@ -5,7 +5,7 @@
 | 0 | every shard this run was to write is done, and with ``output.sink`` uploaded (or already was: nothing to do) | nothing |
 | 1 | some shards failed (their errors are in the manifest); for ``jobs.check_drafter``: a drafter config would not capture the run's layers; for ``jobs.check_serving``: a serving setting differs from the run's | rerun with ``shards=failed``; fix the drafter config; extract again with the serving settings, or serve with the run's |
 | 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
-| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free_bytes`` | free space or raise the budget, rerun |
+| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free`` | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost), or shards left neither done nor failed (named) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |

@@ -51,7 +51,7 @@ def kimi_demo(tmp_path_factory):
     demo = tmp_path_factory.mktemp("kimi-demo")
     result = subprocess.run(
         [sys.executable, "-m", "jobs.extract", "demo.arch=kimi_k25", f"demo.dir={demo}",
-         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free_bytes=1GB", *JOB_SETTINGS],
+         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -118,7 +118,7 @@ def test_dry_run_plans_what_the_run_wrote(kimi_demo, tmp_path):
     kimi, data, run_dir = kimi_demo
     result = subprocess.run(
         [sys.executable, "-m", "jobs.plan", f"model.path={kimi}", f"data.path={data}", f"output.dir={tmp_path}",
-         "model.device=cpu", "output.min_free_bytes=1GB", *JOB_SETTINGS, "--json"],
+         "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS, "--json"],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

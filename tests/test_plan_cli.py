@@ -22,7 +22,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
-            "output.min_free_bytes=1GB")
+            "output.min_free=1GB")
 
 
 @pytest.fixture(scope="module")

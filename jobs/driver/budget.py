@@ -47,7 +47,7 @@ class BudgetPolicy:
 
 @dataclasses.dataclass
 class FreeSpacePolicy:
-    """The filesystem keeps at least ``output.min_free_bytes`` free once reserved bytes land."""
+    """The filesystem keeps at least ``output.min_free`` free once reserved bytes land."""
 
     floor: int
 
@@ -55,7 +55,7 @@ class FreeSpacePolicy:
         return budget.free_after_reservations() - nbytes >= self.floor
 
     def describe(self, budget: "DiskBudget") -> str:
-        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free_bytes "
+        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free "
                 f"{format_bytes(self.floor)}")
 
 

@@ -96,7 +96,7 @@ def run(config: JobConfig) -> dict:
 
 def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
-    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
     plan = plan_shards(
         inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
         config.extract.max_samples_per_batch,
