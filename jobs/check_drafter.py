@@ -27,7 +27,7 @@ from extractor.drafter_check import DrafterCapture, TargetModel
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
 from jobs.config import CommandParser, config_keys, describe, program_name
-from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
+from jobs.errors import EXIT_NOT_PASSED, EXIT_OK
 from jobs.planning.capture import drafter_captures
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
@@ -180,7 +180,7 @@ def _check_drafter(argv: Sequence[str]) -> int:
     for verdict in verdicts:
         for line in verdict.lines:
             print(line)
-    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_DRAFTER_MISMATCH
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_NOT_PASSED
 
 
 cli = console_entry(main)

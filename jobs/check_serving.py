@@ -27,7 +27,7 @@ from extractor.checkpoint import read_config, text_config
 from extractor.serving import ServingSettings, classify, parse_serving, resolved_dtype
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_OK, EXIT_SERVING_MISMATCH, ConfigError
+from jobs.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
 from storage.manifest import read_manifest
 
 logger = logging.getLogger("jobs.check_serving")
@@ -185,7 +185,7 @@ def _check_serving(argv: Sequence[str]) -> int:
     ok, lines = check(output_dir, serving, model_path)
     for line in lines:
         print(line)
-    return EXIT_OK if ok else EXIT_SERVING_MISMATCH
+    return EXIT_OK if ok else EXIT_NOT_PASSED
 
 
 cli = console_entry(main)

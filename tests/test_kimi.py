@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
-from jobs.errors import EXIT_DRAFTER_MISMATCH
+from jobs.errors import EXIT_NOT_PASSED
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
@@ -194,7 +194,7 @@ def test_check_drafter_through_the_wrapper(kimi_demo, tmp_path):
         "minus1": with_ids(written, [2, 4, 5]),  # SGLang's default for this depth, and SpecForge's convention
         "vllm": vllm_style(written, [3, 5, 6]),
     }, tmp_path)
-    assert code == EXIT_DRAFTER_MISMATCH, output
+    assert code == EXIT_NOT_PASSED, output
     assert verdicts["written"].startswith("PASS") and KIMI in verdicts["written"], output
     assert "would capture layers_to_capture [4, 6, 7]" in verdicts["plus1"], output
     assert "would capture layers_to_capture [2, 4, 5]" in verdicts["minus1"], output
