@@ -24,7 +24,7 @@ from jobs.cluster.session import inside_ray_job, ray_job_submission_id
 from jobs.config import absolute_paths, parse_command
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
-from jobs.conversations.pipeline import read_inputs, run
+from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
 from jobs.errors import EXIT_OK
 from jobs.rundir.lock import OutputLock
 
@@ -74,7 +74,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
         if existing.complete:
             return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
-        return run(inputs)
+        return tokenize_and_publish(inputs)
 
 
 def final_message(record: dict[str, Any]) -> str:

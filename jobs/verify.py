@@ -29,7 +29,7 @@ from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
-class VerifiedRun:
+class VerifyOutput:
     """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
 
     dir: str = ""
@@ -41,7 +41,7 @@ class VerifiedRun:
 
 @dataclasses.dataclass
 class VerifyConfig:
-    output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
+    output: VerifyOutput = dataclasses.field(default_factory=VerifyOutput)
     dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """fsspec options for the exports that consumed shards (jobs.export consume=true), as the export had them: their
     files are checked against the sizes and checksums listed when each shard was consumed."""
