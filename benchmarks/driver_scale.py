@@ -190,7 +190,7 @@ def _driver_run(context: Context, model: Path, name: str, profile: bool, extra: 
         f"data.shard_size={context.results['plan']['shard_size']}",
         f"extract.max_tokens_per_batch={MAX_TOKENS_PER_BATCH}",
         f"extract.max_samples_per_batch={context.args.max_samples_per_batch}",
-        "output.disk_budget=100GB", "output.min_free_bytes=100MB", *extra,
+        "output.disk_budget=100GB", "output.min_free=100MB", *extra,
     ])
     # CPU time of this thread, not wall time: waiting in ray.wait/ray.get costs the driver nothing.
     profiler = cProfile.Profile(time.thread_time) if profile else None

@@ -76,7 +76,7 @@ def extract(model: Path, data: Path, out: Path, final_state: str, dtype: str, ad
     """The final states of a real run, by sample id."""
     summary = run(load_config([
         f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu", f"model.dtype={dtype}",
-        f"extract.last_hidden_state={final_state}", "output.min_free_bytes=1GB", f"ray.address={address}",
+        f"extract.last_hidden_state={final_state}", "output.min_free=1GB", f"ray.address={address}",
     ]))
     assert summary["exit_code"] == 0 and not summary["shards_failed"], summary
     states = {}

@@ -355,7 +355,7 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
     job_args = [
         f"model.path={model}", f"data.path={data}", f"model.device={args.device}", f"model.tp_size={args.tp_size}",
         f"model.load_format={load_format}", f"extract.max_tokens_per_batch={args.max_tokens_per_batch}",
-        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free_bytes=1GB",
+        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free=1GB",
         f"extract.layers={benchmark_layer_ids(checkpoint.num_layers)}", *args.set,
     ]
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,

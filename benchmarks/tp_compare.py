@@ -45,7 +45,7 @@ def main() -> None:
     data = build_synthetic_dataset(work / "data.parquet", args.samples, vocab_size=vocab,
                                    min_len=args.tokens_per_sample // 2, max_len=args.tokens_per_sample)
     base = [f"model.path={model}", f"data.path={data}", f"model.device={args.device}", "model.dtype=bfloat16",
-            f"model.load_format={load_format}", "output.min_free_bytes=1GB"]
+            f"model.load_format={load_format}", "output.min_free=1GB"]
     with ray_session(""):
         one = extract([*base, "model.tp_size=1"], work / "tp1")
         many_a = extract([*base, f"model.tp_size={args.tp_size}"], work / "tpN-a")

@@ -67,3 +67,12 @@ def parse_bytes(value: str | int, key: str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"{key}={value!r}: write a size like 500GB, 1.3TB, 64GiB or a byte count")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(count: float) -> str:
+    """1_300_000_000_000 -> ``"1.3 TB"`` (decimal units, as ``parse_bytes`` reads them)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1000
+    raise AssertionError("unreachable")

@@ -27,7 +27,7 @@ from extractor.drafter_check import DrafterCapture, TargetModel
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
 from jobs.config import CommandParser, config_keys, describe, program_name
-from jobs.errors import EXIT_DRAFTER_MISMATCH, EXIT_OK
+from jobs.errors import EXIT_NOT_PASSED, EXIT_OK
 from jobs.planning.capture import drafter_captures
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
@@ -36,7 +36,7 @@ logger = logging.getLogger("jobs.check_drafter")
 
 
 @dataclasses.dataclass
-class CheckedRun:
+class CheckDrafterOutput:
     dir: str = ""
     """The run whose stored layers the drafter configs must capture (its output.dir). Required."""
 
@@ -52,12 +52,12 @@ class TargetCheckpoint:
 class CheckDrafterConfig:
     """The keys ``jobs.check_drafter`` reads, after the drafter configs (``key=value``; no ``--config`` file)."""
 
-    output: CheckedRun = dataclasses.field(default_factory=CheckedRun)
+    output: CheckDrafterOutput = dataclasses.field(default_factory=CheckDrafterOutput)
     model: TargetCheckpoint = dataclasses.field(default_factory=TargetCheckpoint)
 
 
 @dataclasses.dataclass(frozen=True)
-class RunLayers:
+class StoredLayers:
     """What a run stored, from its shard metadata (or its summary when every shard went to the sink)."""
 
     model_path: str
@@ -74,19 +74,19 @@ class Verdict:
     lines: list[str]
 
 
-def read_run(output_dir: Path) -> RunLayers:
+def read_stored_layers(output_dir: Path) -> StoredLayers:
     shards = sorted(output_dir.glob("shard-*.parquet"))
     if shards:
         meta = ShardReader(shards[0]).metadata
-        return RunLayers(meta.model_path, meta.hidden_size, meta.layer_ids, meta.layers_to_capture,
-                         meta.drafter_layer_ids, meta.sglang_version)
+        return StoredLayers(meta.model_path, meta.hidden_size, meta.layer_ids, meta.layers_to_capture,
+                            meta.drafter_layer_ids, meta.sglang_version)
     summary_file = output_dir / SUMMARY_FILE
     if not summary_file.is_file():
         raise ValueError(f"output.dir={output_dir}: no shard file and no {SUMMARY_FILE}; name a run's output dir")
     summary = json.loads(summary_file.read_text())
     engine = summary["engine"]
-    return RunLayers(summary["model_path"], engine["hidden_size"], engine["layer_ids"], engine["layers_to_capture"],
-                     engine["drafter_layer_ids"], engine["sglang_version"])
+    return StoredLayers(summary["model_path"], engine["hidden_size"], engine["layer_ids"], engine["layers_to_capture"],
+                        engine["drafter_layer_ids"], engine["sglang_version"])
 
 
 def read_drafter_config(path: Path) -> dict[str, Any]:
@@ -100,9 +100,9 @@ def read_drafter_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{file}: not JSON ({error})") from None
 
 
-def judge(name: str, config: dict[str, Any], capture: Any, target: Any, run: RunLayers) -> Verdict:
+def judge(name: str, config: dict[str, Any], capture: Any, target: Any, stored: StoredLayers) -> Verdict:
     """Compare what SGLang would capture with this drafter config against what the run stored."""
-    fix = f"set eagle_config.{IDS_KEY} to {run.drafter_layer_ids}"
+    fix = f"set eagle_config.{IDS_KEY} to {stored.drafter_layer_ids}"
     problems: list[str] = []
     if capture.error:
         problems.append(f"SGLang {target.sglang_version} cannot load this drafter config: {capture.error}")
@@ -115,40 +115,40 @@ def judge(name: str, config: dict[str, Any], capture: Any, target: Any, run: Run
             )
         if not capture.use_aux_hidden_state:
             problems.append("eagle_config.use_aux_hidden_state is false: SGLang would feed the drafter no aux states")
-        elif capture.layers_to_capture != run.layers_to_capture:
+        elif capture.layers_to_capture != stored.layers_to_capture:
             ids = capture.drafter_layer_ids if capture.drafter_layer_ids is not None else "none (its default)"
             problems.append(
                 f"SGLang {target.sglang_version} would capture layers_to_capture {capture.layers_to_capture} from "
                 f"{target.architecture} with drafter ids {ids}, but the run stored "
-                f"layers_to_capture {run.layers_to_capture} (outputs of decoder layers {run.layer_ids})"
+                f"layers_to_capture {stored.layers_to_capture} (outputs of decoder layers {stored.layer_ids})"
             )
         width = config.get("target_hidden_size") or config.get("hidden_size")
-        if width != run.hidden_size:
-            problems.append(f"target_hidden_size {width} but the run stored hidden size {run.hidden_size}")
+        if width != stored.hidden_size:
+            problems.append(f"target_hidden_size {width} but the run stored hidden size {stored.hidden_size}")
     if problems:
         return Verdict(False, [f"FAIL {name}: " + "; ".join(problems) + f". Fix: {fix}"])
     lines = [
         f"PASS {name}: SGLang {target.sglang_version} reads ids {capture.drafter_layer_ids} and captures "
         f"layers_to_capture {capture.layers_to_capture} from {target.architecture}: the outputs of decoder "
-        f"layers {run.layer_ids} this run stored"
+        f"layers {stored.layer_ids} this run stored"
     ]
     if vllm_style_ids(config) not in (None, capture.drafter_layer_ids):
         lines.append(f"NOTE {name}: a vLLM server would read the top-level {IDS_KEY} {vllm_style_ids(config)} instead")
-    if run.sglang_version != target.sglang_version:
-        lines.append(f"NOTE the run was extracted with SGLang {run.sglang_version}, this check asked "
+    if stored.sglang_version != target.sglang_version:
+        lines.append(f"NOTE the run was extracted with SGLang {stored.sglang_version}, this check asked "
                      f"{target.sglang_version}")
     return Verdict(True, lines)
 
 
 def check(drafter_paths: Sequence[Path], output_dir: Path, model_path: Optional[str] = None) -> list[Verdict]:
-    run = read_run(output_dir)
+    stored = read_stored_layers(output_dir)
     configs = [read_drafter_config(path) for path in drafter_paths]
-    target_path = local_checkpoint(model_path) if model_path else run.model_path
+    target_path = local_checkpoint(model_path) if model_path else stored.model_path
     if not (Path(target_path) / "config.json").is_file():
         raise ValueError(f"the run's target {target_path} has no config.json here; pass model.path=DIR")
     answer = drafter_captures(target_path, configs)
     target, captures = TargetModel(**answer["target"]), [DrafterCapture(**c) for c in answer["captures"]]
-    return [judge(str(path), config, capture, target, run)
+    return [judge(str(path), config, capture, target, stored)
             for path, config, capture in zip(drafter_paths, configs, captures)]
 
 
@@ -180,7 +180,7 @@ def _check_drafter(argv: Sequence[str]) -> int:
     for verdict in verdicts:
         for line in verdict.lines:
             print(line)
-    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_DRAFTER_MISMATCH
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_NOT_PASSED
 
 
 cli = console_entry(main)

@@ -26,8 +26,8 @@ from typing import Any, Optional, Sequence
 from extractor.checkpoint import read_config, text_config
 from extractor.serving import ServingSettings, classify, parse_serving, resolved_dtype
 from jobs.cli import console_entry, run_command
-from jobs.config import ConfigError, parse_command
-from jobs.errors import EXIT_OK, EXIT_SERVING_MISMATCH
+from jobs.config import parse_command
+from jobs.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
 from storage.manifest import read_manifest
 
 logger = logging.getLogger("jobs.check_serving")
@@ -39,7 +39,7 @@ CHOSEN_BY_SGLANG = ("attention_backend", "device")
 
 
 @dataclasses.dataclass
-class CheckedRun:
+class CheckServingOutput:
     dir: str = ""
     """The run whose recorded settings the serving command must match (its output.dir). Required."""
 
@@ -57,7 +57,7 @@ class ServedModel:
 class CheckServingConfig:
     """The keys ``jobs.check_serving`` reads; the serving command's flags may follow a ``--`` instead."""
 
-    output: CheckedRun = dataclasses.field(default_factory=CheckedRun)
+    output: CheckServingOutput = dataclasses.field(default_factory=CheckServingOutput)
     model: ServedModel = dataclasses.field(default_factory=ServedModel)
 
 
@@ -127,7 +127,7 @@ def check(output_dir: Path, serving: Any, model_path: Optional[str] = None) -> t
     ok = not any(finding.kind == "DIFF" for finding in findings)
     drafter_ok, drafter_lines = _check_drafter(settings, output_dir, model_path)
     lines += drafter_lines
-    extracted_with = _run_sglang_version(output_dir)
+    extracted_with = _stored_sglang_version(output_dir)
     if extracted_with not in (None, settings.sglang_version):
         lines.append(f"NOTE the run was extracted with SGLang {extracted_with}, this check parsed the command with "
                      f"SGLang {settings.sglang_version}: the server's release decides what its flags mean")
@@ -141,11 +141,11 @@ def check(output_dir: Path, serving: Any, model_path: Optional[str] = None) -> t
     return ok and drafter_ok, lines
 
 
-def _run_sglang_version(output_dir: Path) -> Optional[str]:
-    from jobs.check_drafter import read_run
+def _stored_sglang_version(output_dir: Path) -> Optional[str]:
+    from jobs.check_drafter import read_stored_layers
 
     try:
-        return read_run(output_dir).sglang_version
+        return read_stored_layers(output_dir).sglang_version
     except (ValueError, KeyError):
         return None  # no shard file and no summary left to say
 
@@ -185,7 +185,7 @@ def _check_serving(argv: Sequence[str]) -> int:
     ok, lines = check(output_dir, serving, model_path)
     for line in lines:
         print(line)
-    return EXIT_OK if ok else EXIT_SERVING_MISMATCH
+    return EXIT_OK if ok else EXIT_NOT_PASSED
 
 
 cli = console_entry(main)

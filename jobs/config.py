@@ -23,7 +23,7 @@ import sys
 import textwrap
 import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -32,6 +32,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
 from jobs.driver.config import OutputConfig, ProgressConfig
+from jobs.errors import ConfigError
 from jobs.inputs.config import DataConfig, DemoConfig
 
 T = TypeVar("T")
@@ -53,10 +54,6 @@ def check_selection(selection: Any) -> None:
         f"shards={selection!r}: use `pending` (every shard not done yet: resume), "
         "`failed` (rerun failed shards only) or a list of shard indices like [3,17]"
     )
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: one line that names the key and the fix (exit code 2)."""
 
 
 @dataclasses.dataclass
@@ -237,35 +234,40 @@ def _is_url(path: str) -> bool:
     return "://" in path
 
 
-def resolve_paths(config: JobConfig, inside_ray_job: bool) -> JobConfig:
-    """Every local path made absolute, once, here on the driver.
+def absolute_paths(paths: Mapping[str, str], inside_ray_job: bool,
+                   example: str = "output.dir=/mnt/nvme/eagle3/run1") -> dict[str, str]:
+    """Each local path of ``paths`` (key -> value) made absolute (``~`` expanded, ``..`` folded); empty values and
+    URLs stay as they are.
 
     Under ``ray job submit`` the driver's working directory is Ray's unpacked copy of
     ``--working-dir`` (``/tmp/ray/session_*/runtime_resources/working_dir_files/_ray_pkg_<hash>``),
     which changes whenever a file in it changes: a relative path there would put the
-    output somewhere new on every submit, so it is refused.
+    output somewhere new on every submit, so it is refused; the message shows ``example``.
     """
-    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.dir": config.output.dir}
-    if config.is_demo:
-        keys["demo.dir"] = config.demo.dir
-    relative = [f"{key}={value}" for key, value in keys.items() if value and not _is_url(value)
+    relative = [f"{key}={value}" for key, value in paths.items() if value and not _is_url(value)
                 and not Path(value).expanduser().is_absolute()]
     if relative and inside_ray_job:
         raise ConfigError(
             f"{', '.join(relative)}: relative paths under `ray job submit` resolve inside Ray's copy of "
             f"the working dir ({os.getcwd()}), which changes on every submit; pass absolute paths "
-            "(e.g. output.dir=/mnt/nvme/eagle3/run1)"
+            f"(e.g. {example})"
         )
+    return {key: value if not value or _is_url(value) else os.path.abspath(Path(value).expanduser())
+            for key, value in paths.items()}
 
-    def absolute(value: str) -> str:
-        return value if not value or _is_url(value) else os.path.abspath(Path(value).expanduser())
 
+def resolve_paths(config: JobConfig, inside_ray_job: bool) -> JobConfig:
+    """Every local path made absolute, once, here on the driver (see ``absolute_paths``)."""
+    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.dir": config.output.dir}
+    if config.is_demo:
+        keys["demo.dir"] = config.demo.dir
+    paths = absolute_paths(keys, inside_ray_job)
     return dataclasses.replace(
         config,
-        model=dataclasses.replace(config.model, path=absolute(config.model.path)),
-        data=dataclasses.replace(config.data, path=absolute(config.data.path)),
-        output=dataclasses.replace(config.output, dir=absolute(config.output.dir)),
-        demo=dataclasses.replace(config.demo, dir=absolute(config.demo.dir)) if config.is_demo else config.demo,
+        model=dataclasses.replace(config.model, path=paths["model.path"]),
+        data=dataclasses.replace(config.data, path=paths["data.path"]),
+        output=dataclasses.replace(config.output, dir=paths["output.dir"]),
+        demo=dataclasses.replace(config.demo, dir=paths["demo.dir"]) if config.is_demo else config.demo,
     )
 
 

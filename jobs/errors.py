@@ -1,11 +1,11 @@
-"""How a job ends: each outcome has its own exit code, and every message says what to run next.
+"""How a command ends: one exit code per outcome (what 1 means depends on the command); messages say what to do next.
 
 | code | outcome | what the user does |
 |---|---|---|
 | 0 | every shard this run was to write is done, and with ``output.sink`` uploaded (or already was: nothing to do) | nothing |
-| 1 | some shards failed (their errors are in the manifest); for ``jobs.check_drafter``: a drafter config would not capture the run's layers; for ``jobs.check_serving``: a serving setting differs from the run's | rerun with ``shards=failed``; fix the drafter config; extract again with the serving settings, or serve with the run's |
+| 1 | the command's work or check did not pass: ``jobs.extract``: some shards failed (their errors are in the manifest); ``jobs.check_drafter``: a drafter config would not capture the run's layers; ``jobs.check_serving``: a serving setting differs from the run's | ``jobs.extract``: rerun with ``shards=failed``; ``jobs.check_drafter``: fix the drafter config; ``jobs.check_serving``: extract again with the serving settings, or serve with the run's |
 | 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
-| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free_bytes`` | free space or raise the budget, rerun |
+| 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free`` | free space or raise the budget, rerun |
 | 4 | a fault the job could not absorb (actors or a node lost), or shards left neither done nor failed (named) | rerun the same command: it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
@@ -19,9 +19,8 @@ import errno
 import signal
 
 EXIT_OK = 0
-EXIT_SHARDS_FAILED = 1
-EXIT_DRAFTER_MISMATCH = 1
-EXIT_SERVING_MISMATCH = 1
+EXIT_NOT_PASSED = 1
+"""The command's work or check did not pass; what that means per command is in the table above."""
 EXIT_BAD_INPUT = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_FAULT = 4
@@ -32,6 +31,11 @@ RERUN = "Done shards are kept; rerun the same command to resume"
 """How a message about a stop the run cannot absorb ends."""
 # 128 + the signal number, as shells report a process a signal ended.
 EXIT_SIGNAL_BASE = 128
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: one line that names the key and the fix (exit code 2, as every
+    ``ValueError`` a command refuses with)."""
 
 
 class JobStopped(RuntimeError):

@@ -11,9 +11,9 @@ import dataclasses
 import json
 from typing import Sequence
 
+from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import JobConfig, parse_command
-from jobs.driver.budget import format_bytes
 from jobs.planning.dry_run import DryRun, dry_run
 
 DESCRIPTION = (
@@ -60,7 +60,7 @@ def format_report(report: DryRun) -> str:
         f"{format_bytes(report.disk_budget)}; "
         + (f"sink {report.sink}" if report.sink else "no sink"),
         f"         {report.output_dir}: {format_bytes(report.free_bytes)} free on its filesystem, "
-        f"output.min_free_bytes {format_bytes(report.min_free_bytes)}",
+        f"output.min_free {format_bytes(report.min_free_bytes)}",
     ]
     if not report.problems:
         lines.append("fits     yes: nothing above stops the run")

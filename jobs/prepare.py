@@ -21,10 +21,10 @@ from typing import Any, Sequence
 from extractor.checkpoint import local_checkpoint
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.cluster.session import inside_ray_job, ray_job_submission_id
-from jobs.config import ConfigError, parse_command
+from jobs.config import absolute_paths, parse_command
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
-from jobs.conversations.pipeline import read_inputs, run
+from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
 from jobs.errors import EXIT_OK
 from jobs.rundir.lock import OutputLock
 
@@ -46,23 +46,14 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
     id as model.path is its snapshot in the local Hugging Face cache."""
     model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
     config = dataclasses.replace(config, model=model)
-    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.path": config.output.path,
-            "model.chat_template": config.model.chat_template}
-    relative = [f"{key}={value}" for key, value in keys.items()
-                if value and "://" not in value and not Path(value).expanduser().is_absolute()]
-    if relative and inside_job:
-        raise ConfigError(f"{', '.join(relative)}: relative paths under `ray job submit` resolve inside Ray's copy of "
-                          "the working dir, which changes on every submit; pass absolute paths")
-
-    def absolute(value: str) -> str:
-        return value if not value or "://" in value else str(Path(value).expanduser().absolute())
-
+    paths = absolute_paths({"model.path": config.model.path, "data.path": config.data.path,
+                            "output.path": config.output.path, "model.chat_template": config.model.chat_template},
+                           inside_job, example="output.path=/mnt/nvme/data/tokens")
     return dataclasses.replace(
         config,
-        model=dataclasses.replace(config.model, path=absolute(config.model.path),
-                                  chat_template=absolute(config.model.chat_template)),
-        data=dataclasses.replace(config.data, path=absolute(config.data.path)),
-        output=dataclasses.replace(config.output, path=absolute(config.output.path)),
+        model=dataclasses.replace(config.model, path=paths["model.path"], chat_template=paths["model.chat_template"]),
+        data=dataclasses.replace(config.data, path=paths["data.path"]),
+        output=dataclasses.replace(config.output, path=paths["output.path"]),
     )
 
 
@@ -83,7 +74,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
         if existing.complete:
             return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
-        return run(inputs)
+        return tokenize_and_publish(inputs)
 
 
 def final_message(record: dict[str, Any]) -> str:

@@ -17,14 +17,13 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from common.checks import parse_bytes
+from common.checks import format_bytes, parse_bytes
 from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
-from jobs.config import ConfigError, parse_command
-from jobs.driver.budget import format_bytes
+from jobs.config import parse_command
 from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
-from jobs.errors import EXIT_OK
+from jobs.errors import EXIT_OK, ConfigError
 from jobs.rundir.lock import LOCK_FILE, read_owner
 from jobs.rundir.summary import (
     DRAFTER_CONFIG_FILE,

@@ -17,10 +17,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
+from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
-from jobs.config import ConfigError, parse_command
-from jobs.driver.budget import format_bytes
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.config import parse_command
+from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED, ConfigError
 from jobs.planning.content import expected_metadata
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
@@ -29,7 +29,7 @@ from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
-class VerifiedRun:
+class VerifyOutput:
     """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
 
     dir: str = ""
@@ -41,7 +41,7 @@ class VerifiedRun:
 
 @dataclasses.dataclass
 class VerifyConfig:
-    output: VerifiedRun = dataclasses.field(default_factory=VerifiedRun)
+    output: VerifyOutput = dataclasses.field(default_factory=VerifyOutput)
     dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """fsspec options for the exports that consumed shards (jobs.export consume=true), as the export had them: their
     files are checked against the sizes and checksums listed when each shard was consumed."""

@@ -231,7 +231,7 @@ def job_config(model, data, out, *extra):
     """The job's config for a small CPU run of ``model`` over ``data`` into ``out``; ``extra`` overrides."""
     return load_config(
         [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
-         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free_bytes=1GB",
+         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free=1GB",
          "output.budget_wait_s=30", *extra]
     )
 
@@ -452,7 +452,7 @@ def extraction_run(tmp_path_factory, name: str, overrides: Sequence[str]) -> Pat
         if needed:
             command = [sys.executable, "-m", "jobs.extract", f"model.path={model}", f"data.path={data}",
                        f"output.dir={out}", "model.device=cpu", "model.dtype=float32",
-                       "output.min_free_bytes=1GB", f"ray.address={session_ray_address()}", *overrides]
+                       "output.min_free=1GB", f"ray.address={session_ray_address()}", *overrides]
             env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
             result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                     timeout=EXTRACT_TIMEOUT_S)

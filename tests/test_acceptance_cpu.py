@@ -648,7 +648,7 @@ def test_the_quantized_run_its_serving_checks_and_how_far_a_bf16_run_is(ray_clus
     p = Pipeline(parse_args(["--work", str(work), "--device", "cpu", "--stages", "extract", "--arms", "Q-bf16",
                              "--dtype", "float32", "--quantized-serving", shlex.join(STAND_IN),
                              "--extract-set", f"ray.address={session_ray_address()}",
-                             "--extract-set", "output.min_free_bytes=1GB"]))
+                             "--extract-set", "output.min_free=1GB"]))
     _record(work, "extract-A", {})
     stage_extract(p)
     assert p.record("extract-Q")["samples"] == 8

@@ -15,8 +15,8 @@ import fsspec
 import pytest
 import ray
 
+from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
-from jobs.driver.budget import format_bytes
 from jobs.errors import BudgetExhausted
 from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
@@ -171,7 +171,7 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
     address = ray.get_runtime_context().gcs_address
     args = [
         f"model.path={llama_fp32}", f"data.path={many}", f"output.dir={out}", "data.shard_size=4",
-        "model.device=cpu", "output.min_free_bytes=1GB", "output.max_inflight_batches=1",
+        "model.device=cpu", "output.min_free=1GB", "output.max_inflight_batches=1",
         "extract.max_tokens_per_batch=64", f"ray.address={address}",
     ]
     env = python_env()  # ray.address names the session's cluster

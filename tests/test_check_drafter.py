@@ -16,7 +16,7 @@ import pytest
 from extractor.checkpoint import text_config
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
 from jobs.errors import EXIT_BAD_INPUT
-from jobs.errors import EXIT_DRAFTER_MISMATCH as EXIT_MISMATCH
+from jobs.errors import EXIT_NOT_PASSED as EXIT_MISMATCH
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from testbeds.shapes import KIMI_K25

@@ -13,9 +13,10 @@ import pytest
 
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
-from jobs.config import ConfigError, JobConfig, config_keys, load_config, resolve_paths
+from jobs.config import JobConfig, config_keys, load_config, resolve_paths
 from jobs.actors.cpus import format_cores
 from jobs.driver.config import OutputConfig
+from jobs.errors import ConfigError
 from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
@@ -50,7 +51,7 @@ from tests.helpers import python_env
     ("output.num_uploaders=0", "output.num_uploaders=0: must be an integer >= 1"),
     ("output.disk_budget=0", "output.disk_budget='0': must be more than 0 bytes"),
     ("output.disk_budget=12XB", "output.disk_budget='12XB': write a size like 500GB"),
-    ("output.min_free_bytes=lots", "output.min_free_bytes='lots': write a size like 500GB"),
+    ("output.min_free=lots", "output.min_free='lots': write a size like 500GB"),
     ("output.rescan_s=0", "output.rescan_s=0: must be more than 0 seconds"),
     ("output.budget_wait_s=-1", "output.budget_wait_s=-1.0: must be a number of seconds >= 0"),
     ("progress.interval_s=0", "progress.interval_s=0.0: must be a number of seconds > 0"),
@@ -71,7 +72,7 @@ def test_config_file_and_overrides(tmp_path):
     (tmp_path / "c.yaml").write_text("model:\n  path: /m\n  tp_size: 8\ndata:\n  path: /d.parquet\n")
     config = load_config(["--config", str(tmp_path / "c.yaml"), "model.tp_size=4", "extract.layers=[2,30,58]"])
     assert (config.model.path, config.model.tp_size, config.extract.layers) == ("/m", 4, [2, 30, 58])
-    assert config.output.disk_budget_bytes == 1_300_000_000_000 and config.output.free_floor_bytes == 10**10
+    assert config.output.disk_budget_bytes == 1_300_000_000_000 and config.output.min_free_bytes == 10**10
 
     (tmp_path / "typo.yaml").write_text("model:\n  path: /m\n  tp_szie: 8\ndata:\n  path: /d.parquet\n")
     with pytest.raises(ConfigError, match=r"unknown key model.tp_szie; did you mean model.tp_size\?"):

@@ -64,7 +64,7 @@ def test_one_output_dir_runs_one_job(ray_cluster, llama_fp32, tmp_path):
     data = build_synthetic_dataset(tmp_path / "many.parquet", num_samples=samples, min_len=20, max_len=60, seed=11)
     out = tmp_path / "out"
     args = [f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", "data.shard_size=4",
-            "model.device=cpu", "output.min_free_bytes=1GB", "output.max_inflight_batches=1",
+            "model.device=cpu", "output.min_free=1GB", "output.max_inflight_batches=1",
             "extract.max_tokens_per_batch=64", f"ray.address={ray.get_runtime_context().gcs_address}"]
     first = start_job(args)
     time.sleep(2)

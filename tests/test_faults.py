@@ -54,7 +54,7 @@ def job_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """A few batches per shard, so that a fault lands in the middle of one."""
     return [
         f"model.path={model}", f"data.path={data}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
-        "extract.max_tokens_per_batch=100", "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
+        "extract.max_tokens_per_batch=100", "model.device=cpu", "model.dtype=float32", "output.min_free=0",
         "output.budget_wait_s=30", "output.rescan_s=0.2", "output.max_inflight_batches=2", *extra,
     ]
 

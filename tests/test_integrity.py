@@ -44,7 +44,7 @@ def dataset(tmp_path_factory) -> Path:
 def job_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return [
         f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=4", "model.device=cpu",
-        "model.dtype=float32", "output.min_free_bytes=0", "output.budget_wait_s=30", "output.rescan_s=0.2",
+        "model.dtype=float32", "output.min_free=0", "output.budget_wait_s=30", "output.rescan_s=0.2",
         "extract.max_tokens_per_batch=100", *extra,
     ]
 

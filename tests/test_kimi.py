@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
-from jobs.errors import EXIT_DRAFTER_MISMATCH
+from jobs.errors import EXIT_NOT_PASSED
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
@@ -51,7 +51,7 @@ def kimi_demo(tmp_path_factory):
     demo = tmp_path_factory.mktemp("kimi-demo")
     result = subprocess.run(
         [sys.executable, "-m", "jobs.extract", "demo.arch=kimi_k25", f"demo.dir={demo}",
-         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free_bytes=1GB", *JOB_SETTINGS],
+         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -118,7 +118,7 @@ def test_dry_run_plans_what_the_run_wrote(kimi_demo, tmp_path):
     kimi, data, run_dir = kimi_demo
     result = subprocess.run(
         [sys.executable, "-m", "jobs.plan", f"model.path={kimi}", f"data.path={data}", f"output.dir={tmp_path}",
-         "model.device=cpu", "output.min_free_bytes=1GB", *JOB_SETTINGS, "--json"],
+         "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS, "--json"],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -194,7 +194,7 @@ def test_check_drafter_through_the_wrapper(kimi_demo, tmp_path):
         "minus1": with_ids(written, [2, 4, 5]),  # SGLang's default for this depth, and SpecForge's convention
         "vllm": vllm_style(written, [3, 5, 6]),
     }, tmp_path)
-    assert code == EXIT_DRAFTER_MISMATCH, output
+    assert code == EXIT_NOT_PASSED, output
     assert verdicts["written"].startswith("PASS") and KIMI in verdicts["written"], output
     assert "would capture layers_to_capture [4, 6, 7]" in verdicts["plus1"], output
     assert "would capture layers_to_capture [2, 4, 5]" in verdicts["minus1"], output

@@ -47,7 +47,7 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
     args = [
         f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={tmp_path}/nodes/{{node}}",
         f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
-        "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0", f"output.disk_budget={BUDGET}",
+        "model.device=cpu", "model.dtype=float32", "output.min_free=0", f"output.disk_budget={BUDGET}",
         "output.rescan_s=0.2", f"output.sink=file://{sink}",
     ]
     env = python_env()
@@ -97,7 +97,7 @@ def test_resume_and_named_reruns_work_across_node_directories(two_nodes, llama_f
     args = [
         f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={tmp_path}/nodes/{{node}}",
         f"ray.address={cluster.address}", f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100",
-        "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0",
+        "model.device=cpu", "model.dtype=float32", "output.min_free=0",
     ]
     env = python_env()
 

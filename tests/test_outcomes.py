@@ -40,7 +40,7 @@ def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def base_args(model: Path, data: Path, out: Path) -> list[str]:
     return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
-            "output.min_free_bytes=0", "data.shard_size=8"]
+            "output.min_free=0", "data.shard_size=8"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dat
         data, out = f"{tmp_path}/tokens-*/*.parquet", tmp_path / "tokens-states"
         key = f"output.dir={out} is matched by the glob data.path={data}"
     elif case == "min_free_above_disk":
-        extra, code, key = ["output.min_free_bytes=1PB"], EXIT_BUDGET_EXHAUSTED, "output.min_free_bytes"
+        extra, code, key = ["output.min_free=1PB"], EXIT_BUDGET_EXHAUSTED, "output.min_free"
     elif case == "negative_shard":
         extra, key = ["shards=[-1]"], "shards=[-1]"
     elif case == "unknown_shard":  # a new output.dir: known before Ray from the plan alone
@@ -94,8 +94,8 @@ def test_setup_errors_are_refused_before_ray_naming_the_key(llama_fp32, demo_dat
         (data / "part-1.parquet").write_bytes(b"PAR1 this is not a parquet file")
         key = f"{data / 'part-1.parquet'}: cannot be read as parquet"
     args = base_args(llama_fp32, data, out)
-    args = [a for a in args if not a.startswith("output.min_free_bytes")] + (
-        [] if case == "min_free_above_disk" else ["output.min_free_bytes=0"]) + extra
+    args = [a for a in args if not a.startswith("output.min_free")] + (
+        [] if case == "min_free_above_disk" else ["output.min_free=0"]) + extra
     started = time.monotonic()
     result = extract(*args)
     assert result.returncode == code, result.stderr[-3000:]
@@ -133,7 +133,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
     (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
     out = tmp_path / "out"
-    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0")
+    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0")
     first = run(config)
     assert first["shards_done"] == 5
     files = sorted(out.glob("shard-*.parquet"))
@@ -164,7 +164,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert not list(out.glob(".shard-*.consumed")), "the declaration is removed once the manifest records it"
 
     # with checksums: shard 2 too, written again with sha256 beside the others' xxh3_128, each checked with its own
-    checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
+    checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0",
                           "output.resume_check=checksum", "output.checksum=sha256")
     again = run(checksum)
     assert again["this_run"]["shards_selected"] == 1
@@ -173,7 +173,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert records[4]["checksum"].startswith("xxh3_128:")
     assert {files[4].name: files[4].stat().st_mtime_ns} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
-    assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free_bytes=0",
+    assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0",
                           "shards=[3]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
     assert_every_sample_once(out, demo_dataset)
 
@@ -223,7 +223,7 @@ def test_sigterm_during_the_model_load_ends_interrupted(llama_fp32, demo_dataset
 
 def test_every_done_shard_of_a_run_that_exits_0_is_there_once(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     summary = run(job_config(llama_fp32, demo_dataset, tmp_path / "out", "data.shard_size=3",
-                             "output.min_free_bytes=0"))
+                             "output.min_free=0"))
     records = read_manifest(tmp_path / "out")["shards"]
     assert summary["exit_code"] == 0 and summary["shards_done"] == len(records) == 7
     assert sorted(p.name for p in (tmp_path / "out").glob("shard-*.parquet")) == sorted(r["file"] for r in records)

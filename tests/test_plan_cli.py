@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from jobs.config import ConfigError
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, ConfigError
 from jobs.extract import run
 from jobs.plan import main
 from storage import ShardReader
@@ -23,7 +22,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
-            "output.min_free_bytes=1GB")
+            "output.min_free=1GB")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import LOCK_HOLDER, job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
-            "output.min_free_bytes=0")
+            "output.min_free=0")
 
 
 @pytest.fixture(scope="module")

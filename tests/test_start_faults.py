@@ -84,7 +84,7 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     caplog.set_level(logging.INFO)
     out = tmp_path / "out"
     args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
-            "model.device=cpu", "model.dtype=float32", "output.min_free_bytes=0", "extract.max_restarts=1"]
+            "model.device=cpu", "model.dtype=float32", "output.min_free=0", "extract.max_restarts=1"]
     with KillWhileLoading() as killer:
         code = main(args)
     assert killer.killed is not None, "no extractor was seen loading its model"
@@ -126,7 +126,7 @@ def test_a_signal_while_ray_starts_ends_the_run_interrupted_with_no_process_left
     interrupted with its summary; every process it started is gone."""
     out = tmp_path / "out"
     args = [f"model.path={llama_fp32}", f"data.path={demo_dataset}", f"output.dir={out}", "model.device=cpu",
-            "output.min_free_bytes=0", "data.shard_size=8"]
+            "output.min_free=0", "data.shard_size=8"]
     with open(tmp_path / "stderr", "w+") as stderr:
         job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=python_env(),
                                stdout=subprocess.DEVNULL, stderr=stderr)

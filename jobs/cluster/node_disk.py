@@ -174,7 +174,7 @@ class NodeDisk(LocalDisk):
         super().__init__(directory)
         self._placement = placement
 
-    def _run(self, function: Any, *args: Any) -> Any:
+    def _on_node(self, function: Any, *args: Any) -> Any:
         import ray  # here: `jobs.status` reads budgets without starting Ray's client
 
         if function not in _TASKS:
@@ -182,22 +182,22 @@ class NodeDisk(LocalDisk):
         return ray.get(_TASKS[function].options(**self._placement).remote(*args))
 
     def free_and_unwritten(self, reserved: dict[int, int]) -> tuple[int, int]:
-        return self._run(_free_and_unwritten, str(self.directory), reserved)
+        return self._on_node(_free_and_unwritten, str(self.directory), reserved)
 
     def existing(self, names: Iterable[str]) -> set[str]:
-        return set(self._run(_existing, str(self.directory), list(names)))
+        return set(self._on_node(_existing, str(self.directory), list(names)))
 
     def file_facts(self, names: Iterable[str], algorithms: Mapping[str, str]) -> dict[str, tuple[int, str]]:
-        return self._run(_file_facts, str(self.directory), list(names), dict(algorithms))
+        return self._on_node(_file_facts, str(self.directory), list(names), dict(algorithms))
 
     def remove(self, names: Iterable[str]) -> None:
-        self._run(_remove, str(self.directory), list(names))
+        self._on_node(_remove, str(self.directory), list(names))
 
     def consumed(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-        return self._run(_consumed, str(self.directory), list(names))
+        return self._on_node(_consumed, str(self.directory), list(names))
 
     def clean(self, keep: set[str]) -> list[str]:
-        return self._run(_clean, str(self.directory), keep)
+        return self._on_node(_clean, str(self.directory), keep)
 
     def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
-        return self._run(_claim, str(self.directory), owner, adopt_files)
+        return self._on_node(_claim, str(self.directory), owner, adopt_files)

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import ray
 
-from jobs.config import ConfigError
+from jobs.errors import ConfigError
 from jobs.interrupts import held
 
 logger = logging.getLogger(__name__)

@@ -267,7 +267,7 @@ def regenerated_shards(inputs: Inputs) -> Iterator[tuple[int, list[ConversationR
 # -- the run ------------------------------------------------------------------------------------
 
 
-def run(inputs: Inputs) -> dict[str, Any]:
+def tokenize_and_publish(inputs: Inputs) -> dict[str, Any]:
     """Regenerate (if asked), tokenize, publish; returns the side record (also written as _prepare.json)."""
     config, out = inputs.config, inputs.out
     content = inputs.content()

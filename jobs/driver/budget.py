@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
@@ -23,14 +24,6 @@ INITIAL_OVERHEAD_PER_TOKEN = 16
 FILE_OVERHEAD_BYTES = 64 * 1024
 # Row-group and column-chunk metadata and page headers a batch adds (a batch is >= 1 row group).
 BATCH_OVERHEAD_BYTES = 16 * 1024
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(count) < 1000 or unit == "TB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1000
-    raise AssertionError("unreachable")
 
 
 class AdmissionPolicy(Protocol):
@@ -54,7 +47,7 @@ class BudgetPolicy:
 
 @dataclasses.dataclass
 class FreeSpacePolicy:
-    """The filesystem keeps at least ``output.min_free_bytes`` free once reserved bytes land."""
+    """The filesystem keeps at least ``output.min_free`` free once reserved bytes land."""
 
     floor: int
 
@@ -62,7 +55,7 @@ class FreeSpacePolicy:
         return budget.free_after_reservations() - nbytes >= self.floor
 
     def describe(self, budget: "DiskBudget") -> str:
-        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free_bytes "
+        return (f"{format_bytes(budget.disk.free_and_unwritten({})[0])} free on disk, output.min_free "
                 f"{format_bytes(self.floor)}")
 
 
@@ -76,7 +69,10 @@ class DiskBudget:
         """Where the files are: looks at free space and files run on their node."""
         self.limit = limit
         self.min_free_bytes = min_free_bytes
-        self.policies: list[AdmissionPolicy] = [BudgetPolicy(limit), FreeSpacePolicy(min_free_bytes)]
+        self.budget_policy = BudgetPolicy(limit)
+        self.free_space_policy = FreeSpacePolicy(min_free_bytes)
+        self.policies: tuple[AdmissionPolicy, ...] = (self.budget_policy, self.free_space_policy)
+        """The admission policies in force: any "no" holds the next shard back."""
         self._committed: dict[int, int] = {}
         self._reserved: dict[int, int] = {}
         self._committed_total = 0
@@ -103,6 +99,14 @@ class DiskBudget:
     def blocking_policy(self, nbytes: int) -> AdmissionPolicy | None:
         return next((policy for policy in self.policies if not policy.admits(self, nbytes)), None)
 
+    def describe_use(self) -> str:
+        """How much of the budget is used, in words."""
+        return self.budget_policy.describe(self)
+
+    def describe_block(self, nbytes: int) -> str:
+        """What holds a shard of ``nbytes`` bytes back, in words (the budget's use if nothing does)."""
+        return (self.blocking_policy(nbytes) or self.budget_policy).describe(self)
+
     def reserve(self, shard: int, nbytes: int) -> None:
         self._set(self._reserved, shard, self._reserved.get(shard, 0) + nbytes)
         self.peak = max(self.peak, self.used)
@@ -123,6 +127,11 @@ class DiskBudget:
     def forget(self, shard: int) -> None:
         """The shard's local file is gone (uploaded to the sink or consumed)."""
         self._set(self._committed, shard, None)
+
+    def delete(self, shard: int, file_name: str) -> None:
+        """Delete the shard's local file (its copy in the sink is verified): its bytes are free."""
+        self.disk.remove([file_name])
+        self.forget(shard)
 
     def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:
         """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;

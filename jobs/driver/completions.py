@@ -28,15 +28,11 @@ from jobs.driver.work import (
     Restarted,
     Upload,
     Work,
+    error_text,
 )
 from jobs.errors import DiskFull, is_disk_full
 
 logger = logging.getLogger(__name__)
-
-
-def error_text(error: BaseException) -> str:
-    cause = getattr(error, "cause", None) or error
-    return f"{type(cause).__name__}: {cause}"
 
 
 class Completions:

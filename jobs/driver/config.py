@@ -41,8 +41,8 @@ class OutputConfig:
     for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
     disk_budget: str = "1.3TB"
     """Most bytes of shard files kept under output.dir at once (committed + being written), per node; 500GB, 1.3TB or bytes."""
-    min_free_bytes: str = "10GB"
-    """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it."""
+    min_free: str = "10GB"
+    """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it; 10GB, 500MB or bytes."""
     budget_wait_s: float = 600.0
     """How long the job waits for disk budget when nothing it does can free any, before it stops (non-zero exit)."""
     rescan_s: float = 10.0
@@ -81,7 +81,7 @@ class OutputConfig:
             raise ValueError(
                 f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes, or no shard could ever be written"
             )
-        self.free_floor_bytes  # raises naming the key
+        self.min_free_bytes  # raises naming the key
         for key in ("budget_wait_s", "rescan_s"):
             check_seconds(f"output.{key}", getattr(self, key))
         if self.rescan_s == 0:
@@ -104,9 +104,9 @@ class OutputConfig:
         return parse_bytes(self.disk_budget, "output.disk_budget")
 
     @functools.cached_property
-    def free_floor_bytes(self) -> int:
-        """``min_free_bytes`` in bytes."""
-        return parse_bytes(self.min_free_bytes, "output.min_free_bytes")
+    def min_free_bytes(self) -> int:
+        """``min_free`` in bytes."""
+        return parse_bytes(self.min_free, "output.min_free")
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from jobs.driver.budget import format_bytes
+from common.checks import format_bytes
 from jobs.driver.lanes import Lane
 from jobs.driver.progress import RunProgress
 from jobs.errors import BudgetExhausted
@@ -52,18 +52,19 @@ class DiskWait:
             self._started = self._last_log = now
             self._idle_since = None
             lane, nbytes = blocked
-            logger.warning("waiting for disk budget: %s (next shard needs %s)", self._state(lane, nbytes),
+            logger.warning("waiting for disk budget: %s (next shard needs %s)", lane.budget.describe_block(nbytes),
                            format_bytes(nbytes))
             self._progress.disk_wait_started()
         elif blocked is None and self._blocked is not None:
             waited = now - self._started
             self.blocked_seconds += waited
             lane = self._blocked[0]
-            logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.policies[0].describe(lane.budget))
+            logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.describe_use())
             self._progress.disk_wait_ended(waited)
         elif blocked is not None and now - self._last_log >= LOG_PERIOD_S:
             self._last_log = now
-            logger.warning("waiting for disk budget: %s", self._state(*blocked))
+            lane, nbytes = blocked
+            logger.warning("waiting for disk budget: %s", lane.budget.describe_block(nbytes))
         self._blocked = blocked
 
     def busy(self) -> None:
@@ -79,7 +80,7 @@ class DiskWait:
         if idle_for >= self._wait_s:
             lane, nbytes = self._blocked
             self.update(None)
-            raise BudgetExhausted(self._exhausted(lane, self._state(lane, nbytes)))
+            raise BudgetExhausted(self._exhausted(lane, lane.budget.describe_block(nbytes)))
         time.sleep(min(self._rescan_s, self._wait_s - idle_for))
 
     def close(self) -> None:
@@ -87,8 +88,3 @@ class DiskWait:
         if self._blocked is not None:
             self.blocked_seconds += time.monotonic() - self._started
             self._blocked = None
-
-    @staticmethod
-    def _state(lane: Lane, nbytes: int) -> str:
-        policy = lane.budget.blocking_policy(nbytes)
-        return (policy or lane.budget.policies[0]).describe(lane.budget)

@@ -32,8 +32,8 @@ from jobs.driver.run import ExtractionRun
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAULT,
+    EXIT_NOT_PASSED,
     EXIT_OK,
-    EXIT_SHARDS_FAILED,
     EXIT_UPLOADS_FAILED,
     RERUN,
     DiskFull,
@@ -96,7 +96,7 @@ def run(config: JobConfig) -> dict:
 
 def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
-    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
     plan = plan_shards(
         inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
         config.extract.max_samples_per_batch,
@@ -283,7 +283,7 @@ def _outcome(manifest: Manifest, to_run: list[int], sink: str) -> tuple[str, int
                        f"failed. {RERUN}")
     failed = [r.index for r in records if r.state == FAILED]
     if failed:
-        return SHARDS_FAILED, EXIT_SHARDS_FAILED, (
+        return SHARDS_FAILED, EXIT_NOT_PASSED, (
             f"{len(failed)} of {len(records)} shards failed and wrote no file ({_listed(failed)}); rerun them with "
             "the same command plus shards=failed")
     local = [r.index for r in manifest.in_state(DONE) if sink and r.location == LOCAL]

@@ -35,12 +35,17 @@ class ShardAttempt:
     sent: int = 0
     inflight: int = 0
     """Batches sent whose write has not finished."""
-    lost: str = ""
+    lost_reason: str = ""
     """Why a fault ended this attempt (an actor died); empty while it is healthy."""
 
     @property
     def index(self) -> int:
         return self.record.index
+
+    @property
+    def lost(self) -> bool:
+        """A fault ended this attempt."""
+        return bool(self.lost_reason)
 
     @property
     def all_sent(self) -> bool:
@@ -60,7 +65,7 @@ class ShardAttempt:
         """A fault ended the attempt; False if one already had."""
         if self.lost:
             return False
-        self.lost = reason
+        self.lost_reason = reason
         return True
 
     def discard_with(self, writer: Any) -> None:

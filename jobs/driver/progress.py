@@ -21,7 +21,8 @@ import threading
 import time
 from typing import Any, Optional, Protocol, Sequence, TextIO
 
-from jobs.driver.budget import DiskBudget, format_bytes
+from common.checks import format_bytes
+from jobs.driver.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)

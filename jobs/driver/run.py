@@ -21,10 +21,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
 
+from common.checks import format_bytes
 from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineSpec
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.budget import DiskBudget
 from jobs.driver.completions import Completions
 from jobs.driver.config import OutputConfig
 from jobs.driver.disk_wait import DiskWait

@@ -209,13 +209,13 @@ class Scheduler:
         self._progress.shard_discarded(attempt.index)
         self._settled(attempt)
         if not self._waiting.tries_left(attempt.index):
-            self._manifest.update(attempt.index, state=FAILED, error=attempt.lost)
+            self._manifest.update(attempt.index, state=FAILED, error=attempt.lost_reason)
             self._progress.shard_settled(attempt.index)
             raise JobFault(
                 f"shard {attempt.index} was cut short by faults {self._waiting.tries(attempt.index)} times in this "
-                f"run (extract.max_attempts={self._waiting.max_attempts}); last: {attempt.lost}. {RERUN}"
+                f"run (extract.max_attempts={self._waiting.max_attempts}); last: {attempt.lost_reason}. {RERUN}"
             )
-        self._waiting.first(self._manifest.update(attempt.index, error=attempt.lost))
+        self._waiting.first(self._manifest.update(attempt.index, error=attempt.lost_reason))
 
     # -- files lost ------------------------------------------------------------------------------
 

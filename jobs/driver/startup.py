@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from common.checks import format_bytes
 from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.actors import uploader
@@ -22,7 +23,7 @@ from jobs.actors.extractor import ExtractorHost
 from jobs.actors.cpus import writer_cpus
 from jobs.actors.writer import WriterPool, WriterSettings
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget, format_bytes
+from jobs.driver.budget import DiskBudget
 from jobs.driver.config import OutputConfig
 from jobs.driver.lanes import Lane, Lanes, ShardAttempt
 from jobs.errors import JobFault

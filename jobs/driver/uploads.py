@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from jobs.driver.lanes import Lane, Lanes
-from jobs.driver.work import PendingWork, Upload
+from jobs.driver.work import PendingWork, Upload, error_text
 from storage import shard_file_name
 from storage.manifest import LOCAL, SINK, Manifest, ShardRecord
 
@@ -67,8 +67,7 @@ class UploadQueue:
         try:
             url = self._work.result(ref)
         except Exception as error:
-            cause = getattr(error, "cause", None) or error
-            message = f"upload to {self.sink} failed, the file stays local: {type(cause).__name__}: {cause}"
+            message = f"upload to {self.sink} failed, the file stays local: {error_text(error)}"
             self._failures[shard] = self._failures.get(shard, 0) + 1
             left = self._max_attempts - self._failures[shard]
             if left:
@@ -80,8 +79,7 @@ class UploadQueue:
         record = self._manifest.update(shard, location=SINK, sink_url=url, error="")
         lane = self._lanes.home(record)
         if lane is not None:
-            lane.budget.disk.remove([shard_file_name(shard)])
-            lane.budget.forget(shard)
+            lane.budget.delete(shard, shard_file_name(shard))
 
     def gone(self, shard: int) -> None:
         """The local file is gone (a consumer deleted it): nothing left to upload."""

@@ -56,6 +56,12 @@ class Restarted:
 Work = Union[Append, Finish, Discard, Upload, Restarted]
 
 
+def error_text(error: BaseException) -> str:
+    """``"Type: message"`` of what a work item failed with: the task's own error, not Ray's wrapper around it."""
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {cause}"
+
+
 class Runtime(Protocol):
     """How the driver waits on and reads its work: Ray (``RayRuntime``), or a test's fake actors."""
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from jobs.config import ConfigError
+from jobs.errors import ConfigError
 from storage.atomic import replace_atomically
 
 logger = logging.getLogger(__name__)

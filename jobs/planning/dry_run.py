@@ -15,11 +15,12 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from common.checks import format_bytes
 from jobs.cluster.nodes import plan_groups, this_host
 from jobs.cluster.session import starts_private_cluster, this_host_cpus
-from jobs.config import ConfigError, JobConfig
-from jobs.driver.budget import DiskBudget, format_bytes
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted
+from jobs.config import JobConfig
+from jobs.driver.budget import DiskBudget
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.planning.capture import ProbeFailed, capture_plan
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
@@ -132,7 +133,7 @@ def dry_run(config: JobConfig) -> DryRun:
         selected, done = set(select_planned(config.shards, len(plan))), {}
     metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
     bytes_per_token = state_bytes_per_token(metadata)
-    budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.free_floor_bytes)
+    budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
     to_write = [shard for shard in plan if shard.index in selected]
     sizes = {shard.index: budget.predict(shard.tokens, bytes_per_token, len(shard.batches)) for shard in to_write}
     largest = max(sizes, key=sizes.__getitem__, default=0)
@@ -156,7 +157,7 @@ def dry_run(config: JobConfig) -> DryRun:
         predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
         done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
         sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
-        min_free_bytes=config.output.free_floor_bytes, layers=layers, problems=[],
+        min_free_bytes=config.output.min_free_bytes, layers=layers, problems=[],
         serving=inputs.serving.describe() if inputs.serving else [],
     )
     report.problems = _problems(report, to_write, budget, metadata, _cluster_refusal(inputs))
@@ -252,7 +253,7 @@ def _problems(
     usable = report.free_bytes - report.min_free_bytes
     if adds > usable:
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (
-            f"output.dir's filesystem has {format_bytes(report.free_bytes)} free; above output.min_free_bytes="
+            f"output.dir's filesystem has {format_bytes(report.free_bytes)} free; above output.min_free="
             f"{format_bytes(report.min_free_bytes)} the job can write {format_bytes(max(0, usable))}, not the "
             f"{format_bytes(adds)} it would hold at once. Free space there, lower output.disk_budget (with a sink "
             "or a consumer), or choose another output.dir"

@@ -16,7 +16,8 @@ from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.serving import ServingSettings, effective_model, parse_serving
 from jobs.cluster.node_disk import read_claim
 from jobs.cluster.session import inside_ray_job
-from jobs.config import ConfigError, JobConfig, resolve_paths
+from jobs.config import JobConfig, resolve_paths
+from jobs.errors import ConfigError
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.content import run_content
 from jobs.planning.engine import build_engine_spec

@@ -19,11 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from common.checks import format_bytes
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
-from jobs.config import ConfigError, JobConfig
-from jobs.driver.budget import DiskBudget, format_bytes
-from jobs.errors import BudgetExhausted
+from jobs.config import JobConfig
+from jobs.driver.budget import DiskBudget
+from jobs.errors import BudgetExhausted, ConfigError
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
 from jobs.planning.shards import Shard
@@ -123,7 +124,7 @@ def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: l
 def check_shards_fit(
     shards: Iterable[Shard], budget: DiskBudget, metadata: ShardMetadata, reclaimable: int = 0,
 ) -> None:
-    """Every planned shard must fit the disk budget whole, and the disk above output.min_free_bytes,
+    """Every planned shard must fit the disk budget whole, and the disk above output.min_free,
     or it could never be written. ``reclaimable``: bytes of this run's own files in output.dir that a
     consumer or the sink may free."""
     bytes_per_token = state_bytes_per_token(metadata)
@@ -140,9 +141,9 @@ def check_shards_fit(
     free = free_bytes(budget.output_dir)
     if largest and free + reclaimable - budget.min_free_bytes < largest:
         raise BudgetExhausted(
-            f"output.dir={budget.output_dir} has {format_bytes(free)} free; above output.min_free_bytes="
+            f"output.dir={budget.output_dir} has {format_bytes(free)} free; above output.min_free="
             f"{format_bytes(budget.min_free_bytes)} the largest shard (about {format_bytes(largest)}) can never be "
-            "written there. Free space, lower output.min_free_bytes or data.shard_size, or choose another output.dir"
+            "written there. Free space, lower output.min_free or data.shard_size, or choose another output.dir"
         )
 
 

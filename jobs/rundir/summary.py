@@ -203,7 +203,7 @@ class RunSummary:
             "state_dtype": self.config.output.state_dtype,
             "disk_budget": {
                 "limit": self.config.output.disk_budget_bytes,
-                "min_free_bytes": self.config.output.free_floor_bytes,
+                "min_free_bytes": self.config.output.min_free_bytes,
             },
         }
         if result is not None:
