@@ -1,4 +1,5 @@
-"""The checks every config section runs on its own keys, one way each, with one message style.
+"""The checks every config section runs on its own keys, one way each, with one message style; and sizes
+as people write them ("1.3TB" in, "1.3 TB" out).
 
 Each raises ``ValueError("section.key=value: what is wrong (what it means)")``, which
 the config loader turns into a one-line ``ConfigError`` (exit code 2). Numbers must

@@ -28,6 +28,7 @@ from extractor.serving import ServingSettings, classify, parse_serving, resolved
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
 from jobs.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
+from jobs.planning.content import recorded_model_path
 from storage.manifest import read_manifest
 
 logger = logging.getLogger("jobs.check_serving")
@@ -119,7 +120,7 @@ def check(output_dir: Path, serving: Any, model_path: Optional[str] = None) -> t
     settings = parse_serving(serving)
     if settings is None:
         raise ConfigError("name the serving command: its flags after `--`, or model.serving='...'")
-    target = model_path or content["model.path"]
+    target = model_path or recorded_model_path(content)
     if not (Path(target) / "config.json").is_file():
         raise ValueError(f"the run's target {target} has no config.json here; pass model.path=DIR")
     findings = compare(settings, content, text_config(read_config(target)))

@@ -45,6 +45,7 @@ from jobs.errors import (
 )
 from jobs.interrupts import held
 from jobs.planning.capture import check_capture
+from jobs.planning.content import resumed_device
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
@@ -337,7 +338,5 @@ def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> 
     """
     if not (inputs.output_dir / MANIFEST_FILE).exists():
         return None
-    requested = inputs.config.model.device
-    if requested == "auto":
-        requested = str(read_manifest(inputs.output_dir)["content"].get("model.device", "cpu"))
-    return Manifest.open(inputs.output_dir, inputs.content(requested), plan)
+    device = resumed_device(inputs.config.model.device, read_manifest(inputs.output_dir)["content"])
+    return Manifest.open(inputs.output_dir, inputs.content(device), plan)

@@ -31,6 +31,16 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
     }
 
 
+def resumed_device(requested: str, recorded: Mapping[str, Any]) -> str:
+    """The device a rerun runs on: ``model.device=auto`` resumes on the device the run recorded."""
+    return str(recorded.get("model.device", "cpu")) if requested == "auto" else requested
+
+
+def recorded_model_path(recorded: Mapping[str, Any]) -> str:
+    """The checkpoint a run recorded (empty when its content names none)."""
+    return str(recorded.get("model.path", ""))
+
+
 RECORDED_IN_EVERY_FILE = {
     "model.path": "model_path",
     "model.dtype": "dtype",

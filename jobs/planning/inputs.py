@@ -19,7 +19,7 @@ from jobs.cluster.session import inside_ray_job
 from jobs.config import JobConfig, resolve_paths
 from jobs.errors import ConfigError
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
-from jobs.planning.content import run_content
+from jobs.planning.content import resumed_device, run_content
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
 from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
@@ -89,8 +89,7 @@ def check_resumable(inputs: RunInputs) -> None:
     if not exists:
         return
     stored = read_manifest(inputs.output_dir)["content"]
-    device = inputs.config.model.device
-    content = inputs.content(str(stored.get("model.device", "cpu")) if device == "auto" else device)
+    content = inputs.content(resumed_device(inputs.config.model.device, stored))
     differing = content_differences(stored, content)
     if differing:
         raise ConfigError(

@@ -27,6 +27,7 @@ from jobs.driver.budget import DiskBudget
 from jobs.errors import BudgetExhausted, ConfigError
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
+from jobs.planning.content import recorded_model_path
 from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE
 from storage import ShardMetadata
@@ -77,7 +78,7 @@ def _refuse_foreign_demo_output(output_dir: Path, demo_dir: Path) -> None:
     if not entries:
         return
     if MANIFEST_FILE in entries:
-        model_path = Path(str(read_manifest(output_dir)["content"].get("model.path", "")))
+        model_path = Path(recorded_model_path(read_manifest(output_dir)["content"]))
         if model_path.resolve().is_relative_to(demo_dir.resolve()):
             return  # an earlier demo run: resume it
     raise ConfigError(
