@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
+from storage.consumed import record_name
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -132,6 +133,14 @@ class DiskBudget:
         """Delete the shard's local file (its copy in the sink is verified): its bytes are free."""
         self.disk.remove([file_name])
         self.forget(shard)
+
+    def consumed(self, file_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The files among these that their consumer declared consumed (``storage.consumed``): name -> declaration."""
+        return self.disk.consumed(file_names)
+
+    def drop_declarations(self, file_names: Iterable[str]) -> None:
+        """The manifest records these files as consumed: their consumers' declarations have served."""
+        self.disk.remove(record_name(name) for name in file_names)
 
     def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:
         """Count the committed files ``(shard, file name, bytes)`` that are still under output.dir;

@@ -18,7 +18,6 @@ import time
 from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
-from storage.consumed import record_name
 from storage.manifest import CONSUMED, DONE, LOCAL, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
@@ -59,11 +58,10 @@ class Rescanner:
 
     def _settle_gone(self, lane: Lane, records: list[ShardRecord]) -> None:
         """Done shards whose files are gone from the lane's directory: consumed if declared, else lost."""
-        disk = lane.budget.disk
-        declared = disk.consumed(record.file for record in records)
+        declared = lane.budget.consumed(record.file for record in records)
         for record in records:
             self._uploads.gone(record.index)
-            where = disk.directory / record.file
+            where = lane.budget.output_dir / record.file
             declaration = declared.get(record.file)
             if declaration is None:
                 reason = (f"{where} is gone and no consumer declared it consumed (storage.consumed.consume_shard): "
@@ -74,4 +72,4 @@ class Rescanner:
             logger.info("shard %d: %s was consumed into %s; its bytes are free", record.index, where,
                         declaration["into"])
             self._manifest.update(record.index, location=CONSUMED, consumed_into=declaration["into"])
-        disk.remove(record_name(name) for name in declared)
+        lane.budget.drop_declarations(declared)
