@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     """The shards this run extracts, in plan order."""
     if selection == SELECT_PENDING:
