@@ -24,7 +24,6 @@ from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED, ConfigError
 from jobs.planning.content import expected_metadata
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
-from storage.manifest import read_manifest
 from storage.verify import Problem, VerifyReport, verify_run
 
 
@@ -57,11 +56,10 @@ def verify(
 ) -> VerifyReport:
     """Check the run in ``output_dir``; a job still running there is a problem too (its files are in flux)."""
     invalid = [row["sample_id"] for row in read_invalid_rows(output_dir)]
-    content = read_manifest(output_dir)["content"]  # ValueError when output_dir holds no run
     report = verify_run(
         output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid,
         node_directories=_node_directories(output_dir), export_options=dest_options,
-        expected_metadata=expected_metadata(content),
+        expected_metadata=expected_metadata,
     )
     owner = read_owner(output_dir)
     if owner is not None and owner.is_alive() is not False:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import fsspec
 import numpy as np
@@ -97,7 +97,8 @@ class _ShardCheck:
 def verify_run(
     output_dir: str | Path, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
     invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
-    export_options: Mapping[str, Any] | None = None, expected_metadata: Mapping[str, Any] | None = None,
+    export_options: Mapping[str, Any] | None = None,
+    expected_metadata: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
@@ -105,8 +106,8 @@ def verify_run(
     the input rows the run left out under ``data.on_invalid=skip``; ``node_directories`` (node name ->
     directory) say where the shards a record places on a node are, when the run had several nodes;
     ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``);
-    ``expected_metadata`` (ShardMetadata field -> value) is what the run's manifest says every file must
-    record (the job reads it from the manifest's ``content``, whose keys are its own).
+    ``expected_metadata`` reads from the manifest's ``content`` (whose keys are the job's) what every file
+    must record: ShardMetadata field -> value.
     """
     node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
@@ -144,7 +145,8 @@ def verify_run(
     for check in checks:
         report.problems += check.problems
         report.notes += [check.note] if check.note else []
-    report.problems += _disagreements(checks, dict(expected_metadata or {}))
+    required = dict(expected_metadata(manifest["content"])) if expected_metadata else {}
+    report.problems += _disagreements(checks, required)
     for directory in {output_dir, *node_directories.values()}:
         report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
     # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.

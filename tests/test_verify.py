@@ -16,7 +16,7 @@ from jobs.planning.content import expected_metadata
 from jobs.rundir.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
 from storage import ShardMetadata, ShardReader, ShardWriter, nonfinite, shard_file_name
-from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest, read_manifest
+from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
 from storage.nonfinite import NonFiniteStates
 from storage.verify import verify_run
 
@@ -87,7 +87,7 @@ def write_run(out, shards=3, meta=None, invalid=(), **shard_options):
 
 def verify(out, deep=False):
     """storage.verify's report, with what the manifest's content says every file must record, as jobs.verify has it."""
-    return verify_run(out, deep=deep, expected_metadata=expected_metadata(read_manifest(out)["content"]))
+    return verify_run(out, deep=deep, expected_metadata=expected_metadata)
 
 
 def verify_lines(out, *extra, capsys) -> tuple[int, list[str]]:
