@@ -23,6 +23,7 @@ from typing import Optional
 
 import psutil
 
+from common.pythonpath import checkout_first
 from jobs.conversations.demo import demo_conversations
 from testbeds.smollm2 import checkpoint_dir
 
@@ -42,7 +43,7 @@ def write_conversations(path: Path, count: int) -> int:
 
 def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[int, float, dict[str, int], str]:
     """(exit code, seconds, peak RSS and USS of the command and its worker processes in bytes, log tail)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT))
     log = out.with_suffix(".log")
     started = time.perf_counter()
     with open(log, "w") as handle:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import ray
 
+from common.pythonpath import checkout_first
 from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.session import ray_session, resolve_device
 from jobs.conversations.pipeline import read_inputs
@@ -62,7 +63,7 @@ class OfflineEngine:
 
 
 def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[float, dict]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     env.pop("RAY_ADDRESS", None)
     started = time.perf_counter()
     result = subprocess.run(

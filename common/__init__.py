@@ -1,2 +1,3 @@
-"""What every layer shares: the checks config sections run on their own keys, and sizes read and written as
-people write them (``parse_bytes``, ``format_bytes``). Imports nothing of the project."""
+"""What every layer shares: the checks config sections run on their own keys, sizes read and written as people
+write them (``parse_bytes``, ``format_bytes``), and the PYTHONPATH of a command the project starts
+(``checkout_first``). Imports nothing of the project."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,11 +61,12 @@ def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_p
     """``benchmarks.regenerate`` on CPU with SmolLM2 (greedy): jobs.prepare regenerate=true, every first prompt sent
     at once and three shards answered at once, gives for every prompt the very answer (text, tokens) of one
     ``Engine.generate`` over all of them, the path it replaced for one-question conversations; both rates are
-    measured in the same run (no rate is asserted)."""
-    env = python_env()
-    env.pop("RAY_ADDRESS", None)
+    measured in the same run (no rate is asserted). It runs as docs/install.md installs the packages on a GPU node
+    (``wheelhouse.sh install --target SITE``, ``PYTHONPATH=SITE``): an interpreter of its own with every package in a
+    directory on PYTHONPATH, which the benchmark's ``jobs.prepare`` and Ray's workers must keep."""
+    python, env = target_install()
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.regenerate", "--device", "cpu", "--prompts", "12", "--max-new-tokens", "16",
+        [python, "-m", "benchmarks.regenerate", "--device", "cpu", "--prompts", "12", "--max-new-tokens", "16",
          "--shard-size", "4", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -75,6 +77,19 @@ def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_p
     assert prepare["generated_tokens"] == own["generated_tokens"] > 0
     assert prepare["tokens_per_s"] > 0 and own["tokens_per_s"] > 0 and results["prepare_over_sglang"] > 0
     assert "prepare / SGLang = " in result.stdout and "Paris" in result.stdout
+
+
+def target_install() -> tuple[str, dict[str, str]]:
+    """The base interpreter (no project packages of its own) and an environment whose PYTHONPATH is the directory
+    holding the packages and nothing else: the layout of ``wheelhouse.sh install --target SITE``."""
+    python = str(Path(sys.base_prefix) / "bin" / "python3")
+    env = python_env()
+    env.pop("PYTHONPATH")
+    bare = subprocess.run([python, "-c", "import ray"], capture_output=True, env=env)
+    assert bare.returncode != 0, f"{python} imports ray itself: not the layout under test"
+    site = subprocess.run([sys.executable, "-c", "import omegaconf; print(omegaconf.__file__)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return python, dict(env, PYTHONPATH=str(Path(site).parents[1]))
 
 
 @pytest.mark.extended

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from common.pythonpath import checkout_first
 from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.trainer import Recipe
@@ -223,7 +224,4 @@ class Pipeline:
 
 def project_env() -> dict[str, str]:
     """Project commands import from the checkout, whatever the current directory."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return dict(os.environ, PYTHONPATH=checkout_first(Path(__file__).resolve().parents[2]))

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import ray
 
+from common.pythonpath import checkout_first
 from jobs.errors import ConfigError
 from jobs.interrupts import held
 
@@ -100,8 +101,7 @@ def resolve_device(requested: str, tp_size: int) -> str:
 
 def _worker_env() -> dict[str, Any]:
     # Workers import this repository's packages from its root (or from site-packages once installed).
-    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    return {"env_vars": {"PYTHONPATH": pythonpath}}
+    return {"env_vars": {"PYTHONPATH": checkout_first(REPO_ROOT)}}
 
 
 def _job_runtime_env() -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from common.pythonpath import checkout_first
 from jobs.errors import ConfigError
 from storage.atomic import replace_atomically
 
@@ -89,7 +90,7 @@ def _code_digest() -> str:
 
 def _probe(model_path: str, question: dict[str, Any]) -> dict[str, Any]:
     command = [sys.executable, "-m", "extractor.capture_probe", model_path]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": checkout_first(ROOT)}
     try:
         result = subprocess.run(command, input=json.dumps(question), capture_output=True, text=True,
                                 timeout=PROBE_TIMEOUT_S, env=env)
