@@ -7,8 +7,9 @@
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
 - No import circles, counting every import: ``if TYPE_CHECKING:`` (a circle of types is still a circle)
-  and inside functions (an import deferred to a call is still an arrow back); a package's ``__init__`` may import its submodules, a submodule never its ``__init__``
-  (``storage``'s modules import each other, never the package itself).
+  and inside functions (an import deferred to a call is still an arrow back); a package's ``__init__``
+  may import its submodules, a submodule never its ``__init__`` (``storage``'s modules import each
+  other, never the package itself).
 - Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
   ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
   ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
@@ -29,7 +30,10 @@ AROUND = ("testbeds", "benchmarks", "tests")
 """What sits around the product: the models it is tried on, its benchmarks, its tests."""
 CONFIG_MAY_IMPORT = ("common.checks", "jobs.errors", "storage.schema")
 TESTBEDS_MAY_IMPORT = ("storage",)
-BENCHMARK_TESTS = {"test_benchmarks": ("benchmarks.throughput",), "test_acceptance_cpu": ("benchmarks.acceptance",)}
+BENCHMARK_TESTS = {
+    "benchmarks.test_benchmarks": ("benchmarks.throughput",),
+    "benchmarks.test_acceptance_cpu": ("benchmarks.acceptance",),
+}
 """The test files whose subject is a benchmark, and the benchmark each may import."""
 
 
@@ -167,17 +171,18 @@ def test_the_rules_see_real_imports():
     assert "testbeds.smollm2" in _imports(around["tests.helpers"])
     assert "storage.atomic" in _imports(around["testbeds.smollm2"])
     assert _imports_a_benchmark_it_does_not_test("tests.helpers", "benchmarks.smollm2")
-    assert _imports_a_benchmark_it_does_not_test("tests.test_benchmarks", "benchmarks.acceptance.stats")
-    assert not _imports_a_benchmark_it_does_not_test("tests.test_acceptance_cpu", "benchmarks.acceptance.stats")
+    assert _imports_a_benchmark_it_does_not_test("tests.benchmarks.test_benchmarks", "benchmarks.acceptance.stats")
+    assert not _imports_a_benchmark_it_does_not_test("tests.benchmarks.test_acceptance_cpu",
+                                                  "benchmarks.acceptance.stats")
 
 
 def test_test_modules_import_only_the_shared_helpers():
     """Test modules share code through tests.helpers and tests.conftest, never through one another."""
     offending = sorted(
-        f"{path.name} imports {imported}"
-        for path in (REPO_ROOT / "tests").glob("test_*.py")
+        f"{path.relative_to(REPO_ROOT)} imports {imported}"
+        for path in (REPO_ROOT / "tests").rglob("test_*.py")
         for imported in _imports(path)
-        if imported.startswith("tests.test_")
+        if _within(imported, "tests") and imported.rsplit(".", 1)[-1].startswith("test_")
     )
     assert offending == []
 

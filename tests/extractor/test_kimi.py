@@ -49,7 +49,7 @@ JOB_SETTINGS = ("data.shard_size=4", "extract.max_tokens_per_batch=300", "model.
 @pytest.fixture(scope="module")
 def kimi_demo(ray_cluster, tmp_path_factory):
     """The README's demo command on the Kimi-K2.5 layout: a fresh driver process, on this test process's Ray
-    cluster (the demo's own private cluster is tests/test_entry.py's subject; another one costs seconds of CPU)."""
+    cluster (the demo's own private cluster is tests/jobs/test_entry.py's subject; another one costs seconds of CPU)."""
     demo = tmp_path_factory.mktemp("kimi-demo")
     result = subprocess.run(
         [sys.executable, "-m", "jobs.extract", "demo.arch=kimi_k25", f"demo.dir={demo}",
