@@ -20,7 +20,8 @@ _UNITS = {
 }
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (OmegaConf and YAML hand booleans to int fields as they are)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -34,7 +35,7 @@ def _because(meaning: str) -> str:
 
 def check_int(key: str, value: object, minimum: int, meaning: str = "") -> None:
     """An integer (not a bool) >= ``minimum``."""
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+    if not is_int(value) or value < minimum:  # type: ignore[operator]
         raise ValueError(f"{key}={value!r}: must be an integer >= {minimum}{_because(meaning)}")
 
 
@@ -61,7 +62,7 @@ def check_choice(key: str, value: object, choices: Sequence[str], meaning: str =
 
 def parse_bytes(value: str | int, key: str) -> int:
     """``"1.3TB"`` -> 1_300_000_000_000 (decimal units; KiB/MiB/GiB/TiB are binary)."""
-    if _is_int(value):
+    if is_int(value):
         return value  # type: ignore[return-value]
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     unit = match.group(2).upper() if match else None

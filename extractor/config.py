@@ -6,7 +6,7 @@ import dataclasses
 import shlex
 from typing import Any, Mapping, Optional
 
-from common.checks import check_choice, check_int, check_number
+from common.checks import check_choice, check_int, check_number, is_int
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -19,10 +19,6 @@ FINAL_STATES = ("post_norm", "pre_norm", "none")
 NONFINITE_ACTIONS = ("fail", "skip", "keep")
 # extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
 _BOOLEAN_FINAL_STATES = {"true": "post_norm", "false": "none"}
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def serving_command(serving: Any) -> Optional[tuple[str, ...]]:
@@ -96,7 +92,7 @@ class ModelConfig:
         check_choice("model.dtype", self.dtype, DTYPES)
         check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
         check_int("model.dp_size", self.dp_size, 0, "0: as many groups as the cluster holds")
-        if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 1):
+        if self.context_length is not None and (not is_int(self.context_length) or self.context_length < 1):
             raise ValueError(
                 f"model.context_length={self.context_length!r}: must be a positive token count, or unset "
                 "for the model's max_position_embeddings"
@@ -135,7 +131,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
-            not self.layers or not all(_is_int(k) and k >= 0 for k in self.layers)
+            not self.layers or not all(is_int(k) and k >= 0 for k in self.layers)
         ):
             raise ValueError(
                 f"extract.layers={self.layers!r}: give canonical layer ids as a non-empty list of "

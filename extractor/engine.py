@@ -29,6 +29,7 @@ from extractor.host_copy import HostCopier, PendingCopy
 from extractor.language_model import LanguageModel
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.quantize import fp8_relative_errors
+from extractor.serving import runner_server_args
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
 from extractor.timing import DeviceSpans, StageTimes, maybe_device_spans
 from extractor.types import EngineInfo, EngineSpec
@@ -49,7 +50,8 @@ class CaptureEngine:
         self._sgl = sgl = import_sglang()
         if spec.device == "cpu":
             register_torch_native_mla()
-        self._runner = build_model_runner(sgl, spec, tp_rank, nccl_port)
+        server_args = runner_server_args(spec, nccl_port, capture_only=sgl.capture_only)
+        self._runner = build_model_runner(sgl, server_args, spec, tp_rank)
         # Multimodal wrappers (Kimi-K2.5) hold the language model; bare causal LMs are their own.
         self._model = model = LanguageModel(self._runner.model, self._runner.model_config.hf_text_config)
         # The decoder stack's final norm, looked up only when its input is wanted.

@@ -8,19 +8,27 @@ difference is reported, never hidden), a ``model.*`` key (``MODEL_FIELDS``), set
 (``EXTRACTOR_FIELDS``), the drafter's (``speculative_*``) or left out (``LEFT_OUT``): docs/serving.md.
 
 Importing this module loads no SGLang: the driver imports it, and ``parse_serving`` imports SGLang's
-argument parser (through ``extractor.sglang_compat``) when called.
+argument parser (``ServingParser``; where the releases differ: ``extractor.sglang_compat``) when called.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
+import difflib
 import functools
+import io
 import json
+import logging
 import re
 import shlex
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from extractor.config import serving_command
+from extractor.sglang_compat import config_merger, quiet_import_noise, server_args_fields
+
+logger = logging.getLogger(__name__)
 
 MODEL_FIELDS = ("dtype", "tp_size", "attention_backend", "context_length", "load_format", "trust_remote_code", "device")
 """ServerArgs fields that are also ``model.*`` keys of the same name and meaning: the serving command's value wins."""
@@ -215,8 +223,6 @@ def parse_serving(serving: Any) -> Optional[ServingSettings]:
 @functools.lru_cache(maxsize=8)
 def _parse_cached(command: tuple[str, ...] | str) -> ServingSettings:
     """Parsed once per process: the driver, the dry run and the regeneration all ask."""
-    from extractor.sglang_compat import ServingParser
-
     parser = ServingParser()
     return parser.parse(parser.words_of(json.loads(command)) if isinstance(command, str) else command)
 
@@ -227,8 +233,6 @@ def resolved_dtype(settings: Optional[ServingSettings], checkpoint_config: Mappi
         return None
     dtype = str(settings.given.get("dtype", "auto")).lower()
     if dtype == "auto":
-        from extractor.sglang_compat import auto_dtype
-
         return auto_dtype(checkpoint_config)
     return DTYPE_ALIASES.get(dtype, dtype)
 
@@ -302,3 +306,124 @@ def runner_server_args(spec: Any, nccl_port: int, capture_only: bool) -> dict[st
         own.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                    return_aux_hidden_state_layer_ids=None)
     return {**dict(spec.server_args), **own}
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """argparse's complaints as ValueError, never its SystemExit or its usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise ValueError((message or "").strip() or f"SGLang's argument parser exited with status {status}")
+
+
+class ServingParser:
+    """The installed SGLang's own ``sglang serve`` parser (``ServerArgs.add_cli_args``), for ``model.serving``.
+
+    Both releases register every ServerArgs flag there; 0.5.23's ServerArgs is a record of
+    namespaced fields (``arg_groups.arg_utils.record_fields``), 0.5.17's a dataclass. No flag is
+    required here (the extractor names the model itself), and ``--help`` is an unknown flag.
+    """
+
+    def __init__(self) -> None:
+        quiet_import_noise()
+        import sglang
+        from sglang.srt.server_args import ServerArgs
+
+        self.version = sglang.__version__
+        self._parser = _RefusingParser(prog="sglang serve", add_help=False)
+        ServerArgs.add_cli_args(self._parser)
+        self._actions = [action for action in self._parser._actions if action.option_strings]
+        for action in self._actions:
+            action.required = False
+        self._fields = set(server_args_fields(ServerArgs))
+        self._defaults = vars(self._parser.parse_args([]))
+
+    def words_of(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
+        """A mapping of ServerArgs fields as the command-line words that set them."""
+        words: list[str] = []
+        for name, value in fields.items():
+            action = self._action(name)
+            flag = _long_flag(action)
+            if action.nargs == 0:  # store_true, store_false, store_const
+                if value == action.const:
+                    words.append(flag)
+                elif value != action.default:
+                    raise ValueError(f"model.serving: {name}={value!r}: {flag} takes no value; give true or false")
+            elif isinstance(value, (list, tuple)) and action.nargs not in (None, "?"):
+                words += [flag, *(_word(item) for item in value)]
+            else:
+                words += [flag, _word(value)]
+        return tuple(words)
+
+    def _action(self, name: str) -> argparse.Action:
+        for action in self._actions:
+            if action.dest == name:
+                return action
+        if name in self._fields:
+            raise ValueError(f"model.serving: {name} has no command-line flag in SGLang {self.version}; the "
+                             "extractor takes what `sglang serve` takes")
+        close = difflib.get_close_matches(name, sorted(self._fields), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"model.serving: {name} is not a ServerArgs field of SGLang {self.version}{hint}")
+
+    def parse(self, words: Sequence[str]) -> ServingSettings:
+        """The command as ``sglang serve`` reads it; ValueError with SGLang's own complaint, naming the flag."""
+        words = list(words)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                if "--config" in words:  # as SGLang's prepare_server_args: the file's options join the words
+                    words = config_merger()(self._parser).merge_config_with_args(words)
+                namespace = self._parser.parse_args(words)
+        except ValueError as error:
+            raise ValueError(f"model.serving: SGLang {self.version} refuses the serving command: {error}") from None
+        except (OSError, SystemExit) as error:
+            said_lines = " ".join(filter(None, map(_plain_text, said.getvalue().splitlines())))
+            raise ValueError(f"model.serving: SGLang {self.version} cannot read the serving command: "
+                             f"{said_lines or error}") from None
+        for line in filter(None, (_plain_text(line) for line in said.getvalue().splitlines())):
+            logger.warning("SGLang %s on the serving command: %s", self.version, line)
+        given, flags, ignored = {}, {}, {}
+        for name, value in vars(namespace).items():
+            if value == self._defaults.get(name):
+                continue
+            flag = _long_flag(next(action for action in self._actions if action.dest == name))
+            if name not in self._fields:
+                if name != "config":
+                    ignored[flag] = f"SGLang {self.version} parses it but has no ServerArgs field for it"
+                continue
+            if not _is_json(value):
+                raise ValueError(f"model.serving: {flag} {value!r} cannot be recorded as JSON")
+            given[name], flags[name] = json.loads(json.dumps(value)), flag
+        defaults = {name: value for name, value in self._defaults.items() if name in self._fields and _is_json(value)}
+        return ServingSettings(tuple(words), self.version, given, flags, defaults, ignored)
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next((option for option in action.option_strings if option.startswith("--")), action.option_strings[0])
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _word(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def _plain_text(line: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+
+
+def auto_dtype(checkpoint_config: Mapping[str, Any]) -> str:
+    """What ``--dtype auto`` computes in for a checkpoint (its text config), by SGLang's own rule."""
+    quiet_import_noise()
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    return str(_get_and_verify_dtype(dict(checkpoint_config), "auto")).removeprefix("torch.")

@@ -3,33 +3,24 @@
 Supported: 0.5.23 (``runtime_context.publish`` bootstrap, capture-only mode that
 returns the post-norm final state) and 0.5.17 (``ParallelState`` passed to
 ``ModelRunner(ps=...)``, no capture-only mode). The branch is chosen by what
-the installed SGLang offers (``runtime_context.SpawnRanks``; ``ModelRunner``'s
-``ps`` parameter), never by comparing version strings. ``MetaModels`` starts the
-same runtime without a ModelRunner to build model classes on the meta device.
-``ServingParser`` reads a serving command (``model.serving``) with the installed
-release's own ``sglang serve`` parser: 0.5.17's ServerArgs is a dataclass,
-0.5.23's a record of namespaced fields, and SGLang's ``--config`` reader moved.
+the installed SGLang offers (``SGLang``'s capabilities, each probed from what is
+installed), never by comparing version strings. ``MetaModels`` starts the same
+runtime without a ModelRunner to build model classes on the meta device. For the
+``sglang serve`` parser (``extractor.serving``): 0.5.17's ServerArgs is a dataclass,
+0.5.23's a record of namespaced fields (``server_args_fields``), and SGLang's
+``--config`` reader moved (``config_merger``).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import difflib
 import inspect
-import io
-import json
 import logging
-import re
 import warnings
-from types import SimpleNamespace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from extractor.serving import ServingSettings, runner_server_args
 from extractor.types import EngineSpec
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
@@ -60,7 +51,36 @@ def quiet_import_noise() -> None:
     warnings.filterwarnings("ignore", message=PLATFORM_WARNINGS, category=UserWarning, module=r"sglang\.")
 
 
-def import_sglang() -> SimpleNamespace:
+@dataclasses.dataclass(frozen=True)
+class SGLang:
+    """The installed SGLang: the pieces the engine uses, and what its release can do. Each capability is
+    probed from what is installed, never read from the version string."""
+
+    version: str
+    runtime_context: Any
+    ModelConfig: Any
+    ModelRunner: Any
+    PortArgs: Any
+    ServerArgs: Any
+    Req: Any
+    ScheduleBatch: Any
+    ForwardBatch: Any
+    CaptureHiddenMode: Any
+    SamplingParams: Any
+    SpeculativeAlgorithm: Any
+    TreeCacheNamespace: Any
+    set_envs_and_config: Any
+    publishes_runtime: bool
+    """The ranks' runtime is published before the ModelRunner is built (``runtime_context.publish`` with
+    ``SpawnRanks``, 0.5.23); otherwise the ModelRunner is given a ``ParallelState`` (``ps``, 0.5.17)."""
+    capture_only: bool
+    """ServerArgs has the EAGLE-3 capture mode without a drafter (``enable_return_aux_hidden_states``, 0.5.23)."""
+    returns_final_state: bool
+    """The logits processor hands back the post-norm final state (``LogitsProcessorOutput.last_hidden_states``,
+    0.5.23); otherwise ``FinalStateTap`` keeps it from the processor's input."""
+
+
+def import_sglang() -> SGLang:
     """The SGLang pieces the engine uses; call after ``cpu_shims.install_cpu_shims`` on CPU."""
     quiet_import_noise()
     import sglang
@@ -68,6 +88,7 @@ def import_sglang() -> SimpleNamespace:
     from sglang.srt import runtime_context
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints.engine import _set_envs_and_config
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -75,40 +96,36 @@ def import_sglang() -> SimpleNamespace:
     from sglang.srt.server_args import PortArgs, ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    sgl = SimpleNamespace(
-        version=sglang.__version__, TreeCacheNamespace=TreeCacheNamespace, runtime_context=runtime_context,
-        ModelConfig=ModelConfig, set_envs_and_config=_set_envs_and_config, Req=Req, ScheduleBatch=ScheduleBatch,
-        CaptureHiddenMode=CaptureHiddenMode, ForwardBatch=ForwardBatch, ModelRunner=ModelRunner,
-        SamplingParams=SamplingParams, PortArgs=PortArgs, ServerArgs=ServerArgs,
-        SpeculativeAlgorithm=SpeculativeAlgorithm,
-    )
-    sgl.publishes_runtime = hasattr(runtime_context, "SpawnRanks")  # 0.5.23
-    sgl.takes_parallel_state = "ps" in inspect.signature(ModelRunner.__init__).parameters  # 0.5.17
-    if not (sgl.publishes_runtime or sgl.takes_parallel_state):
+    publishes_runtime = hasattr(runtime_context, "SpawnRanks")
+    takes_parallel_state = "ps" in inspect.signature(ModelRunner.__init__).parameters
+    if not (publishes_runtime or takes_parallel_state):
         raise RuntimeError(
-            f"SGLang {sgl.version} has neither the runtime_context.publish nor the ParallelState runner "
+            f"SGLang {sglang.__version__} has neither the runtime_context.publish nor the ParallelState runner "
             f"bootstrap; this extractor supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
         )
-    return sgl
+    return SGLang(
+        version=sglang.__version__, runtime_context=runtime_context, ModelConfig=ModelConfig,
+        ModelRunner=ModelRunner, PortArgs=PortArgs, ServerArgs=ServerArgs, Req=Req, ScheduleBatch=ScheduleBatch,
+        ForwardBatch=ForwardBatch, CaptureHiddenMode=CaptureHiddenMode, SamplingParams=SamplingParams,
+        SpeculativeAlgorithm=SpeculativeAlgorithm, TreeCacheNamespace=TreeCacheNamespace,
+        set_envs_and_config=_set_envs_and_config, publishes_runtime=publishes_runtime,
+        capture_only="enable_return_aux_hidden_states" in server_args_fields(ServerArgs),
+        returns_final_state="last_hidden_states" in {f.name for f in dataclasses.fields(LogitsProcessorOutput)},
+    )
 
 
-def build_model_runner(sgl: SimpleNamespace, spec: EngineSpec, tp_rank: int, nccl_port: int) -> Any:
-    """A loaded ModelRunner for ``tp_rank`` with memory pools, attention backend and eager runner.
-
-    Its ServerArgs: the serving command's applied settings (``spec.server_args``), then the
-    extractor's own (``extractor.serving.runner_server_args``); 0.5.23 captures in its
-    capture-only mode (EAGLE-3 hooks on, no drafter loaded, the post-norm final state kept).
-    """
-    server_args = sgl.ServerArgs(**runner_server_args(spec, nccl_port, capture_only=sgl.publishes_runtime))
+def build_model_runner(sgl: SGLang, server_args: Mapping[str, Any], spec: EngineSpec, tp_rank: int) -> Any:
+    """A loaded ModelRunner for ``tp_rank`` with memory pools, attention backend and eager runner, built with
+    ``server_args`` (``extractor.serving.runner_server_args``: in the capture-only mode where ``sgl`` has it)."""
     bootstrap = _bootstrap_0523 if sgl.publishes_runtime else _bootstrap_0517
-    runner = bootstrap(sgl, spec, server_args, tp_rank)
+    runner = bootstrap(sgl, spec, sgl.ServerArgs(**server_args), tp_rank)
     runner.alloc_memory_pool()
     runner.init_attention_backends()
     runner.init_cuda_graphs()  # with graphs disabled this installs the eager runner
     return runner
 
 
-def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
+def _bootstrap_0523(sgl: SGLang, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
     """The sequence of sglang.benchmark.one_batch (0.5.23) load_model()/latency_test()."""
     model_config, nccl_port = _init_runtime_0523(sgl, server_args, tp_rank)
     return sgl.ModelRunner(
@@ -117,7 +134,7 @@ def _bootstrap_0523(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp
     )
 
 
-def _init_runtime_0523(sgl: SimpleNamespace, server_args: Any, tp_rank: int) -> tuple[Any, int]:
+def _init_runtime_0523(sgl: SGLang, server_args: Any, tp_rank: int) -> tuple[Any, int]:
     """0.5.23: publish the server args, start the parallel groups; returns (ModelConfig, nccl port)."""
     from sglang.benchmark.one_batch import _init_process_global_configs
     from sglang.srt.distributed import bootstrap
@@ -138,7 +155,7 @@ def _init_runtime_0523(sgl: SimpleNamespace, server_args: Any, tp_rank: int) -> 
     return model_config, port_args.nccl_port
 
 
-def _bootstrap_0517(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
+def _bootstrap_0517(sgl: SGLang, spec: EngineSpec, server_args: Any, tp_rank: int) -> Any:
     """The sequence of sglang.benchmark.one_batch (0.5.17) load_model()/latency_test().
 
     ServerArgs resolves itself in __post_init__; ModelRunner publishes the args and
@@ -151,7 +168,7 @@ def _bootstrap_0517(sgl: SimpleNamespace, spec: EngineSpec, server_args: Any, tp
     )
 
 
-def _init_configs_0517(sgl: SimpleNamespace, server_args: Any) -> tuple[Any, int]:
+def _init_configs_0517(sgl: SGLang, server_args: Any) -> tuple[Any, int]:
     from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
@@ -181,7 +198,7 @@ def _parallel_state_0517(sa: Any, tp_rank: int) -> Any:
     )
 
 
-def _init_runtime_0517(sgl: SimpleNamespace, server_args: Any, tp_rank: int) -> tuple[Any, int]:
+def _init_runtime_0517(sgl: SGLang, server_args: Any, tp_rank: int) -> tuple[Any, int]:
     """0.5.17 without a ModelRunner: what its __init__ does before loading (global args, parallel groups)."""
     from sglang.srt.distributed import bootstrap
     from sglang.srt.server_args import set_global_server_args_for_scheduler
@@ -205,7 +222,7 @@ class MetaModels:
     ``set_default_torch_dtype(model_config.dtype)``, then ``_initialize_model``.
     """
 
-    def __init__(self, sgl: SimpleNamespace, target_path: str) -> None:
+    def __init__(self, sgl: SGLang, target_path: str) -> None:
         import socket
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -275,14 +292,14 @@ class FinalStateTap:
     hands over one tensor), the norm's input is that state.
     """
 
-    def __init__(self, sgl: SimpleNamespace, kind: str, logits_processor: Any, final_norm: Any) -> None:
+    def __init__(self, sgl: SGLang, kind: str, logits_processor: Any, final_norm: Any) -> None:
         """``logits_processor``: the language model's (inside a multimodal wrapper, not the wrapper's);
         ``final_norm``: its decoder stack's final norm (needed for pre_norm only)."""
         self._kind = kind
         self._kept: Any = None
         if kind == "pre_norm":
             final_norm.register_forward_hook(self._keep_norm_input)
-        elif kind == "post_norm" and not sgl.publishes_runtime:
+        elif kind == "post_norm" and not (sgl.capture_only and sgl.returns_final_state):
             logits_processor.register_forward_pre_hook(self._keep_logits_input, with_kwargs=True)
 
     def _keep_logits_input(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -300,100 +317,8 @@ class FinalStateTap:
         return kept
 
 
-class _RefusingParser(argparse.ArgumentParser):
-    """argparse's complaints as ValueError, never its SystemExit or its usage text."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        raise ValueError((message or "").strip() or f"SGLang's argument parser exited with status {status}")
-
-
-class ServingParser:
-    """The installed SGLang's own ``sglang serve`` parser (``ServerArgs.add_cli_args``), for ``model.serving``.
-
-    Both releases register every ServerArgs flag there; 0.5.23's ServerArgs is a record of
-    namespaced fields (``arg_groups.arg_utils.record_fields``), 0.5.17's a dataclass. No flag is
-    required here (the extractor names the model itself), and ``--help`` is an unknown flag.
-    """
-
-    def __init__(self) -> None:
-        quiet_import_noise()
-        import sglang
-        from sglang.srt.server_args import ServerArgs
-
-        self.version = sglang.__version__
-        self._parser = _RefusingParser(prog="sglang serve", add_help=False)
-        ServerArgs.add_cli_args(self._parser)
-        self._actions = [action for action in self._parser._actions if action.option_strings]
-        for action in self._actions:
-            action.required = False
-        self._fields = set(_server_args_fields(ServerArgs))
-        self._defaults = vars(self._parser.parse_args([]))
-
-    def words_of(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
-        """A mapping of ServerArgs fields as the command-line words that set them."""
-        words: list[str] = []
-        for name, value in fields.items():
-            action = self._action(name)
-            flag = _long_flag(action)
-            if action.nargs == 0:  # store_true, store_false, store_const
-                if value == action.const:
-                    words.append(flag)
-                elif value != action.default:
-                    raise ValueError(f"model.serving: {name}={value!r}: {flag} takes no value; give true or false")
-            elif isinstance(value, (list, tuple)) and action.nargs not in (None, "?"):
-                words += [flag, *(_word(item) for item in value)]
-            else:
-                words += [flag, _word(value)]
-        return tuple(words)
-
-    def _action(self, name: str) -> argparse.Action:
-        for action in self._actions:
-            if action.dest == name:
-                return action
-        if name in self._fields:
-            raise ValueError(f"model.serving: {name} has no command-line flag in SGLang {self.version}; the "
-                             "extractor takes what `sglang serve` takes")
-        close = difflib.get_close_matches(name, sorted(self._fields), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ValueError(f"model.serving: {name} is not a ServerArgs field of SGLang {self.version}{hint}")
-
-    def parse(self, words: Sequence[str]) -> ServingSettings:
-        """The command as ``sglang serve`` reads it; ValueError with SGLang's own complaint, naming the flag."""
-        words = list(words)
-        said = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                if "--config" in words:  # as SGLang's prepare_server_args: the file's options join the words
-                    words = _config_merger()(self._parser).merge_config_with_args(words)
-                namespace = self._parser.parse_args(words)
-        except ValueError as error:
-            raise ValueError(f"model.serving: SGLang {self.version} refuses the serving command: {error}") from None
-        except (OSError, SystemExit) as error:
-            said_lines = " ".join(filter(None, map(_plain_text, said.getvalue().splitlines())))
-            raise ValueError(f"model.serving: SGLang {self.version} cannot read the serving command: "
-                             f"{said_lines or error}") from None
-        for line in filter(None, (_plain_text(line) for line in said.getvalue().splitlines())):
-            logger.warning("SGLang %s on the serving command: %s", self.version, line)
-        given, flags, ignored = {}, {}, {}
-        for name, value in vars(namespace).items():
-            if value == self._defaults.get(name):
-                continue
-            flag = _long_flag(next(action for action in self._actions if action.dest == name))
-            if name not in self._fields:
-                if name != "config":
-                    ignored[flag] = f"SGLang {self.version} parses it but has no ServerArgs field for it"
-                continue
-            if not _is_json(value):
-                raise ValueError(f"model.serving: {flag} {value!r} cannot be recorded as JSON")
-            given[name], flags[name] = json.loads(json.dumps(value)), flag
-        defaults = {name: value for name, value in self._defaults.items() if name in self._fields and _is_json(value)}
-        return ServingSettings(tuple(words), self.version, given, flags, defaults, ignored)
-
-
-def _server_args_fields(server_args_class: type) -> list[str]:
+def server_args_fields(server_args_class: type) -> list[str]:
+    """The field names of ``ServerArgs``: a dataclass in 0.5.17, a record of namespaced fields in 0.5.23."""
     if dataclasses.is_dataclass(server_args_class):  # 0.5.17
         return [field.name for field in dataclasses.fields(server_args_class)]
     from sglang.srt.arg_groups.arg_utils import record_fields  # 0.5.23
@@ -401,37 +326,10 @@ def _server_args_fields(server_args_class: type) -> list[str]:
     return [field.name for field in record_fields(server_args_class)]
 
 
-def _config_merger() -> Any:
+def config_merger() -> Any:
+    """SGLang's reader of ``sglang serve --config FILE`` (it moved between the releases)."""
     try:
         from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger  # 0.5.23
     except ImportError:
         from sglang.srt.server_args_config_parser import ConfigArgumentMerger  # 0.5.17
     return ConfigArgumentMerger
-
-
-def _long_flag(action: argparse.Action) -> str:
-    return next((option for option in action.option_strings if option.startswith("--")), action.option_strings[0])
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _word(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-
-
-def _plain_text(line: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-
-
-def auto_dtype(checkpoint_config: Mapping[str, Any]) -> str:
-    """What ``--dtype auto`` computes in for a checkpoint (its text config), by SGLang's own rule."""
-    quiet_import_noise()
-    from sglang.srt.configs.model_config import _get_and_verify_dtype
-
-    return str(_get_and_verify_dtype(dict(checkpoint_config), "auto")).removeprefix("torch.")

@@ -5,7 +5,7 @@ Each command (``jobs.extract``, ``jobs.plan``, ``jobs.status``, ``jobs.verify``,
 hands it to ``run_command``:
 
 - SIGTERM and SIGINT raise ``JobInterrupted`` while the body runs (exit 143 / 130), except
-  inside the sections ``jobs.interrupts.held`` runs whole; the handlers found before are put
+  inside the sections ``jobs.interrupts.signals_deferred`` runs whole; the handlers found before are put
   back after, however the body ends.
 - A ``ValueError`` (``ConfigError`` included) is a refusal: ``error: <message>`` on
   stderr, one line, exit 2. The message names the key, file or row and the fix.
@@ -20,7 +20,7 @@ import sys
 from typing import Callable, Sequence
 
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobStopped, stop_in
-from jobs.interrupts import held, signals_stop
+from jobs.interrupts import signals_deferred, signals_stop
 
 logger = logging.getLogger("jobs.cli")
 
@@ -42,7 +42,8 @@ def run_command(
         try:
             return body(argv)
         except BaseException as raised:  # noqa: BLE001 - every way out gets its exit code here
-            with held(reraise=False):  # the command is ending: a further signal must not cut its last line short
+            # the command is ending: a further signal must not cut its last line short
+            with signals_deferred(reraise=False):
                 return _exit_code(raised, fault_hint)
 
 

@@ -32,7 +32,17 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
 from jobs.driver.config import OutputConfig, ProgressConfig
-from jobs.errors import ConfigError
+from jobs.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BUDGET_EXHAUSTED,
+    EXIT_FAULT,
+    EXIT_LOCKED,
+    EXIT_NOT_PASSED,
+    EXIT_OK,
+    EXIT_UPLOADS_FAILED,
+    ConfigError,
+    exit_codes,
+)
 from jobs.inputs.config import DataConfig, DemoConfig
 
 T = TypeVar("T")
@@ -123,9 +133,11 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     """Parse ``[--config FILE] [key=value ...]`` into a checked JobConfig; raises ConfigError."""
     return parse_command(
         "jobs.extract",
-        "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
-        "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards written but not "
-        "all uploaded to output.sink, 130/143 stopped by a signal (docs/reference.md: exit codes).",
+        "Extract EAGLE-3 hidden states with SGLang into Parquet shards. " + exit_codes({
+            EXIT_OK: "done", EXIT_NOT_PASSED: "shards failed", EXIT_BAD_INPUT: "bad config or input",
+            EXIT_BUDGET_EXHAUSTED: "disk budget exhausted", EXIT_FAULT: "fault", EXIT_LOCKED: "output.dir in use",
+            EXIT_UPLOADS_FAILED: "shards written but not all uploaded to output.sink",
+        }, signals="docs/reference.md: exit codes"),
         JobConfig, argv,
     )[0]
 

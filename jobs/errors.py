@@ -33,6 +33,17 @@ RERUN = "Done shards are kept; rerun the same command to resume"
 EXIT_SIGNAL_BASE = 128
 
 
+def exit_codes(meanings: dict[int, str], signals: str | None = "") -> str:
+    """A command's ``--help`` sentence on its exit codes: what each of its codes (the constants above) means
+    for it, then the signals' codes; ``signals``: what to do after one (``"rerun: it resumes"``), None for a
+    command whose signals' codes go without saying."""
+    said = ", ".join(f"{code} {meaning}" for code, meaning in sorted(meanings.items()))
+    if signals is None:
+        return f"Exit codes: {said}."
+    codes = f"{EXIT_SIGNAL_BASE + signal.SIGINT}/{EXIT_SIGNAL_BASE + signal.SIGTERM}"
+    return f"Exit codes: {said}, {codes} stopped by a signal{f' ({signals})' if signals else ''}."
+
+
 class ConfigError(ValueError):
     """A user mistake in the config: one line that names the key and the fix (exit code 2, as every
     ``ValueError`` a command refuses with)."""

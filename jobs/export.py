@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_OK
+from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.rundir.lock import OutputLock
 from training.export import ExportConfig, prepare, write
 
@@ -25,9 +25,10 @@ logger = logging.getLogger("jobs.export")
 def load_config(argv: Sequence[str]) -> ExportConfig:
     return parse_command(
         "jobs.export",
-        "Export a run's hidden states in the layout SpecForge or speculators trains from. Exit codes: 0 done, "
-        "2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5 a job holds the "
-        "run (consume=true), 130/143 stopped by a signal (rerun: it resumes).",
+        "Export a run's hidden states in the layout SpecForge or speculators trains from. " + exit_codes({
+            EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input (nothing written)",
+            EXIT_FAULT: "an error while writing (rerun: it resumes)", EXIT_LOCKED: "a job holds the run (consume=true)",
+        }, signals="rerun: it resumes"),
         ExportConfig, argv,
     )[0]
 

@@ -5,9 +5,9 @@ in the main thread, wherever it is, and the job winds down from there (exit 143 
 sections must run whole even so: starting or stopping Ray (a cluster cut short in the middle of
 ``ray.init`` leaves its processes behind), and the wind-down itself (the summary, the manifest,
 output.dir's lock: ``ray job stop`` sends SIGKILL a few seconds after its SIGTERM, and a second
-Ctrl-C must not cost the first one's clean-up). Inside ``held()`` a signal is remembered instead,
-and raised once the section is over, unless the section ends by an exception already on its way
-out (the job is stopping anyway).
+Ctrl-C must not cost the first one's clean-up). Inside ``signals_deferred()`` a signal is remembered
+instead, and raised once the section is over, unless the section ends by an exception already on its
+way out (the job is stopping anyway).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class _Holding:
-    """How many ``held()`` sections the main thread is in, the first signal that came meanwhile, and the
+    """How many ``signals_deferred()`` sections the main thread is in, the first signal that came meanwhile, and the
     last one raised."""
 
     depth = 0
@@ -62,7 +62,7 @@ def raise_if_stopped() -> None:
 
 
 @contextlib.contextmanager
-def held(reraise: bool = True) -> Iterator[None]:
+def signals_deferred(reraise: bool = True) -> Iterator[None]:
     """Run the block whole: a signal that arrives inside is remembered, then raised as ``JobInterrupted``
     after it (with ``reraise``; dropped if the block raised, or without ``reraise``). Outside the main
     thread (where no handler runs) it does nothing."""

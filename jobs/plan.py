@@ -14,12 +14,15 @@ from typing import Sequence
 from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import JobConfig, parse_command
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.planning.dry_run import DryRun, dry_run
 
 DESCRIPTION = (
     "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "
-    "alone. Exit codes: 0 it fits, 2 the job would refuse it, 3 it would stop for disk budget or space, 5 another "
-    "job holds output.dir."
+    "alone. " + exit_codes({
+        EXIT_OK: "it fits", EXIT_BAD_INPUT: "the job would refuse it",
+        EXIT_BUDGET_EXHAUSTED: "it would stop for disk budget or space", EXIT_LOCKED: "another job holds output.dir",
+    }, signals=None)
 )
 
 

@@ -25,14 +25,16 @@ from jobs.config import absolute_paths, parse_command
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
-from jobs.errors import EXIT_OK
+from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.rundir.lock import OutputLock
 
 DESCRIPTION = (
     "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
     "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
-    "by the target through SGLang. Exit codes: 0 done, 2 bad config or input, 4 fault (rerun: it resumes), "
-    "5 output.path in use, 130/143 stopped by a signal (rerun: it resumes)."
+    "by the target through SGLang. " + exit_codes({
+        EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input", EXIT_FAULT: "fault (rerun: it resumes)",
+        EXIT_LOCKED: "output.path in use",
+    }, signals="rerun: it resumes")
 )
 
 

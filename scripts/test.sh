@@ -25,9 +25,12 @@ python_0517=$(bash scripts/setup.sh sglang-0.5.17)
 # INT4 experts, the drafter check through it), SGLang's parser of a serving command. The rest runs on
 # 0.5.23 above.
 EAGLE3_EXPECT_SGLANG=0.5.17 exec "$python_0517" -m pytest "${parallel[@]}" \
-  "tests/test_parity.py::test_aux_and_final_states_match_hf[llama-default]" \
-  "tests/test_parity.py::test_aux_and_final_states_match_hf[qwen3-default]" tests/test_parity.py::test_pre_norm_final_state_matches_hf \
-  tests/test_deepseek.py::test_deepseek_matches_hf tests/test_deepseek.py::test_deepseek_pre_norm_final_state_matches_hf \
-  "tests/test_kimi.py::test_kimi_layout_stores_the_bare_models_states_bit_for_bit[1]" \
-  tests/test_kimi.py::test_kimi_k25_reduced_shape_gets_sglangs_int4_moe_path tests/test_kimi.py::test_check_drafter_through_the_wrapper \
-  tests/test_serving.py::test_sglang_parses_the_command_and_refuses_what_it_refuses
+  "tests/extractor/test_parity.py::test_aux_and_final_states_match_hf[llama-default]" \
+  "tests/extractor/test_parity.py::test_aux_and_final_states_match_hf[qwen3-default]" \
+  tests/extractor/test_parity.py::test_pre_norm_final_state_matches_hf \
+  tests/extractor/test_deepseek.py::test_deepseek_matches_hf \
+  tests/extractor/test_deepseek.py::test_deepseek_pre_norm_final_state_matches_hf \
+  "tests/extractor/test_kimi.py::test_kimi_layout_stores_the_bare_models_states_bit_for_bit[1]" \
+  tests/extractor/test_kimi.py::test_kimi_k25_reduced_shape_gets_sglangs_int4_moe_path \
+  tests/extractor/test_kimi.py::test_check_drafter_through_the_wrapper \
+  tests/extractor/test_serving.py::test_sglang_parses_the_command_and_refuses_what_it_refuses

@@ -132,12 +132,12 @@ RUN_AS_PRINTED = {
 NOT_RUNNABLE_HERE = {
     "bash scripts/test.sh": "it is the suite itself (CI runs it: .ci/run)",
     "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.path=/data/tokens":
-        "a checkpoint at /models/target; tests/test_prepare_extract.py runs prepare -> extract -> verify on a tiny one",
+        "a checkpoint at /models/target; tests/jobs/test_prepare_extract.py runs prepare -> extract -> verify on a tiny one",
     "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
         "the same placeholder checkpoint",
     "python -m jobs.verify output.dir=/data/states": "the run of the line before",
     "python -m jobs.plan --config conf/kimi.yaml data.path=/mnt/nvme/data/train.parquet "
-    "output.dir=/mnt/nvme/eagle3/run1": "Kimi-K2.5's checkpoint (tests/test_kimi.py plans its published config.json)",
+    "output.dir=/mnt/nvme/eagle3/run1": "Kimi-K2.5's checkpoint (tests/extractor/test_kimi.py plans its published config.json)",
     "export RAY_ADDRESS=http://127.0.0.1:8265": "a real cluster's tunnelled Jobs API; tests/test_readme.py exports its "
                                                 "own head's",
     "ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m jobs.extract --config "

@@ -6,9 +6,10 @@
 - ``common/`` (the shared config checks) imports nothing of the project.
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
-- No import circles (module-level imports, ``if TYPE_CHECKING:`` included: a circle of types is still
-  a circle); a package's ``__init__`` may import its submodules, a submodule never its ``__init__``
-  (``storage``'s modules import each other, never the package itself).
+- No import circles, counting every import: ``if TYPE_CHECKING:`` (a circle of types is still a circle)
+  and inside functions (an import deferred to a call is still an arrow back); a package's ``__init__``
+  may import its submodules, a submodule never its ``__init__`` (``storage``'s modules import each
+  other, never the package itself).
 - Around the product: the product imports none of ``testbeds``, ``benchmarks`` or ``tests``.
   ``testbeds/`` (the models the tests and the benchmarks run on) imports, of the project, only
   ``storage`` (its atomic file helpers); the benchmarks import nothing of ``tests``; and the tests
@@ -29,7 +30,10 @@ AROUND = ("testbeds", "benchmarks", "tests")
 """What sits around the product: the models it is tried on, its benchmarks, its tests."""
 CONFIG_MAY_IMPORT = ("common.checks", "jobs.errors", "storage.schema")
 TESTBEDS_MAY_IMPORT = ("storage",)
-BENCHMARK_TESTS = {"test_benchmarks": ("benchmarks.throughput",), "test_acceptance_cpu": ("benchmarks.acceptance",)}
+BENCHMARK_TESTS = {
+    "benchmarks.test_benchmarks": ("benchmarks.throughput",),
+    "benchmarks.test_acceptance_cpu": ("benchmarks.acceptance",),
+}
 """The test files whose subject is a benchmark, and the benchmark each may import."""
 
 
@@ -44,27 +48,11 @@ def _modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     return {_module_name(path): path for package in packages for path in (REPO_ROOT / package).rglob("*.py")}
 
 
-def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements that run when the module is imported, those under ``if`` (``TYPE_CHECKING`` too) and
-    ``try`` included: not the bodies of functions and classes."""
-    statements: list[ast.stmt] = []
-    for node in body:
-        statements.append(node)
-        if isinstance(node, ast.If):
-            statements += _module_level(node.body) + _module_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            handlers = [statement for handler in node.handlers for statement in handler.body]
-            statements += _module_level(node.body + handlers + node.orelse + node.finalbody)
-    return statements
-
-
-def _imports(path: Path, top_level_only: bool) -> set[str]:
-    """Modules ``path`` imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``; callers keep what exists);
-    ``top_level_only``: the imports at module level (``_module_level``), not those inside functions."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    nodes = _module_level(tree.body) if top_level_only else list(ast.walk(tree))
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports anywhere: at module level, under ``if`` (``TYPE_CHECKING`` too) and inside
+    functions (``from a.b import c`` gives ``a.b`` and ``a.b.c``; callers keep what exists)."""
     found: set[str] = set()
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -77,7 +65,7 @@ def _violations(rule, packages: tuple[str, ...] = PACKAGES) -> list[str]:
     return sorted(
         f"{name} imports {imported}"
         for name, path in _modules(packages).items()
-        for imported in _imports(path, top_level_only=False)
+        for imported in _imports(path)
         if rule(name, imported)
     )
 
@@ -140,8 +128,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circles():
     modules = _modules((*PACKAGES, *AROUND))
-    graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
-             for name, path in modules.items()}
+    graph = {name: {i for i in _imports(path) if i in modules and i != name} for name, path in modules.items()}
     assert _circles(graph) == []
 
 
@@ -177,34 +164,35 @@ def test_tests_import_a_benchmark_only_where_it_is_the_subject():
 def test_the_rules_see_real_imports():
     """The checks above would notice: extractor does import SGLang and jobs' config imports other config."""
     modules = _modules()
-    assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"], top_level_only=False))
-    assert "extractor.config" in _imports(modules["jobs.config"], top_level_only=True)
-    assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"], True)
+    assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"]))
+    assert "extractor.config" in _imports(modules["jobs.config"])
+    assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"])
     around = _modules(AROUND)
-    assert "testbeds.smollm2" in _imports(around["tests.helpers"], top_level_only=True)
-    assert "storage.atomic" in _imports(around["testbeds.smollm2"], top_level_only=True)
+    assert "testbeds.smollm2" in _imports(around["tests.helpers"])
+    assert "storage.atomic" in _imports(around["testbeds.smollm2"])
     assert _imports_a_benchmark_it_does_not_test("tests.helpers", "benchmarks.smollm2")
-    assert _imports_a_benchmark_it_does_not_test("tests.test_benchmarks", "benchmarks.acceptance.stats")
-    assert not _imports_a_benchmark_it_does_not_test("tests.test_acceptance_cpu", "benchmarks.acceptance.stats")
+    assert _imports_a_benchmark_it_does_not_test("tests.benchmarks.test_benchmarks", "benchmarks.acceptance.stats")
+    assert not _imports_a_benchmark_it_does_not_test("tests.benchmarks.test_acceptance_cpu",
+                                                  "benchmarks.acceptance.stats")
 
 
 def test_test_modules_import_only_the_shared_helpers():
     """Test modules share code through tests.helpers and tests.conftest, never through one another."""
     offending = sorted(
-        f"{path.name} imports {imported}"
-        for path in (REPO_ROOT / "tests").glob("test_*.py")
-        for imported in _imports(path, top_level_only=False)
-        if imported.startswith("tests.test_")
+        f"{path.relative_to(REPO_ROOT)} imports {imported}"
+        for path in (REPO_ROOT / "tests").rglob("test_*.py")
+        for imported in _imports(path)
+        if _within(imported, "tests") and imported.rsplit(".", 1)[-1].startswith("test_")
     )
     assert offending == []
 
 
-def test_the_circle_check_sees_types_and_a_submodule_importing_its_package(tmp_path):
-    """Imports under ``if TYPE_CHECKING:`` count, those inside functions do not; a package's ``__init__``
-    importing its submodule is no circle, until the submodule imports the ``__init__`` back."""
+def test_the_circle_check_sees_types_deferred_imports_and_a_submodule_importing_its_package(tmp_path):
+    """Imports under ``if TYPE_CHECKING:`` and inside functions count; a package's ``__init__`` importing its
+    submodule is no circle, until the submodule imports the ``__init__`` back."""
     module = tmp_path / "module.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.types import Shard\n"
                       "def later():\n    import pkg.other\n")
-    assert _imports(module, top_level_only=True) == {"typing", "typing.TYPE_CHECKING", "pkg.types", "pkg.types.Shard"}
+    assert _imports(module) == {"typing", "typing.TYPE_CHECKING", "pkg.types", "pkg.types.Shard", "pkg.other"}
     assert _circles({"pkg": {"pkg.writer", "pkg.schema"}, "pkg.writer": {"pkg.schema"}, "pkg.schema": set()}) == []
     assert _circles({"pkg": {"pkg.writer"}, "pkg.writer": {"pkg"}}) == [["pkg", "pkg.writer", "pkg"]]

@@ -76,7 +76,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     needs_gpu = [s for s in stages if s in GPU_STAGES]
     if args.device != "cuda" and needs_gpu:
         parser.error(f"stages {needs_gpu} run on CUDA only (SGLang's EAGLE3 serving and regeneration, SpecForge's "
-                     "FSDP trainer); on CPU run the others, or tests/test_acceptance_cpu.py")
+                     "FSDP trainer); on CPU run the others, or tests/benchmarks/test_acceptance_cpu.py")
     try:
         args.arms = parse_arms(args.arms)
         args.seeds = tuple(dict.fromkeys(int(seed) for seed in args.seeds.split(",") if seed.strip()))

@@ -26,7 +26,7 @@ import ray
 
 from common.pythonpath import checkout_first
 from jobs.errors import ConfigError
-from jobs.interrupts import held
+from jobs.interrupts import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +74,17 @@ def this_host_cpus() -> int:
 def ray_session(address: str) -> Iterator[None]:
     """Run the body connected to Ray (see the module docstring for which cluster); disconnect after, and shut
     a private cluster down with every process it started. Starting and stopping run whole: a signal meanwhile
-    is held until Ray is up (then raised: the body never runs) or down (``jobs.interrupts.held``)."""
+    is held until Ray is up (then raised: the body never runs) or down (``jobs.interrupts.signals_deferred``)."""
     if ray.is_initialized():
         yield
         return
     session_over = threading.Event()
     try:
-        with held():
+        with signals_deferred():
             _connect_off_main_thread(address, session_over)
         yield
     finally:
-        with held(reraise=False):  # the run has recorded how it ended; the process ends next
+        with signals_deferred(reraise=False):  # the run has recorded how it ended; the process ends next
             ray.shutdown()
         session_over.set()
 

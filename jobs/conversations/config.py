@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List
 
+from common.checks import is_int
 from extractor.config import DEVICES, DTYPES, serving_command
 from jobs.cluster.config import RayConfig
 from jobs.inputs.config import ON_INVALID
@@ -18,10 +19,6 @@ OTHER_ROLES = ("fail", "drop", "keep")
 """What happens to a turn of another role (tool, function, ipython, observation, function_call):
 the row is invalid (fail), the turn is left out (drop), or it is rendered, never in the loss mask (keep)."""
 ON_TOO_LONG = ("truncate", "drop")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -66,11 +63,11 @@ class PrepareModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ValueError(f"model.device={self.device!r}: use one of {', '.join(DEVICES)}")
-        if not _is_int(self.tp_size) or self.tp_size < 1:
+        if not is_int(self.tp_size) or self.tp_size < 1:
             raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"model.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1]")
-        if not _is_int(self.max_total_tokens) or self.max_total_tokens < 0:
+        if not is_int(self.max_total_tokens) or self.max_total_tokens < 0:
             raise ValueError(f"model.max_total_tokens={self.max_total_tokens!r}: must be an integer >= 0")
         if any(not token for token in self.stop_tokens):
             raise ValueError(f"model.stop_tokens={self.stop_tokens!r}: an empty token; name tokens like <|im_end|>")
@@ -105,7 +102,7 @@ class ConversationDataConfig:
             raise ValueError(f"data.other_roles={self.other_roles!r}: use one of {', '.join(OTHER_ROLES)}")
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"data.on_invalid={self.on_invalid!r}: use {' or '.join(ON_INVALID)}")
-        if not _is_int(self.max_length) or self.max_length < 0:
+        if not is_int(self.max_length) or self.max_length < 0:
             raise ValueError(f"data.max_length={self.max_length!r}: must be a token count >= 1, or 0 for the model's")
         if self.on_too_long not in ON_TOO_LONG:
             raise ValueError(f"data.on_too_long={self.on_too_long!r}: use {' or '.join(ON_TOO_LONG)}")
@@ -120,7 +117,7 @@ class PrepareOutputConfig:
     """Conversations per part file; also the unit regeneration resumes by."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.shard_size) or self.shard_size < 1:
+        if not is_int(self.shard_size) or self.shard_size < 1:
             raise ValueError(f"output.shard_size={self.shard_size!r}: must be an integer >= 1 (conversations per part)")
 
 
@@ -139,15 +136,15 @@ class GenerationConfig:
     which follows the answers' timing: a rerun samples others (greedy answers do not change)."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"generation.temperature={self.temperature!r}: must be >= 0 (0: greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p={self.top_p!r}: must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"generation.top_k={self.top_k!r}: must be -1 (off) or an integer >= 1")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"generation.seed={self.seed!r}: must be an integer >= 0")
 
     def sampling_params(self) -> dict[str, Any]:
@@ -175,7 +172,7 @@ class PrepareDemoConfig:
     def __post_init__(self) -> None:
         if not self.dir:
             raise ValueError("demo.dir is empty: name the directory the demo builds its model and data in")
-        if not _is_int(self.num_conversations) or self.num_conversations < 1:
+        if not is_int(self.num_conversations) or self.num_conversations < 1:
             raise ValueError(f"demo.num_conversations={self.num_conversations!r}: must be an integer >= 1")
 
 
@@ -201,7 +198,7 @@ class PrepareConfig:
                 "set both model.path (the checkpoint with the tokenizer) and data.path (the conversations), "
                 "or neither for the demo"
             )
-        if not _is_int(self.workers) or self.workers < 0:
+        if not is_int(self.workers) or self.workers < 0:
             raise ValueError(f"workers={self.workers!r}: must be an integer >= 0 (0: one per CPU)")
         if not self.is_demo and not self.output.path:
             raise ValueError("output.path is empty: name the directory the tokenized Parquet goes to")

@@ -43,7 +43,7 @@ from jobs.errors import (
     is_disk_full,
     stop_in,
 )
-from jobs.interrupts import held
+from jobs.interrupts import signals_deferred
 from jobs.planning.capture import check_capture
 from jobs.planning.content import resumed_device
 from jobs.planning.engine import build_engine_spec
@@ -128,7 +128,7 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
             try:
                 return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
             finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
-                with held(reraise=False):
+                with signals_deferred(reraise=False):
                     lock.release()
     except BaseException as error:  # a signal while Ray started (the lock is still held then): recorded too
         _record_early_stop(summary, before, error)
@@ -157,7 +157,7 @@ def _extract(
         try:
             final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
         finally:
-            with held(reraise=False):
+            with signals_deferred(reraise=False):
                 manifest.close()
     except BaseException as error:
         _record_early_stop(summary, manifest, error)
@@ -316,7 +316,7 @@ def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code
     """The summary of a run that ended early, written whole (a second signal waits); failing to write it
     must not hide why the run ended."""
     try:
-        with held(reraise=False):
+        with signals_deferred(reraise=False):
             summary.finish(manifest, outcome, exit_code, message)
     except OSError as error:
         logger.error("could not write %s (outcome %s, exit code %d): %s", summary.path, outcome, exit_code, error)

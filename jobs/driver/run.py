@@ -47,7 +47,7 @@ from jobs.driver.startup import (
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
 from jobs.inputs.dataset import TokenizedDataset
-from jobs.interrupts import held
+from jobs.interrupts import signals_deferred
 from jobs.planning.shards import Shard
 from storage.manifest import DONE, Manifest, ShardRecord
 
@@ -90,7 +90,7 @@ class ExtractionRun:
         those already published: a few seconds at most, run whole (a second signal waits)."""
         ended_early = error is not None
         lanes = list(self._started.lanes) if self._started is not None else []
-        with held(reraise=not ended_early):
+        with signals_deferred(reraise=not ended_early):
             try:
                 if ended_early and self._scheduler is not None and self._completions is not None:
                     stop_extractors(lanes)

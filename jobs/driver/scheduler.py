@@ -45,7 +45,8 @@ class ShardQueue:
     def __bool__(self) -> bool:
         return bool(self._waiting)
 
-    def next(self) -> ShardRecord:
+    def peek(self) -> ShardRecord:
+        """The shard ``take`` would give, left waiting."""
         return self._waiting[0]
 
     def take(self) -> ShardRecord:
@@ -60,7 +61,7 @@ class ShardQueue:
     def tries_left(self, shard: int) -> bool:
         return self.tries(shard) < self.max_attempts
 
-    def first(self, record: ShardRecord) -> None:
+    def push_front(self, record: ShardRecord) -> None:
         """A shard to extract again before the shards not started yet."""
         self._waiting.appendleft(record)
 
@@ -106,7 +107,7 @@ class Scheduler:
                 writer = lane.free_writer()
                 if writer is None:
                     break
-                record = self._waiting.next()
+                record = self._waiting.peek()
                 shard = self._plan[record.index]
                 nbytes = lane.budget.predict(shard.tokens, self._bytes_per_token, len(shard.batches))
                 if lane.refused_since_last_change() or lane.budget.blocking_policy(nbytes) is not None:
@@ -215,7 +216,7 @@ class Scheduler:
                 f"shard {attempt.index} was cut short by faults {self._waiting.tries(attempt.index)} times in this "
                 f"run (extract.max_attempts={self._waiting.max_attempts}); last: {attempt.lost_reason}. {RERUN}"
             )
-        self._waiting.first(self._manifest.update(attempt.index, error=attempt.lost_reason))
+        self._waiting.push_front(self._manifest.update(attempt.index, error=attempt.lost_reason))
 
     # -- files lost ------------------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ class Scheduler:
                                   "times in this run (extract.max_attempts): something deletes the run's files")
             self._progress.shard_settled(index)
             return
-        self._waiting.first(self._manifest.update(index, state=PENDING, error=reason))
+        self._waiting.push_front(self._manifest.update(index, state=PENDING, error=reason))
 
     def _settled(self, attempt: ShardAttempt) -> None:
         attempt.lane.close(attempt)

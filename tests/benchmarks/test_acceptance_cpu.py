@@ -94,7 +94,7 @@ def specforge_path() -> str:
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tmp_path_factory) -> dict[str, Path]:
     """Arm A's run ([1, 14, 26], post-norm) and a run of B's layers ([0, 13, 25]), shared with
-    tests/test_real_weights.py: whichever file comes first makes them."""
+    tests/extractor/test_real_weights.py: whichever file comes first makes them."""
     return {"A": post_norm_run(tmp_path_factory), "B": pre_norm_run(tmp_path_factory)}
 
 

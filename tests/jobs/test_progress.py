@@ -1,7 +1,7 @@
 """Progress reporting: the snapshot the driver reports, its log line, the live line on a terminal (a real
 run under a pseudo-terminal), and the Grafana dashboard's queries.
 
-The metrics endpoint itself is read in tests/test_entry.py, while a submitted job runs; so are the
+The metrics endpoint itself is read in tests/jobs/test_entry.py, while a submitted job runs; so are the
 progress lines of a piped run and of `ray job logs`.
 """
 

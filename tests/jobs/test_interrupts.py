@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from jobs.errors import JobInterrupted
-from jobs.interrupts import held, raise_if_stopped, signals_stop
+from jobs.interrupts import signals_deferred, raise_if_stopped, signals_stop
 
 
 def send(signum: int) -> None:
@@ -29,10 +29,10 @@ def test_a_signal_stops_the_command_where_it_is_and_the_handlers_go_back_after()
 def test_a_held_section_runs_whole_and_the_signal_follows_it():
     steps = []
     with pytest.raises(JobInterrupted) as stopped, signals_stop():
-        with held():
+        with signals_deferred():
             send(signal.SIGINT)
             steps.append("after the signal")
-            with held():  # nested: the outermost section raises it
+            with signals_deferred():  # nested: the outermost section raises it
                 send(signal.SIGTERM)
                 steps.append("nested")
             steps.append("end of the section")
@@ -43,10 +43,10 @@ def test_a_held_section_runs_whole_and_the_signal_follows_it():
 
 def test_a_held_signal_is_dropped_when_the_job_is_stopping_anyway():
     with signals_stop():
-        with held(reraise=False):
+        with signals_deferred(reraise=False):
             send(signal.SIGTERM)
         with pytest.raises(ValueError):  # the section's own end wins
-            with held():
+            with signals_deferred():
                 send(signal.SIGTERM)
                 raise ValueError("the error the job stops with")
         raise_if_stopped()  # neither signal was raised

@@ -1,7 +1,7 @@
 """``python -m jobs.plan``, the dry run: the job's numbers and refusals before anything starts.
 
 The synthetic states source (``model.engine=synthetic``) needs config.json alone, so these runs
-build no model; ``tests/test_kimi.py`` checks the dry run's SGLang layers against a real run.
+build no model; ``tests/extractor/test_kimi.py`` checks the dry run's SGLang layers against a real run.
 """
 
 from __future__ import annotations

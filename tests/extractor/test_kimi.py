@@ -35,6 +35,7 @@ from tests.helpers import (
     python_env,
     random_sequences,
     read_all,
+    session_ray_address,
     vllm_style,
     with_ids,
 )
@@ -46,12 +47,14 @@ JOB_SETTINGS = ("data.shard_size=4", "extract.max_tokens_per_batch=300", "model.
 
 
 @pytest.fixture(scope="module")
-def kimi_demo(tmp_path_factory):
-    """The README's demo command on the Kimi-K2.5 layout: a fresh process, its own local Ray cluster."""
+def kimi_demo(ray_cluster, tmp_path_factory):
+    """The README's demo command on the Kimi-K2.5 layout: a fresh driver process, on this test process's Ray
+    cluster (the demo's own private cluster is tests/jobs/test_entry.py's subject; another one costs seconds of CPU)."""
     demo = tmp_path_factory.mktemp("kimi-demo")
     result = subprocess.run(
         [sys.executable, "-m", "jobs.extract", "demo.arch=kimi_k25", f"demo.dir={demo}",
-         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS],
+         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS,
+         f"ray.address={session_ray_address()}"],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

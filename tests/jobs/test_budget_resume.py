@@ -222,7 +222,7 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     assert records[1]["attempts"] == 2 and records[1]["state"] == DONE
     assert all(records[i]["attempts"] == 1 for i in records if i != 1)
     assert_sample_ids_complete(read_all(out))
-    # named shards (shards=[...]) rerun those and nothing else: tests/test_multinode.py, across nodes
+    # named shards (shards=[...]) rerun those and nothing else: tests/jobs/test_multinode.py, across nodes
 
 
 def test_resume_with_other_content_or_into_another_runs_directory_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):

@@ -3,7 +3,7 @@ float32, chat-templated samples, equal HF transformers' ``output_hidden_states[k
 layer k and are far from ``[k]`` and ``[k+2]``; the post-norm final state is HF's last hidden state
 (after ``model.norm``), the pre-norm one is the input of ``model.norm``.
 
-The tiny random-weight models of tests/test_parity.py lack what trained weights have: outlier
+The tiny random-weight models of tests/extractor/test_parity.py lack what trained weights have: outlier
 dimensions (here |x| up to ~25,000 on the first token from layer ~2 on, against ~1-50 elsewhere),
 and a real tokenizer and chat template."""
 
@@ -44,7 +44,7 @@ def relative_error(stored: torch.Tensor, reference: torch.Tensor) -> torch.Tenso
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tmp_path_factory) -> dict[str, list]:
     """Both runs, one after the other (two Ray clusters starting at once on the loaded 2-core machine
-    timed out), shared with tests/test_acceptance_cpu.py."""
+    timed out), shared with tests/benchmarks/test_acceptance_cpu.py."""
     outs = {"post_norm": post_norm_run(tmp_path_factory), "pre_norm": pre_norm_run(tmp_path_factory)}
     return {kind: [ShardReader(path) for path in sorted(out.glob("shard-*.parquet"))] for kind, out in outs.items()}
 

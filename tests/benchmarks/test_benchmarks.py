@@ -18,7 +18,7 @@ from tests.helpers import python_env
 
 @pytest.mark.extended
 def test_throughput_benchmark_smoke(tmp_path):
-    """Every row of the benchmark runs and reports; fp8 states are left out here (tests/test_job.py stores
+    """Every row of the benchmark runs and reports; fp8 states are left out here (tests/jobs/test_job.py stores
     them; each row is another job's start-up, which is what the suite pays for)."""
     env = python_env()
     env.pop("RAY_ADDRESS", None)
