@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jobs.config import load_config
 from jobs.driver.job import run
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE, EXIT_VERIFY_FAILED
 from jobs.inputs.dataset import open_tokenized_dataset
@@ -229,3 +230,32 @@ def test_every_done_shard_of_a_run_that_exits_0_is_there_once(ray_cluster, llama
     assert sorted(p.name for p in (tmp_path / "out").glob("shard-*.parquet")) == sorted(r["file"] for r in records)
     assert json.loads((tmp_path / "out" / ".summary.json").read_text())["outcome"] == "complete"
     assert_every_sample_once(tmp_path / "out", demo_dataset)
+
+
+def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """output.sink at output.dir (by name, through a link, or inside it) or at a node's output.node_dir: every
+    upload would copy a shard onto itself (or into the run's own directory), then delete the local file.
+    Refused before Ray starts, exit 2, and the done files of the run already there untouched."""
+    out = tmp_path / "out"
+    args = base_args(llama_fp32, demo_dataset, out)
+    run(load_config(args))
+    before = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
+    assert len(before) == 3
+    (tmp_path / "link").symlink_to(out)
+    cases = [
+        ([f"output.sink=file://{out}"], f"output.sink=file://{out} is output.dir={out}"),
+        ([f"output.sink={out}/"], "is output.dir="),
+        ([f"output.sink=file://{tmp_path}/link"], f"output.sink=file://{tmp_path}/link is output.dir="),
+        ([f"output.sink=file://{out}/uploads"], "is inside output.dir="),
+        ([f"output.sink=file://{tmp_path}/nodes/gpu-3", f"output.node_dir={tmp_path}/nodes/{{node}}"],
+         "is a node's directory (output.node_dir="),
+    ]
+    for extra, key in cases:
+        result = extract(*args, *extra)
+        assert result.returncode == EXIT_BAD_INPUT, (extra, result.stderr[-3000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and key in errors[0], (extra, result.stderr[-3000:])
+        assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+        assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == before
+    assert not (out / "uploads").exists() and not (out / LOCK_FILE).exists()
+    assert_every_sample_once(out, demo_dataset)

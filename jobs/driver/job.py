@@ -85,7 +85,7 @@ def run(config: JobConfig) -> dict:
     check_resumable(inputs)
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
-    check_sink(config.output.sink, config.output.sink_options)
+    check_sink(config.output.sink, config.output.sink_options, inputs.output_dir, config.output.node_dir)
     try:
         with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
             refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
