@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 import storage.checksum as checksum
 import storage.schema as schema
-from storage.consumed import read_record, record_name
+from storage.consumed import mismatch, read_record, record_name
 from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
@@ -245,6 +245,8 @@ def _check_shard(
             size = fs.info(path)["size"]
         except FileNotFoundError:
             declared = read_record(Path(url).with_name(record_name(record["file"])))
+            if declared is not None and mismatch(declared, record["bytes"], record["checksum"]):
+                declared = None  # not the recorded file's: the next run drops it, and extracts the shard again
             if record["location"] == SINK:
                 check.problem(f"missing: the manifest lists shard {check.index} as done in the sink", check.rerun)
             elif declared is not None:

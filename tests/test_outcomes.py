@@ -27,9 +27,12 @@ from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model
 from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
+from storage import ShardReader
+from storage.checksum import of_bytes
+from storage.consumed import consume_shard, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once, job_config, python_env
+from tests.helpers import assert_every_sample_once, assert_run_verifies, job_config, python_env
 
 RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
 
@@ -153,8 +156,6 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
         in verify.stdout, verify.stdout
     assert "rerun the job's command with shards=[0,1,2]" in verify.stdout, verify.stdout
 
-    from storage.consumed import consume_shard
-
     consume_shard(files[3], "trainer run 7")  # declared, then deleted
     rerun = run(config)  # sizes only (the default): shards 0 and 1 again; shard 3 consumed, as its trainer said
     assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
@@ -259,3 +260,52 @@ def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(ray_cluster
         assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == before
     assert not (out / "uploads").exists() and not (out / LOCK_FILE).exists()
     assert_every_sample_once(out, demo_dataset)
+
+
+def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """A ``.shard-N.parquet.consumed`` record is trusted only when it names the size and checksum the run recorded
+    for that file: one left beside a file of another content (or written by hand) is dropped with a warning, at the
+    next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
+    jobs.verify calls such a file missing. A consumer's own declaration still counts."""
+    out = tmp_path / "out"
+    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0")
+    assert run(config)["shards_done"] == 5
+    files = sorted(out.glob("shard-*.parquet"))
+    samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
+
+    def declare(path: Path, size: int, checksum: str | None) -> None:
+        """A record like the one consume_shard writes, for a file of ``size`` bytes and ``checksum``."""
+        record = {"file": path.name, "bytes": size, "into": "an earlier trainer"}
+        record.update({"checksum": checksum} if checksum else {})
+        path.with_name(record_name(path.name)).write_text(json.dumps(record))
+
+    other = bytearray(files[0].read_bytes())  # another file of that name and size: another content
+    other[len(other) // 2] ^= 0xFF
+    declare(files[0], len(other), of_bytes(bytes(other)))  # left beside a file that is still there
+    declare(files[1], files[1].stat().st_size, of_bytes(bytes(other)))  # another file's, and its file then lost
+    files[1].unlink()
+    declare(files[2], files[2].stat().st_size, None)  # by hand: no checksum; its file then lost
+    files[2].unlink()
+    consume_shard(files[3], "trainer run 7")  # the consumer's own declaration
+
+    verify = subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=120)
+    assert verify.returncode == EXIT_VERIFY_FAILED, verify.stdout + verify.stderr
+    for lost in (1, 2):
+        assert f"{files[lost]}: missing: the manifest lists shard {lost} as done here and no consumer declared it" \
+            in verify.stdout, verify.stdout
+
+    rerun = run(config)
+    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert {i: r["attempts"] for i, r in records.items()} == {0: 1, 1: 2, 2: 2, 3: 1, 4: 1}
+    assert (records[3]["location"], records[3]["consumed_into"]) == (CONSUMED, "trainer run 7")
+    assert all(records[i]["location"] == "local" for i in (0, 1, 2, 4))
+    assert not list(out.glob(".shard-*.consumed")), "every record was either recorded or dropped"
+    # the shard whose stale record was dropped: lost now, it is lost (not consumed into nobody)
+    files[0].unlink()
+    assert run(config)["this_run"]["shards_selected"] == 1
+    assert read_manifest(out)["shards"][0]["attempts"] == 2
+    on_disk = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in sorted(out.glob("shard-*.parquet"))}
+    assert on_disk == {name: ids for name, ids in samples.items() if name != files[3].name}  # each sample once
+    assert_run_verifies(out)

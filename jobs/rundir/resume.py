@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
 from storage.checksum import algorithm_of
-from storage.consumed import record_name
+from storage.consumed import mismatch, record_name
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
 
@@ -125,7 +125,8 @@ def check_done_files(
     clean-up removes what is left of it) and is written again; returns those shards.
 
     A file that is gone was consumed only if a consumer declared it (``storage.consumed.consume_shard``): then it
-    is recorded as consumed into what the declaration names, and the declaration removed. Gone without one, it was
+    is recorded as consumed into what the declaration names, and the declaration removed. A declaration that does
+    not name the recorded file's size and checksum (``storage.consumed.mismatch``) is dropped, present file or not. Gone without one, it was
     lost: written again like a damaged one (``shards=[i]`` rewrites a consumed one on request)."""
     records = [
         record for record in manifest.in_state(DONE)
@@ -133,14 +134,22 @@ def check_done_files(
     ]
     algorithms = {record.file: algorithm_of(record.checksum) for record in records} if checksum else {}
     facts = disk.file_facts([record.file for record in records], algorithms)
-    declared = disk.consumed(record.file for record in records if record.file not in facts)
-    damaged = []
+    declared = disk.consumed(record.file for record in records)
+    damaged, served = [], []
     for record in records:
         size, found = facts.get(record.file, (None, ""))
-        if size is None and record.file in declared:
+        declaration = declared.get(record.file)
+        why = mismatch(declaration, record.bytes, record.checksum) if declaration is not None else ""
+        if why:
+            logger.warning("shard %d: %s does not vouch for the file the run recorded (%s): dropped", record.index,
+                           disk.directory / record_name(record.file), why)
+            served.append(record.file)
+            declaration = None
+        if size is None and declaration is not None:
             logger.info("shard %d: %s was consumed into %s (declared by its consumer)", record.index,
-                        disk.directory / record.file, declared[record.file]["into"])
-            manifest.update(record.index, location=CONSUMED, consumed_into=declared[record.file]["into"])
+                        disk.directory / record.file, declaration["into"])
+            manifest.update(record.index, location=CONSUMED, consumed_into=declaration["into"])
+            served.append(record.file)
             continue
         if size is None:
             problem = ("is gone and no consumer declared it consumed (storage.consumed.consume_shard): lost, not "
@@ -155,7 +164,7 @@ def check_done_files(
         logger.warning("shard %d: %s", record.index, message)
         manifest.update(record.index, state=PENDING, error=message)
         damaged.append(record.index)
-    disk.remove(record_name(name) for name in declared)
+    disk.remove(record_name(name) for name in served)  # a declaration beside its file: a consumer is at work
     return damaged
 
 
