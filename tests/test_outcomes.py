@@ -309,3 +309,39 @@ def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, ll
     on_disk = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in sorted(out.glob("shard-*.parquet"))}
     assert on_disk == {name: ids for name, ids in samples.items() if name != files[3].name}  # each sample once
     assert_run_verifies(out)
+
+
+def test_a_checkpoint_replaced_at_the_same_path_is_refused(ray_cluster, demo_dataset, tmp_path):
+    """The manifest records what the checkpoint is (config.json and its weight files), not only where: weights
+    replaced in place (same config, same sizes) are refused before Ray starts, exit 2, saying what changed and what
+    to do, and jobs.verify notes it. A run recorded before the identity was resumes, and records it."""
+    model = build_tiny_model(tmp_path / "model", arch="llama", dtype="float32", seed=1)
+    out = tmp_path / "out"
+    args = base_args(model, demo_dataset, out)
+    assert run(load_config(args))["shards_done"] == 3
+    snapshot = json.loads((out / MANIFEST_FILE).read_text())
+    identity = snapshot["content"].pop("model.checkpoint")  # as a run recorded before the identity wrote it
+    assert identity.startswith("blake2b:")
+    (out / MANIFEST_FILE).write_text(json.dumps(snapshot))
+    assert run(load_config(args))["outcome"] == "nothing_to_do"
+    assert read_manifest(out)["content"]["model.checkpoint"] == identity, "recorded by the resume"
+
+    sizes = {path.name: path.stat().st_size for path in model.iterdir()}
+    build_tiny_model(model, arch="llama", dtype="float32", seed=2)  # other weights, same path, config and sizes
+    assert {path.name: path.stat().st_size for path in model.iterdir()} == sizes
+    (out / "shard-00001.parquet").unlink()  # a rerun would write it again: with the other weights
+    result = extract(*args)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"model.path={model}: the checkpoint there is not the one the run in" in errors[0] \
+        and "Point model.path at the checkpoint the run was extracted with" in errors[0], result.stderr[-3000:]
+    assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+    assert not (out / "shard-00001.parquet").exists() and read_manifest(out)["shards"][1]["attempts"] == 1
+    verify = subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=120)
+    assert f"note: the checkpoint at model.path={model} is not the one this run was extracted with" in verify.stdout, \
+        verify.stdout
+
+    build_tiny_model(model, arch="llama", dtype="float32", seed=1)  # the run's own checkpoint back: it resumes
+    assert run(load_config(args))["this_run"]["shards_done"] == 1
+    assert_every_sample_once(out, demo_dataset)

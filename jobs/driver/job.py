@@ -45,7 +45,7 @@ from jobs.errors import (
 )
 from jobs.interrupts import held
 from jobs.planning.capture import check_capture
-from jobs.planning.content import resumed_device
+from jobs.planning.content import RECORDED_SINCE, resumed_device
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
@@ -154,7 +154,7 @@ def _extract(
             ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
             config.output.node_dir,
         )
-        manifest = Manifest.open(output_dir, inputs.content(device), ranges)
+        manifest = Manifest.open(output_dir, inputs.content(device), ranges, RECORDED_SINCE)
         try:
             final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
         finally:
@@ -341,4 +341,4 @@ def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> 
     if not (inputs.output_dir / MANIFEST_FILE).exists():
         return None
     device = resumed_device(inputs.config.model.device, read_manifest(inputs.output_dir)["content"])
-    return Manifest.open(inputs.output_dir, inputs.content(device), plan)
+    return Manifest.open(inputs.output_dir, inputs.content(device), plan, RECORDED_SINCE)
