@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+IDENTITY_HEAD_BYTES = 1 << 20
+"""Read whole from the start of every weight file (a safetensors header, if longer, whole too)."""
+IDENTITY_BLOCKS = 32
+IDENTITY_BLOCK_BYTES = 64 * 1024
+"""Blocks read from the rest of every weight file, evenly spread: 2 MiB per file whatever its size."""
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``: what model.path is when no such directory exists (as SGLang and transformers read it)."""
 
@@ -45,15 +52,45 @@ def local_checkpoint(model_path: str) -> str:
 
 
 def read_config(model_path: str) -> dict[str, Any]:
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
-    return json.loads(config_file.read_text())
+    return json.loads(read_config_bytes(model_path))
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: multimodal checkpoints (Kimi-K2.5) nest it under ``text_config``."""
     return config.get("text_config", config)
+
+
+def checkpoint_identity(model_path: str) -> str:
+    """What the checkpoint at ``model_path`` is, not where it is: a digest of its config.json and, per weight file
+    (by name), its size, its first MiB (a safetensors header whole: every tensor's name, dtype, shape and offset)
+    and 32 blocks of 64 KiB spread over the rest. Weights replaced in place get another identity (new weights
+    differ all through a file) for ~2 MiB read per file, not the weights (600 GB); a copy of the same checkpoint
+    elsewhere keeps it. ``<digest> (<n> weight files, <bytes> B)``."""
+    directory = Path(model_path)
+    digest = hashlib.blake2b(read_config_bytes(model_path), digest_size=16)
+    files = sorted({path for pattern in WEIGHT_FILES for path in directory.glob(pattern) if path.is_file()})
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"\0{path.name}\0{size}\0".encode())
+        with open(path, "rb") as weights:
+            head = weights.read(IDENTITY_HEAD_BYTES)
+            if path.suffix == ".safetensors" and len(head) >= 8:
+                head += weights.read(max(0, 8 + int.from_bytes(head[:8], "little") - len(head)))
+            digest.update(head)
+            rest = size - len(head)
+            for block in range(IDENTITY_BLOCKS if rest > 0 else 0):
+                weights.seek(len(head) + max(0, rest - IDENTITY_BLOCK_BYTES) * block // (IDENTITY_BLOCKS - 1))
+                digest.update(weights.read(IDENTITY_BLOCK_BYTES))
+    return f"blake2b:{digest.hexdigest()} ({len(files)} weight files, {total} B)"
+
+
+def read_config_bytes(model_path: str) -> bytes:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.path={model_path}: no config.json there; point it at a local HF checkpoint")
+    return config_file.read_bytes()
 
 
 def read_checkpoint_info(model_path: str) -> CheckpointInfo:

@@ -21,7 +21,7 @@ from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
 from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED, ConfigError
-from jobs.planning.content import expected_metadata
+from jobs.planning.content import checkpoint_notes, expected_metadata
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
 from storage.verify import Problem, VerifyReport, verify_run
@@ -59,7 +59,7 @@ def verify(
     report = verify_run(
         output_dir, deep=deep, storage_options=sink_options, invalid_sample_ids=invalid,
         node_directories=_node_directories(output_dir), export_options=dest_options,
-        expected_metadata=expected_metadata,
+        expected_metadata=expected_metadata, content_notes=checkpoint_notes,
     )
     owner = read_owner(output_dir)
     if owner is not None and owner.is_alive() is not False:

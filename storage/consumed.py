@@ -2,7 +2,8 @@
 
 A trainer may take committed shard files out of a run's directory while the run goes on (how a run
 larger than its disk budget gets written) or after it: ``consume_shard(path, into)`` durably writes
-a small record beside the file (``.shard-00007.parquet.consumed``), then deletes the file. Only the
+a small record beside the file (``.shard-00007.parquet.consumed``: the file's size and checksum, and
+``into``), then deletes the file. A record vouches only for the file it names (``mismatch``). Only the
 job writes the manifest: its rescan (or a rerun's start-up) finds the file gone and the record there,
 records the shard as consumed into ``into`` and removes the record. A done shard's file gone without
 a record was lost, not consumed: it is extracted again. docs/operations.md has the user's side.
@@ -18,6 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import storage.checksum as checksum
 from storage.atomic import fsync_path, replace_atomically
 
 CONSUMED_SUFFIX = ".consumed"
@@ -61,7 +63,7 @@ def consume_shard(path: str | os.PathLike, into: str) -> None:
             return  # declared and deleted by an earlier call
         raise
     replace_atomically(record, json.dumps({
-        "file": path.name, "bytes": size, "into": into, "host": socket.gethostname(), "pid": os.getpid(),
+        "file": path.name, "bytes": size, "checksum": checksum.of_file(path, checksum.DEFAULT_ALGORITHM), "into": into, "host": socket.gethostname(), "pid": os.getpid(),
         "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }) + "\n", temp_suffix=".tmp")
     path.unlink()
@@ -89,6 +91,24 @@ def read_record(path: Path) -> Optional[dict[str, Any]]:
             or not isinstance(record.get("into"), str) or not record["into"]:
         return None
     return record
+
+
+def mismatch(declaration: dict[str, Any], size: int, file_checksum: str) -> str:
+    """Why ``declaration`` does not vouch for the file a run recorded (``size`` bytes, checksum ``file_checksum``),
+    or "" when it does. A declaration is trusted only for the file its consumer took: one left from another file of
+    that name, or written by hand, must not turn a lost file into a consumed one (its samples would be in nobody's
+    hands)."""
+    if declaration.get("bytes") != size:
+        return f"it declares a file of {declaration.get('bytes')} bytes, the run recorded {size}"
+    declared = declaration.get("checksum")
+    try:
+        algorithm = checksum.algorithm_of(declared if isinstance(declared, str) else "")
+    except ValueError:
+        return "it names no checksum (storage.consumed.consume_shard writes one)"
+    # A run written with another algorithm (output.checksum) is compared by size alone.
+    if file_checksum and checksum.algorithm_of(file_checksum) == algorithm and declared != file_checksum:
+        return "its checksum is not the one the run recorded"
+    return ""
 
 
 def read_records(directory: Path, file_names: Iterable[str]) -> dict[str, dict[str, Any]]:

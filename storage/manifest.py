@@ -15,7 +15,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Collection, Iterable, Optional
 
 from storage.atomic import replace_atomically
 
@@ -93,10 +93,14 @@ class Manifest:
         self._torn = False
 
     @classmethod
-    def open(cls, output_dir: Path, content: dict[str, Any], plan: Iterable[tuple[int, int, int]]) -> "Manifest":
+    def open(
+        cls, output_dir: Path, content: dict[str, Any], plan: Iterable[tuple[int, int, int]],
+        recorded_since: Collection[str] = (),
+    ) -> "Manifest":
         """Load the run's manifest, or start one for ``plan`` ((index, start, stop) per shard).
 
-        Raises ValueError if a manifest exists for different content.
+        Raises ValueError if a manifest exists for different content (a key of ``recorded_since`` a manifest
+        written before it lacks is not a difference: it is recorded now).
         """
         path = Path(output_dir) / MANIFEST_FILE
         if not path.exists():
@@ -105,7 +109,7 @@ class Manifest:
             manifest.save()
             return manifest
         stored = _load(path)
-        differing = content_differences(stored["content"], content)
+        differing = content_differences(stored["content"], content, recorded_since)
         if differing:
             raise ValueError(
                 f"{path} belongs to a run with different content ({differing}). Resume with the same settings, or "
@@ -194,10 +198,14 @@ class Manifest:
             self._journal = None
 
 
-def content_differences(stored: dict[str, Any], content: dict[str, Any]) -> str:
+def content_differences(
+    stored: dict[str, Any], content: dict[str, Any], recorded_since: Collection[str] = (),
+) -> str:
     """``key: was X, now Y`` for each key in which a manifest's ``stored`` content and a run's ``content`` differ,
-    joined by ``; ``; empty when they are the same run's."""
-    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key))
+    joined by ``; ``; empty when they are the same run's. A key of ``recorded_since`` that ``stored`` lacks (written
+    before runs recorded it) does not differ."""
+    differing = sorted(key for key in set(stored) | set(content) if stored.get(key) != content.get(key)
+                       and not (key in recorded_since and key not in stored))
     return "; ".join(f"{key}: was {stored.get(key)!r}, now {content.get(key)!r}" for key in differing)
 
 

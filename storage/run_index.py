@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 import storage.schema as schema
-from storage.consumed import read_record, record_name
+from storage.consumed import mismatch, read_record, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.schema import ShardMetadata, metadata_from_schema
 from storage.writer import SHARD_GLOB
@@ -114,7 +114,7 @@ def manifest_shards(output_dir: Path) -> tuple[list[tuple[dict[str, Any], str]],
                 readable.append((record, str(path)))
                 continue
             declared = read_record(output_dir / record_name(record["file"]))
-            if declared is None:
+            if declared is None or mismatch(declared, record["bytes"], record["checksum"]):
                 node = f" (written on node {record['node']})" if record.get("node") else ""
                 raise ValueError(
                     f"{path}: shard {record['index']} is done in {output_dir / MANIFEST_FILE} but its file is not "

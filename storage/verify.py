@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 import storage.checksum as checksum
 import storage.schema as schema
-from storage.consumed import read_record, record_name
+from storage.consumed import mismatch, read_record, record_name
 from storage.exported import check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
@@ -99,6 +99,7 @@ def verify_run(
     invalid_sample_ids: Collection[int] = (), node_directories: Mapping[str, Path] | None = None,
     export_options: Mapping[str, Any] | None = None,
     expected_metadata: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    content_notes: Callable[[Mapping[str, Any]], list[str]] | None = None,
 ) -> VerifyReport:
     """Check every done shard of the run in ``output_dir``; raises ValueError when there is no manifest.
 
@@ -107,7 +108,8 @@ def verify_run(
     directory) say where the shards a record places on a node are, when the run had several nodes;
     ``export_options`` open the files of exports that consumed shards (``jobs.export``'s ``dest_options``);
     ``expected_metadata`` reads from the manifest's ``content`` (whose keys are the job's) what every file
-    must record: ShardMetadata field -> value.
+    must record: ShardMetadata field -> value; ``content_notes`` what it says about the run's inputs as they are
+    now (the checkpoint replaced since).
     """
     node_directories = dict(node_directories or {})
     output_dir = Path(output_dir)
@@ -146,6 +148,7 @@ def verify_run(
         report.problems += check.problems
         report.notes += [check.note] if check.note else []
     required = dict(expected_metadata(manifest["content"])) if expected_metadata else {}
+    report.notes += content_notes(manifest["content"]) if content_notes else []
     report.problems += _disagreements(checks, required)
     for directory in {output_dir, *node_directories.values()}:
         report.problems += _stray_files(directory, [r for r in records if _home(r, node_directories, output_dir) == directory])
@@ -245,6 +248,8 @@ def _check_shard(
             size = fs.info(path)["size"]
         except FileNotFoundError:
             declared = read_record(Path(url).with_name(record_name(record["file"])))
+            if declared is not None and mismatch(declared, record["bytes"], record["checksum"]):
+                declared = None  # not the recorded file's: the next run drops it, and extracts the shard again
             if record["location"] == SINK:
                 check.problem(f"missing: the manifest lists shard {check.index} as done in the sink", check.rerun)
             elif declared is not None:

@@ -45,7 +45,7 @@ from jobs.errors import (
 )
 from jobs.interrupts import signals_deferred
 from jobs.planning.capture import check_capture
-from jobs.planning.content import resumed_device
+from jobs.planning.content import RECORDED_SINCE, resumed_device
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
@@ -56,6 +56,7 @@ from jobs.rundir.resume import (
     claim_directory,
     clean_output_dir,
     refuse_foreign_output,
+    relabel_moved_files,
     select_planned,
     select_shards,
 )
@@ -84,7 +85,7 @@ def run(config: JobConfig) -> dict:
     check_resumable(inputs)
     if config.model.engine == "sglang":
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
-    check_sink(config.output.sink, config.output.sink_options)
+    check_sink(config.output.sink, config.output.sink_options, inputs.output_dir, config.output.node_dir)
     try:
         with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
             refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
@@ -153,7 +154,7 @@ def _extract(
             ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
             config.output.node_dir,
         )
-        manifest = Manifest.open(output_dir, inputs.content(device), ranges)
+        manifest = Manifest.open(output_dir, inputs.content(device), ranges, RECORDED_SINCE)
         try:
             final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
         finally:
@@ -235,10 +236,11 @@ def _prepare_directories(
 ) -> list[ShardRecord]:
     """Claim every directory of the run, check the done files there, then clean them; the shards to write.
 
-    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched.
+    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched. Done
+    files recorded on a node label no node goes by now are recorded where they are before the clean-up.
     """
-    for group in groups:
-        claim_directory(group.disk(), manifest, group.name, group.directory == output_dir)
+    claimed = [claim_directory(group.disk(), manifest, group.name, group.directory == output_dir) for group in groups]
+    relabel_moved_files(manifest, claimed)
     for group in groups:
         if not (group.directory == output_dir and group.name == checked_node):
             check_done_files(group.disk(), manifest, group.name, group.directory == output_dir,
@@ -339,4 +341,4 @@ def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> 
     if not (inputs.output_dir / MANIFEST_FILE).exists():
         return None
     device = resumed_device(inputs.config.model.device, read_manifest(inputs.output_dir)["content"])
-    return Manifest.open(inputs.output_dir, inputs.content(device), plan)
+    return Manifest.open(inputs.output_dir, inputs.content(device), plan, RECORDED_SINCE)

@@ -18,6 +18,7 @@ import time
 from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
+from storage.consumed import mismatch, record_name
 from storage.manifest import CONSUMED, DONE, LOCAL, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,11 @@ class Rescanner:
             self._uploads.gone(record.index)
             where = lane.budget.output_dir / record.file
             declaration = declared.get(record.file)
+            why = mismatch(declaration, record.bytes, record.checksum) if declaration is not None else ""
+            if why:
+                logger.warning("shard %d: the declaration %s does not vouch for the file the run recorded (%s): "
+                               "dropped", record.index, where.with_name(record_name(record.file)), why)
+                declaration = None
             if declaration is None:
                 reason = (f"{where} is gone and no consumer declared it consumed (storage.consumed.consume_shard): "
                           "lost, not consumed; the shard is extracted again")

@@ -5,16 +5,29 @@ file must record; light to import (``jobs.verify`` imports no Ray).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
+
+from extractor.checkpoint import checkpoint_identity
 
 from jobs.config import JobConfig
 from storage.schema import stored_dtype
 
 
-def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
+CHECKPOINT = "model.checkpoint"
+"""The checkpoint's identity (``extractor.checkpoint.checkpoint_identity``): model.path names where it is, not
+what it is."""
+RECORDED_SINCE = (CHECKPOINT,)
+"""Keys a run recorded before them lacks: it resumes, and records them then."""
+
+
+def run_content(
+    config: JobConfig, spec_fields: dict[str, Any], data_fingerprint: str, checkpoint_id: str,
+) -> dict[str, Any]:
     """Everything that changes what the shard files contain: a resume must match it exactly."""
     return {
         "model.path": spec_fields["model_path"],
+        CHECKPOINT: checkpoint_id,
         "model.dtype": spec_fields["dtype"],
         "model.tp_size": spec_fields["tp_size"],
         "model.device": spec_fields["device"],
@@ -29,6 +42,21 @@ def run_content(config: JobConfig, spec_fields: dict[str, Any], data_fingerprint
         # Only with serving settings that reach the forward: runs without them keep the content they had.
         **({"model.serving": spec_fields["server_args"]} if spec_fields["server_args"] else {}),
     }
+
+
+def checkpoint_notes(content: Mapping[str, Any]) -> list[str]:
+    """What ``jobs.verify`` says of the checkpoint a run recorded: a line when the one at its model.path is another
+    now (a rerun there is refused; the files stay whole and of the recorded one); nothing when it is the same, or
+    cannot be looked at from here."""
+    path = recorded_model_path(content)
+    if CHECKPOINT not in content or not (Path(path) / "config.json").is_file():
+        return []
+    now = checkpoint_identity(path)
+    if now == content[CHECKPOINT]:
+        return []
+    return [f"the checkpoint at model.path={path} is not the one this run was extracted with (recorded "
+            f"{content[CHECKPOINT]}, now {now}): the shards are of the recorded one, and a rerun into this output.dir "
+            "is refused until model.path points at it again"]
 
 
 def resumed_device(requested: str, recorded: Mapping[str, Any]) -> str:

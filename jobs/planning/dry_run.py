@@ -117,7 +117,7 @@ def dry_run(config: JobConfig) -> DryRun:
     check_output_dir(inputs.output_dir, config.data.path, create=False)
     check_resumable(inputs)
     layers = _layers(inputs)
-    check_sink(config.output.sink, config.output.sink_options)
+    check_sink(config.output.sink, config.output.sink_options, inputs.output_dir, config.output.node_dir)
     OutputLock(inputs.output_dir).check_free()
     manifest = _stored_manifest(inputs)
     plan = plan_shards(

@@ -11,7 +11,14 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from extractor.checkpoint import CheckpointInfo, local_checkpoint, read_checkpoint_info, read_config, text_config
+from extractor.checkpoint import (
+    CheckpointInfo,
+    checkpoint_identity,
+    local_checkpoint,
+    read_checkpoint_info,
+    read_config,
+    text_config,
+)
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.serving import ServingSettings, effective_model, parse_serving
 from jobs.cluster.node_disk import read_claim
@@ -19,7 +26,7 @@ from jobs.cluster.session import inside_ray_job
 from jobs.config import JobConfig, resolve_paths
 from jobs.errors import ConfigError
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
-from jobs.planning.content import resumed_device, run_content
+from jobs.planning.content import CHECKPOINT, RECORDED_SINCE, resumed_device, run_content
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
 from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
@@ -39,12 +46,14 @@ class RunInputs:
     output_dir: Path
     serving: Optional[ServingSettings] = None
     """``model.serving`` as the installed SGLang parsed it (its values are already in ``config.model``)."""
+    checkpoint_id: str = ""
+    """What the checkpoint at model.path is (``extractor.checkpoint.checkpoint_identity``)."""
 
     def content(self, device: str) -> dict[str, Any]:
         spec = build_engine_spec(
             self.config.model, self.config.extract, self.layer_ids, device, 0, self.config.output.state_dtype
         )
-        return run_content(self.config, dataclasses.asdict(spec), self.fingerprint)
+        return run_content(self.config, dataclasses.asdict(spec), self.fingerprint, self.checkpoint_id)
 
 
 def read_inputs(config: JobConfig) -> RunInputs:
@@ -70,7 +79,8 @@ def read_inputs(config: JobConfig) -> RunInputs:
     dataset = open_tokenized_dataset(
         config.data.path, checkpoint.vocab_size, max_length, config.data.on_invalid, config.data.storage_options
     )
-    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir), serving)
+    return RunInputs(config, checkpoint, layer_ids, dataset, dataset.fingerprint, Path(config.output.dir), serving,
+                     checkpoint_identity(config.model.path))
 
 
 def check_resumable(inputs: RunInputs) -> None:
@@ -90,7 +100,14 @@ def check_resumable(inputs: RunInputs) -> None:
         return
     stored = read_manifest(inputs.output_dir)["content"]
     content = inputs.content(resumed_device(inputs.config.model.device, stored))
-    differing = content_differences(stored, content)
+    if CHECKPOINT in stored and stored[CHECKPOINT] != content[CHECKPOINT]:
+        raise ConfigError(
+            f"model.path={inputs.config.model.path}: the checkpoint there is not the one the run in "
+            f"output.dir={inputs.output_dir} was extracted with (its config.json or weight files changed: recorded "
+            f"{stored[CHECKPOINT]}, now {content[CHECKPOINT]}); resuming would mix two models' states in one run. "
+            "Point model.path at the checkpoint the run was extracted with, or write to a new output.dir"
+        )
+    differing = content_differences(stored, content, RECORDED_SINCE)
     if differing:
         raise ConfigError(
             f"output.dir={inputs.output_dir} holds a run with different content ({differing}). Resume with the "

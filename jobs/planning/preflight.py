@@ -19,6 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
 from common.checks import format_bytes
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
@@ -171,6 +174,31 @@ def check_output_dir(output_dir: Path, data_path: str, create: bool = True) -> N
         raise _unwritable(output_dir, error) from None
 
 
+def refuse_sink_in_output(sink: str, options: dict[str, Any], output_dir: Path, node_dir: str = "") -> None:
+    """ConfigError when a local output.sink is output.dir (through a link too), inside it, or a node's
+    output.node_dir: each upload would copy a shard onto itself (or into the directory the run reads as its own)
+    and then delete the local file, its only copy."""
+    fs, remote = fsspec.core.url_to_fs(sink, **options)
+    if not isinstance(fs, LocalFileSystem):
+        return
+    target = Path(remote).resolve()
+    output = Path(output_dir).resolve()
+    if target == output or output in target.parents:
+        where = "is output.dir" if target == output else "is inside output.dir"
+        raise ConfigError(
+            f"output.sink={sink} {where}={output_dir}: each upload would land where the run keeps its shards and "
+            "then delete the local file. Name a sink outside output.dir (or drop output.sink to keep the shards "
+            "in output.dir)"
+        )
+    from jobs.cluster.nodes import NODE_PLACEHOLDER  # here: the dry run and the checks before it run without Ray
+
+    if node_dir and fnmatch.fnmatchcase(str(target), str(Path(node_dir.replace(NODE_PLACEHOLDER, "*")).resolve())):
+        raise ConfigError(
+            f"output.sink={sink} is a node's directory (output.node_dir={node_dir}): each upload would land where "
+            "that node keeps its shards and then delete the local file. Name a sink outside the node directories"
+        )
+
+
 def refuse_output_in_input(output_dir: Path, data_path: str) -> None:
     """ConfigError when the shard files in ``output_dir`` would be input of a run reading ``data_path``:
     output.dir inside the data.path directory, the directory that holds the data.path file (a glob over
@@ -209,10 +237,12 @@ def _unwritable(output_dir: Path, error: OSError) -> ConfigError:
     )
 
 
-def check_sink(sink: str, options: dict[str, Any]) -> None:
-    """output.sink takes a file, gives it back and deletes it, within SINK_PROBE_TIMEOUT_S."""
+def check_sink(sink: str, options: dict[str, Any], output_dir: Path, node_dir: str = "") -> None:
+    """output.sink is not where the run keeps its shards (``refuse_sink_in_output``), and takes a file, gives it
+    back and deletes it, within SINK_PROBE_TIMEOUT_S."""
     if not sink:
         return
+    refuse_sink_in_output(sink, options, output_dir, node_dir)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         pool.submit(probe_sink, sink, options).result(timeout=SINK_PROBE_TIMEOUT_S)

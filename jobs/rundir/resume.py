@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.config import SELECT_FAILED, SELECT_PENDING
 from storage import shard_file_name
 from storage.checksum import algorithm_of
-from storage.consumed import record_name
+from storage.consumed import mismatch, record_name
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, PENDING, Manifest, ShardRecord
 from storage.writer import SHARD_GLOB
 
@@ -49,7 +50,17 @@ def check_selection(selection: Any, shard_count: int) -> None:
         raise ValueError(f"shards={selection}: the plan has shards 0..{shard_count - 1}, not {unknown}")
 
 
-def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class ClaimedDirectory:
+    """A directory this run writes to, claimed: the node label it goes by now, and every label the run's records of
+    files there may carry (a node's address or label may change; its directory's claim is what stays)."""
+
+    disk: LocalDisk
+    node: str
+    labels: tuple[str, ...]
+
+
+def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> ClaimedDirectory:
     """Make one node's directory this run's before anything in it is removed; ValueError if it is
     another run's (its claim), or unclaimed but holding shard files (they are not this run's).
 
@@ -60,8 +71,8 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
         "run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname(), "node": node,
     }
     refusal = disk.claim(owner, adopt_files=is_output_dir)
-    if refusal is None:
-        return
+    if "labels" in refusal:
+        return ClaimedDirectory(disk, node, tuple(refusal["labels"]))
     where = f"{disk.directory} (on node {node})" if node else str(disk.directory)
     if "owner" in refusal:
         holder = refusal["owner"]
@@ -75,6 +86,37 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
     )
 
 
+def relabel_moved_files(manifest: Manifest, directories: list[ClaimedDirectory]) -> None:
+    """Done shards recorded on a node label no node of this run goes by now (a head restarted on another address,
+    a cluster created again, a node replaced by one with the same disk) are recorded on the node whose directory
+    holds their file: the one whose claim lists the old label, or, for a label no claim lists, one where the file is
+    of its recorded size. The records change, never the files; ``check_done_files`` then checks them there (a
+    damaged or lost one is written again). A record none of these directories holds is left as it is: its node
+    may come back.
+    """
+    directories = list({(d.node, str(d.disk.directory)): d for d in directories}.values())  # groups share them
+    live = {directory.node for directory in directories}
+    stale = [record for record in manifest.in_state(DONE)
+             if record.location == LOCAL and record.node and record.node not in live]
+    if not stale:
+        return
+    sizes = {id(directory): directory.disk.file_facts([record.file for record in stale], {})
+             for directory in directories}
+    moved: dict[tuple[str, str], list[int]] = {}
+    for record in stale:
+        claimed = [directory for directory in directories if record.node in directory.labels]
+        others = [directory for directory in directories if record.node not in directory.labels]
+        whole = [directory for directory in claimed + others
+                 if sizes[id(directory)].get(record.file, (None, ""))[0] == record.bytes]
+        home = (whole or claimed or [None])[0]
+        if home is not None:
+            moved.setdefault((record.node, home.node), []).append(record.index)
+            manifest.update(record.index, node=home.node)
+    for (old, new), indices in sorted(moved.items()):
+        logger.info("%d done shards recorded on node %s are on node %s now (its directory holds them): "
+                    "recorded there, no file touched", len(indices), old, new)
+
+
 def check_done_files(
     disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
 ) -> list[int]:
@@ -83,7 +125,8 @@ def check_done_files(
     clean-up removes what is left of it) and is written again; returns those shards.
 
     A file that is gone was consumed only if a consumer declared it (``storage.consumed.consume_shard``): then it
-    is recorded as consumed into what the declaration names, and the declaration removed. Gone without one, it was
+    is recorded as consumed into what the declaration names, and the declaration removed. A declaration that does
+    not name the recorded file's size and checksum (``storage.consumed.mismatch``) is dropped, present file or not. Gone without one, it was
     lost: written again like a damaged one (``shards=[i]`` rewrites a consumed one on request)."""
     records = [
         record for record in manifest.in_state(DONE)
@@ -91,14 +134,22 @@ def check_done_files(
     ]
     algorithms = {record.file: algorithm_of(record.checksum) for record in records} if checksum else {}
     facts = disk.file_facts([record.file for record in records], algorithms)
-    declared = disk.consumed(record.file for record in records if record.file not in facts)
-    damaged = []
+    declared = disk.consumed(record.file for record in records)
+    damaged, served = [], []
     for record in records:
         size, found = facts.get(record.file, (None, ""))
-        if size is None and record.file in declared:
+        declaration = declared.get(record.file)
+        why = mismatch(declaration, record.bytes, record.checksum) if declaration is not None else ""
+        if why:
+            logger.warning("shard %d: %s does not vouch for the file the run recorded (%s): dropped", record.index,
+                           disk.directory / record_name(record.file), why)
+            served.append(record.file)
+            declaration = None
+        if size is None and declaration is not None:
             logger.info("shard %d: %s was consumed into %s (declared by its consumer)", record.index,
-                        disk.directory / record.file, declared[record.file]["into"])
-            manifest.update(record.index, location=CONSUMED, consumed_into=declared[record.file]["into"])
+                        disk.directory / record.file, declaration["into"])
+            manifest.update(record.index, location=CONSUMED, consumed_into=declaration["into"])
+            served.append(record.file)
             continue
         if size is None:
             problem = ("is gone and no consumer declared it consumed (storage.consumed.consume_shard): lost, not "
@@ -113,7 +164,7 @@ def check_done_files(
         logger.warning("shard %d: %s", record.index, message)
         manifest.update(record.index, state=PENDING, error=message)
         damaged.append(record.index)
-    disk.remove(record_name(name) for name in declared)
+    disk.remove(record_name(name) for name in served)  # a declaration beside its file: a consumer is at work
     return damaged
 
 

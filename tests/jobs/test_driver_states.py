@@ -11,7 +11,6 @@ directory hold: every shard done exactly once, or the run stopped, naming why.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,7 +36,7 @@ from jobs.driver.work import PendingWork
 from jobs.errors import BudgetExhausted, JobFault
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.planning.shards import plan_shards
-from storage import ShardFileInfo, shard_file_name
+from storage import ShardFileInfo, checksum, shard_file_name
 from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest
 
@@ -152,7 +151,7 @@ class FakeWriter:
         data = bytes(tokens * BYTES_PER_TOKEN)
         path.write_bytes(data)
         self.world.published.append(shard)
-        return ShardFileInfo(str(path), tokens // TOKENS, tokens, len(data), "xxh3_128:" + hashlib.md5(data).hexdigest())
+        return ShardFileInfo(str(path), tokens // TOKENS, tokens, len(data), checksum.of_bytes(data))
 
     def _discard(self, shard: int) -> None:
         self._check_alive()

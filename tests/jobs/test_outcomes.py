@@ -20,15 +20,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jobs.config import load_config
 from jobs.driver.job import run
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE, EXIT_VERIFY_FAILED
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model
 from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
+from storage import ShardReader
+from storage.checksum import of_bytes
+from storage.consumed import consume_shard, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once, job_config, python_env
+from tests.helpers import assert_every_sample_once, assert_run_verifies, job_config, python_env
 
 RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
 
@@ -152,8 +156,6 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
         in verify.stdout, verify.stdout
     assert "rerun the job's command with shards=[0,1,2]" in verify.stdout, verify.stdout
 
-    from storage.consumed import consume_shard
-
     consume_shard(files[3], "trainer run 7")  # declared, then deleted
     rerun = run(config)  # sizes only (the default): shards 0 and 1 again; shard 3 consumed, as its trainer said
     assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
@@ -229,3 +231,117 @@ def test_every_done_shard_of_a_run_that_exits_0_is_there_once(ray_cluster, llama
     assert sorted(p.name for p in (tmp_path / "out").glob("shard-*.parquet")) == sorted(r["file"] for r in records)
     assert json.loads((tmp_path / "out" / ".summary.json").read_text())["outcome"] == "complete"
     assert_every_sample_once(tmp_path / "out", demo_dataset)
+
+
+def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """output.sink at output.dir (by name, through a link, or inside it) or at a node's output.node_dir: every
+    upload would copy a shard onto itself (or into the run's own directory), then delete the local file.
+    Refused before Ray starts, exit 2, and the done files of the run already there untouched."""
+    out = tmp_path / "out"
+    args = base_args(llama_fp32, demo_dataset, out)
+    run(load_config(args))
+    before = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
+    assert len(before) == 3
+    (tmp_path / "link").symlink_to(out)
+    cases = [
+        ([f"output.sink=file://{out}"], f"output.sink=file://{out} is output.dir={out}"),
+        ([f"output.sink={out}/"], "is output.dir="),
+        ([f"output.sink=file://{tmp_path}/link"], f"output.sink=file://{tmp_path}/link is output.dir="),
+        ([f"output.sink=file://{out}/uploads"], "is inside output.dir="),
+        ([f"output.sink=file://{tmp_path}/nodes/gpu-3", f"output.node_dir={tmp_path}/nodes/{{node}}"],
+         "is a node's directory (output.node_dir="),
+    ]
+    for extra, key in cases:
+        result = extract(*args, *extra)
+        assert result.returncode == EXIT_BAD_INPUT, (extra, result.stderr[-3000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and key in errors[0], (extra, result.stderr[-3000:])
+        assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+        assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == before
+    assert not (out / "uploads").exists() and not (out / LOCK_FILE).exists()
+    assert_every_sample_once(out, demo_dataset)
+
+
+def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """A ``.shard-N.parquet.consumed`` record is trusted only when it names the size and checksum the run recorded
+    for that file: one left beside a file of another content (or written by hand) is dropped with a warning, at the
+    next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
+    jobs.verify calls such a file missing. A consumer's own declaration still counts."""
+    out = tmp_path / "out"
+    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0")
+    assert run(config)["shards_done"] == 5
+    files = sorted(out.glob("shard-*.parquet"))
+    samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
+
+    def declare(path: Path, size: int, checksum: str | None) -> None:
+        """A record like the one consume_shard writes, for a file of ``size`` bytes and ``checksum``."""
+        record = {"file": path.name, "bytes": size, "into": "an earlier trainer"}
+        record.update({"checksum": checksum} if checksum else {})
+        path.with_name(record_name(path.name)).write_text(json.dumps(record))
+
+    other = bytearray(files[0].read_bytes())  # another file of that name and size: another content
+    other[len(other) // 2] ^= 0xFF
+    declare(files[0], len(other), of_bytes(bytes(other)))  # left beside a file that is still there
+    declare(files[1], files[1].stat().st_size, of_bytes(bytes(other)))  # another file's, and its file then lost
+    files[1].unlink()
+    declare(files[2], files[2].stat().st_size, None)  # by hand: no checksum; its file then lost
+    files[2].unlink()
+    consume_shard(files[3], "trainer run 7")  # the consumer's own declaration
+
+    verify = subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=120)
+    assert verify.returncode == EXIT_VERIFY_FAILED, verify.stdout + verify.stderr
+    for lost in (1, 2):
+        assert f"{files[lost]}: missing: the manifest lists shard {lost} as done here and no consumer declared it" \
+            in verify.stdout, verify.stdout
+
+    rerun = run(config)
+    assert rerun["outcome"] == "complete" and rerun["this_run"]["shards_selected"] == 2
+    records = {r["index"]: r for r in read_manifest(out)["shards"]}
+    assert {i: r["attempts"] for i, r in records.items()} == {0: 1, 1: 2, 2: 2, 3: 1, 4: 1}
+    assert (records[3]["location"], records[3]["consumed_into"]) == (CONSUMED, "trainer run 7")
+    assert all(records[i]["location"] == "local" for i in (0, 1, 2, 4))
+    assert not list(out.glob(".shard-*.consumed")), "every record was either recorded or dropped"
+    # the shard whose stale record was dropped: lost now, it is lost (not consumed into nobody)
+    files[0].unlink()
+    assert run(config)["this_run"]["shards_selected"] == 1
+    assert read_manifest(out)["shards"][0]["attempts"] == 2
+    on_disk = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in sorted(out.glob("shard-*.parquet"))}
+    assert on_disk == {name: ids for name, ids in samples.items() if name != files[3].name}  # each sample once
+    assert_run_verifies(out)
+
+
+def test_a_checkpoint_replaced_at_the_same_path_is_refused(ray_cluster, demo_dataset, tmp_path):
+    """The manifest records what the checkpoint is (config.json and its weight files), not only where: weights
+    replaced in place (same config, same sizes) are refused before Ray starts, exit 2, saying what changed and what
+    to do, and jobs.verify notes it. A run recorded before the identity was resumes, and records it."""
+    model = build_tiny_model(tmp_path / "model", arch="llama", dtype="float32", seed=1)
+    out = tmp_path / "out"
+    args = base_args(model, demo_dataset, out)
+    assert run(load_config(args))["shards_done"] == 3
+    snapshot = json.loads((out / MANIFEST_FILE).read_text())
+    identity = snapshot["content"].pop("model.checkpoint")  # as a run recorded before the identity wrote it
+    assert identity.startswith("blake2b:")
+    (out / MANIFEST_FILE).write_text(json.dumps(snapshot))
+    assert run(load_config(args))["outcome"] == "nothing_to_do"
+    assert read_manifest(out)["content"]["model.checkpoint"] == identity, "recorded by the resume"
+
+    sizes = {path.name: path.stat().st_size for path in model.iterdir()}
+    build_tiny_model(model, arch="llama", dtype="float32", seed=2)  # other weights, same path, config and sizes
+    assert {path.name: path.stat().st_size for path in model.iterdir()} == sizes
+    (out / "shard-00001.parquet").unlink()  # a rerun would write it again: with the other weights
+    result = extract(*args)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"model.path={model}: the checkpoint there is not the one the run in" in errors[0] \
+        and "Point model.path at the checkpoint the run was extracted with" in errors[0], result.stderr[-3000:]
+    assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+    assert not (out / "shard-00001.parquet").exists() and read_manifest(out)["shards"][1]["attempts"] == 1
+    verify = subprocess.run([sys.executable, "-m", "jobs.verify", f"output.dir={out}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=120)
+    assert f"note: the checkpoint at model.path={model} is not the one this run was extracted with" in verify.stdout, \
+        verify.stdout
+
+    build_tiny_model(model, arch="llama", dtype="float32", seed=1)  # the run's own checkpoint back: it resumes
+    assert run(load_config(args))["this_run"]["shards_done"] == 1
+    assert_every_sample_once(out, demo_dataset)
