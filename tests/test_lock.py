@@ -92,15 +92,18 @@ def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, 
 
 
 def owner(run_id: str) -> dict[str, str]:
-    return {"run_id": run_id, "output_dir": f"/runs/{run_id}", "host": "h"}
+    return {"run_id": run_id, "output_dir": f"/runs/{run_id}", "host": "h", "node": "n1"}
 
 
 def test_a_directory_is_one_runs_and_unclaimed_shard_files_are_not_adopted(tmp_path):
     disk = LocalDisk(tmp_path / "node")
-    assert disk.claim(owner("a"), adopt_files=False) is None
-    assert disk.claim(owner("a"), adopt_files=False) is None, "a run's resume finds its own claim"
+    assert disk.claim(owner("a"), adopt_files=False) == {"labels": ["n1"]}
+    assert disk.claim(owner("a"), adopt_files=False) == {"labels": ["n1"]}, "a run's resume finds its own claim"
     assert disk.claim(owner("b"), adopt_files=True) == {"owner": owner("a")}
     assert json.loads((tmp_path / "node" / CLAIM_FILE).read_text()) == owner("a")
+    # the node's name changed (another address, a cluster created again): the claim keeps both
+    assert disk.claim(dict(owner("a"), node="n2"), adopt_files=False) == {"labels": ["n1", "n2"]}
+    assert json.loads((tmp_path / "node" / CLAIM_FILE).read_text()) == dict(owner("a"), node="n2", nodes=["n1", "n2"])
 
     foreign = LocalDisk(tmp_path / "foreign")
     (tmp_path / "foreign").mkdir()
@@ -108,13 +111,13 @@ def test_a_directory_is_one_runs_and_unclaimed_shard_files_are_not_adopted(tmp_p
     assert foreign.claim(owner("a"), adopt_files=False) == {"files": ["shard-00003.parquet"]}
     assert not (tmp_path / "foreign" / CLAIM_FILE).exists()
     # a run's own output.dir (under its lock) is adopted with what it holds
-    assert foreign.claim(owner("a"), adopt_files=True) is None
+    assert "labels" in foreign.claim(owner("a"), adopt_files=True)
     assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == [CLAIM_FILE, "shard-00003.parquet"]
 
 
 def _claim_in_a_process(args: tuple[str, str]) -> bool:
     directory, run_id = args
-    return LocalDisk(directory).claim(owner(run_id), adopt_files=False) is None
+    return "labels" in LocalDisk(directory).claim(owner(run_id), adopt_files=False)
 
 
 def test_of_runs_claiming_one_directory_at_once_exactly_one_gets_it(tmp_path):

@@ -7,11 +7,13 @@ Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
@@ -123,3 +125,50 @@ def test_automatic_writers_follow_the_node(cpus, groups, writers):
     from jobs.cluster.nodes import _writers
 
     assert _writers({"Resources": {"CPU": cpus}, "NodeManagerAddress": "10.0.0.1"}, groups, 0) == writers
+
+
+def test_a_node_relabelled_between_runs_keeps_its_done_files(llama_fp32, tmp_path):
+    """A run on a cluster whose node is labelled ``gpu-a`` (as under ``ray job submit`` to a head), resumed by
+    the same command on a private cluster (its node: 127.0.0.1): the done files stay (not one removed or
+    written again), their records name the new node, and the one damaged in between is extracted again."""
+    from ray.cluster_utils import Cluster
+
+    data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=8)
+    out = tmp_path / "out"
+    args = [
+        f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
+        "extract.max_tokens_per_batch=100", "model.device=cpu", "model.dtype=float32", "output.min_free=0",
+    ]
+    env = python_env()
+
+    def job(*extra: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "jobs.extract", *args, *extra], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    with ray_temp_dir("rl") as temp:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp), labels={"eagle3-node": "gpu-a"},
+            include_dashboard=False))
+        try:
+            job(f"ray.address={cluster.address}", "shards=[0,1,2,3,4]")
+        finally:
+            cluster.shutdown()
+    records = read_manifest(out)["shards"]
+    assert [r["node"] for r in records[:5]] == ["gpu-a"] * 5 and records[5]["state"] == "pending"
+    damaged = out / records[2]["file"]
+    damaged.write_bytes(damaged.read_bytes()[:-100])  # truncated between the runs
+    kept = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in out.glob("shard-*.parquet")
+            if path != damaged}
+
+    resumed = job()  # no ray.address: a private cluster, whose node is named by its address
+    records = read_manifest(out)["shards"]
+    assert all(r["state"] == DONE and r["node"] == "127.0.0.1" for r in records), records
+    assert [r["attempts"] for r in records] == [1, 1, 2, 1, 1, 1]  # the damaged one and the pending one, once each
+    assert {name: (out / name).stat().st_ino for name in kept} == {name: ino for name, (ino, _) in kept.items()}
+    assert all((out / name).stat().st_mtime_ns == mtime for name, (_, mtime) in kept.items())
+    assert not [name for name in kept if f"removing {name}" in resumed.stderr]
+    assert_every_sample_once(out, data)  # each sample once, jobs.verify --deep passes
+    claim = json.loads((out / CLAIM_FILE).read_text())
+    assert claim["node"] == "127.0.0.1" and claim["nodes"] == ["gpu-a", "127.0.0.1"]

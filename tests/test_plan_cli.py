@@ -173,7 +173,7 @@ def test_a_resume_with_other_content_is_refused_before_ray_starts(capsys, monkey
     # output.dir is another run's node directory, claimed (and empty yet): refused before Ray too
     node_dir = tmp_path / "node"
     assert LocalDisk(node_dir).claim({"run_id": "other", "output_dir": "/elsewhere", "host": "h", "node": "n"},
-                                     adopt_files=False) is None
+                                     adopt_files=False) == {"labels": ["n"]}
     with pytest.raises(ConfigError, match=f"output.dir={node_dir} belongs to the run whose output.dir is /elsewhere"):
         run(job_config(synthetic_model, demo_dataset, node_dir, *SETTINGS))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from storage import checksum
-from storage.atomic import write_synced
+from storage.atomic import replace_atomically, write_synced
 from storage.consumed import RECORD_GLOB, file_of_record, read_records
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
 
@@ -91,10 +91,21 @@ def read_claim(directory: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
-    """Claim ``directory`` for the run ``owner`` names; None if it is now the run's, else why not:
-    ``{"owner": record}`` (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that
-    holds shard or temp files, which ``adopt_files`` accepts: the run's own output.dir, under its lock).
+def claimed_labels(claim: dict[str, Any]) -> list[str]:
+    """The node labels a run's files in a claimed directory have been recorded under, oldest first (claims
+    before the list name one ``node``)."""
+    labels = list(claim.get("nodes") or [])
+    if claim.get("node") and claim["node"] not in labels:
+        labels.append(claim["node"])
+    return labels
+
+
+def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> dict[str, Any]:
+    """Claim ``directory`` for the run ``owner`` names. ``{"labels": [...]}`` if it is now the run's: every node
+    label the run has recorded its files there under (``claimed_labels``; the claim adds ``owner["node"]`` when it
+    is new: the directory is the node's identity, its label may change), else why not: ``{"owner": record}``
+    (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that holds shard or temp files, which
+    ``adopt_files`` accepts: the run's own output.dir, under its lock).
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -119,7 +130,14 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> Optional
         holder = json.loads(claim.read_text())
     except ValueError:
         holder = {"run_id": "?", "output_dir": f"(unreadable {claim})"}
-    return None if holder.get("run_id") == owner["run_id"] else {"owner": holder}
+    if holder.get("run_id") != owner["run_id"]:
+        return {"owner": holder}
+    labels = claimed_labels(holder)
+    node = owner.get("node", "")
+    if node and node not in labels:  # relabelled: the run's files here stay the run's under the new label too
+        labels.append(node)
+        replace_atomically(claim, json.dumps(dict(holder, node=node, nodes=labels)).encode())
+    return {"labels": labels}
 
 
 class LocalDisk:
@@ -149,7 +167,7 @@ class LocalDisk:
     def clean(self, keep: set[str]) -> list[str]:
         return _clean(str(self.directory), keep)
 
-    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> dict[str, Any]:
         return _claim(str(self.directory), owner, adopt_files)
 
 
@@ -199,5 +217,5 @@ class NodeDisk(LocalDisk):
     def clean(self, keep: set[str]) -> list[str]:
         return self._on_node(_clean, str(self.directory), keep)
 
-    def claim(self, owner: dict[str, str], adopt_files: bool) -> Optional[dict[str, Any]]:
+    def claim(self, owner: dict[str, str], adopt_files: bool) -> dict[str, Any]:
         return self._on_node(_claim, str(self.directory), owner, adopt_files)

@@ -56,6 +56,7 @@ from jobs.rundir.resume import (
     claim_directory,
     clean_output_dir,
     refuse_foreign_output,
+    relabel_moved_files,
     select_planned,
     select_shards,
 )
@@ -235,10 +236,11 @@ def _prepare_directories(
 ) -> list[ShardRecord]:
     """Claim every directory of the run, check the done files there, then clean them; the shards to write.
 
-    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched.
+    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched. Done
+    files recorded on a node label no node goes by now are recorded where they are before the clean-up.
     """
-    for group in groups:
-        claim_directory(group.disk(), manifest, group.name, group.directory == output_dir)
+    claimed = [claim_directory(group.disk(), manifest, group.name, group.directory == output_dir) for group in groups]
+    relabel_moved_files(manifest, claimed)
     for group in groups:
         if not (group.directory == output_dir and group.name == checked_node):
             check_done_files(group.disk(), manifest, group.name, group.directory == output_dir,

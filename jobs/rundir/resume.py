@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -49,7 +50,17 @@ def check_selection(selection: Any, shard_count: int) -> None:
         raise ValueError(f"shards={selection}: the plan has shards 0..{shard_count - 1}, not {unknown}")
 
 
-def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class ClaimedDirectory:
+    """A directory this run writes to, claimed: the node label it goes by now, and every label the run's records of
+    files there may carry (a node's address or label may change; its directory's claim is what stays)."""
+
+    disk: LocalDisk
+    node: str
+    labels: tuple[str, ...]
+
+
+def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_dir: bool) -> ClaimedDirectory:
     """Make one node's directory this run's before anything in it is removed; ValueError if it is
     another run's (its claim), or unclaimed but holding shard files (they are not this run's).
 
@@ -60,8 +71,8 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
         "run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname(), "node": node,
     }
     refusal = disk.claim(owner, adopt_files=is_output_dir)
-    if refusal is None:
-        return
+    if "labels" in refusal:
+        return ClaimedDirectory(disk, node, tuple(refusal["labels"]))
     where = f"{disk.directory} (on node {node})" if node else str(disk.directory)
     if "owner" in refusal:
         holder = refusal["owner"]
@@ -73,6 +84,37 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
         f"{where} {why}; nothing there was touched. Give this run a directory of its own "
         "(e.g. output.node_dir=/mnt/nvme/eagle3/<run>/{node}), or rerun that run's own command"
     )
+
+
+def relabel_moved_files(manifest: Manifest, directories: list[ClaimedDirectory]) -> None:
+    """Done shards recorded on a node label no node of this run goes by now (a head restarted on another address,
+    a cluster created again, a node replaced by one with the same disk) are recorded on the node whose directory
+    holds their file: the one whose claim lists the old label, or, for a label no claim lists, one where the file is
+    of its recorded size. The records change, never the files; ``check_done_files`` then checks them there (a
+    damaged or lost one is written again). A record none of these directories holds is left as it is: its node
+    may come back.
+    """
+    directories = list({(d.node, str(d.disk.directory)): d for d in directories}.values())  # groups share them
+    live = {directory.node for directory in directories}
+    stale = [record for record in manifest.in_state(DONE)
+             if record.location == LOCAL and record.node and record.node not in live]
+    if not stale:
+        return
+    sizes = {id(directory): directory.disk.file_facts([record.file for record in stale], {})
+             for directory in directories}
+    moved: dict[tuple[str, str], list[int]] = {}
+    for record in stale:
+        claimed = [directory for directory in directories if record.node in directory.labels]
+        others = [directory for directory in directories if record.node not in directory.labels]
+        whole = [directory for directory in claimed + others
+                 if sizes[id(directory)].get(record.file, (None, ""))[0] == record.bytes]
+        home = (whole or claimed or [None])[0]
+        if home is not None:
+            moved.setdefault((record.node, home.node), []).append(record.index)
+            manifest.update(record.index, node=home.node)
+    for (old, new), indices in sorted(moved.items()):
+        logger.info("%d done shards recorded on node %s are on node %s now (its directory holds them): "
+                    "recorded there, no file touched", len(indices), old, new)
 
 
 def check_done_files(
