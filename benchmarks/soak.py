@@ -50,6 +50,7 @@ from jobs.cluster.session import ray_session
 from jobs.config import load_config
 from jobs.driver.job import run
 from jobs.rundir.summary import SUMMARY_FILE
+from storage.consumed import RECORD_GLOB
 from storage.manifest import MANIFEST_FILE, MANIFEST_JOURNAL_FILE
 from testbeds.shapes import SHAPES
 
@@ -63,8 +64,10 @@ LABELS = ("soak-a", "soak-b")
 BUDGET_SAMPLE_S = 1.0
 MEMORY_SAMPLE_S = 5.0
 PROGRESS_LOG_S = 30.0
-MEMORY_WARMUP = 0.1
-"""A process's memory is compared from this fraction of its life on (its start-up is not growth)."""
+MEMORY_WARMUP = 0.25
+"""A process's memory is compared from this fraction of its life on: its start-up (a model's load, the
+extractor's pinned host buffers, about 30 s of a 4-minute run on the H200) is not growth."""
+MEMORY_SERIES_POINTS = 40
 HEAD_START_ATTEMPTS = 3
 """A loaded machine can miss Ray's fixed 30 s for its raylet to register."""
 RAY_CLI = "from ray.scripts.scripts import main; main()"
@@ -196,29 +199,38 @@ class ProcessMemory:
             processes += head.processes()
         for process in {p.pid: p for p in processes}.values():
             try:
-                rss = process.memory_info().rss
+                memory = process.memory_info()
                 name = process_name(process)
             except psutil.Error:
                 continue
             entry = self.series.setdefault(process.pid, {"name": name, "samples": []})
-            entry["samples"].append((now, rss))
+            entry["samples"].append((now, memory.rss, memory.rss - memory.shared))
             if name.startswith("ray::"):  # a worker takes its actor's title once the actor is placed
                 entry["name"] = name
 
     def report(self) -> list[dict[str, Any]]:
-        """Per process: RSS after its start-up, at its last sample, its peak; the growth between (MB)."""
+        """Per process (MB): RSS and its private part (RSS less pages shared with other processes: the object
+        store's, libraries) once started up, at its last sample, at their peaks; the private part's growth
+        between; and the whole series, thinned to at most ``MEMORY_SERIES_POINTS`` points."""
         rows = []
         for pid, entry in self.series.items():
             samples = entry["samples"]
             if len(samples) < 3:
                 continue
             start, end = samples[0][0], samples[-1][0]
-            after_warmup = next(rss for at, rss in samples if at >= start + MEMORY_WARMUP * (end - start))
-            last = samples[-1][1]
-            rows.append({"name": entry["name"], "pid": pid, "seconds": round(end - start), "samples": len(samples),
-                         "rss_mb_after_startup": round(after_warmup / 1e6), "rss_mb_last": round(last / 1e6),
-                         "rss_mb_peak": round(max(rss for _, rss in samples) / 1e6),
-                         "growth_mb": round((last - after_warmup) / 1e6)})
+            _, rss, private = next(s for s in samples if s[0] >= start + MEMORY_WARMUP * (end - start))
+            _, last_rss, last_private = samples[-1]
+            step = max(1, len(samples) // MEMORY_SERIES_POINTS)
+            rows.append({
+                "name": entry["name"], "pid": pid, "seconds": round(end - start), "samples": len(samples),
+                "rss_mb_after_startup": round(rss / 1e6), "rss_mb_last": round(last_rss / 1e6),
+                "rss_mb_peak": round(max(s[1] for s in samples) / 1e6),
+                "private_mb_after_startup": round(private / 1e6), "private_mb_last": round(last_private / 1e6),
+                "private_mb_peak": round(max(s[2] for s in samples) / 1e6),
+                "private_growth_mb": round((last_private - private) / 1e6),
+                "series_s_rss_private_mb": [(round(at - start), round(r / 1e6), round(p / 1e6))
+                                            for at, r, p in samples[::step]],
+            })
         return sorted(rows, key=lambda row: -row["rss_mb_peak"])
 
 
@@ -368,7 +380,9 @@ def ledger_report(entries: list[dict], samples: int, shard_size: int, reference:
 
 
 def run_record(output_dir: Path) -> dict:
-    """The manifest's and journal's sizes, the shards' states and node names, and the last run's summary."""
+    """The manifest's and journal's sizes, the shards' states and node names, and the last run's summary.
+    Files consumed after the job's last rescan are still done/local in the manifest, their consumers'
+    declarations beside them: the next run of the command (or its rescan) records them as consumed."""
     manifest = json.loads((output_dir / MANIFEST_FILE).read_text())
     journal = output_dir / MANIFEST_JOURNAL_FILE
     states: dict[str, int] = {}
@@ -379,6 +393,7 @@ def run_record(output_dir: Path) -> dict:
         nodes[record.get("node") or "-"] = nodes.get(record.get("node") or "-", 0) + 1
     summary = json.loads((output_dir / SUMMARY_FILE).read_text())
     return {"manifest_bytes": (output_dir / MANIFEST_FILE).stat().st_size,
+            "declarations_not_yet_recorded": len(list(output_dir.glob(RECORD_GLOB))),
             "journal_bytes": journal.stat().st_size if journal.exists() else 0,
             "shard_states": states, "shard_nodes": nodes, "summary": {
                 key: summary.get(key) for key in ("outcome", "seconds", "tokens", "bytes", "tokens_per_second",
@@ -441,8 +456,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     entries = consumers.entries()
     results["phases"] = [dataclasses.asdict(phase) | {"seconds": round(phase.ended - phase.started, 1)}
                          for phase in phases]
-    results["removed_by_resume"] = sum(line.count("(not recorded as done there)")
-                                       for line in (work / "driver-2.log").read_text().splitlines())
+    removed = [line for line in (work / "driver-2.log").read_text().splitlines()
+               if "(not recorded as done there)" in line]
+    results["shard_files_removed_by_resume"] = sum(" removing shard-" in line for line in removed)
+    results["temp_files_removed_by_resume"] = sum(" removing .shard-" in line for line in removed)
     results.update(ledger_report(entries, samples, args.shard_size, reference))
     tokens = sum(entry.get("tokens", 0) for entry in entries)
     seconds = drained - phases[0].started
@@ -475,7 +492,8 @@ def print_table(results: dict) -> None:
     line("samples consumed exactly once", f"{results['samples_consumed_once']:,} of {results['samples']:,}")
     line("samples never consumed / consumed twice or more",
          f"{results['samples_never_consumed']} / {results['samples_consumed_twice_or_more']}")
-    line("shard files the resume removed (not recorded there)", str(results["removed_by_resume"]))
+    line("shard files the resume removed / its temp files", f"{results['shard_files_removed_by_resume']} / "
+                                                            f"{results['temp_files_removed_by_resume']}")
     line("reference samples bit-identical to an uninterrupted run",
          f"{results['reference_samples_compared'] - results['reference_samples_differing']} of "
          f"{results['reference_samples_compared']} compared ({results['reference_samples']} in the reference)")
@@ -491,10 +509,13 @@ def print_table(results: dict) -> None:
              f"{results['resumed_run_over_bare']} of (a)")
     line("manifest / journal at the end", f"{results['manifest_bytes']:,} B / {results['journal_bytes']:,} B")
     line("shards by state / node", f"{results['shard_states']} / {results['shard_nodes']}")
-    print("  memory (RSS, MB) of every process sampled: after start-up, last, peak, growth")
+    line("consumed after the job's last rescan (declared, not yet recorded)", str(results["declarations_not_yet_recorded"]))
+    print("  memory (MB) of every process sampled: RSS after start-up, last, peak; private (RSS less shared) after "
+          "start-up, last, growth")
     for row in results["memory"]:
-        print(f"    {row['name']:<40} pid {row['pid']:>7} {row['seconds']:>6} s {row['rss_mb_after_startup']:>8} "
-              f"{row['rss_mb_last']:>8} {row['rss_mb_peak']:>8} {row['growth_mb']:>+7}")
+        print(f"    {row['name']:<36} pid {row['pid']:>7} {row['seconds']:>5} s {row['rss_mb_after_startup']:>7} "
+              f"{row['rss_mb_last']:>7} {row['rss_mb_peak']:>7} {row['private_mb_after_startup']:>7} "
+              f"{row['private_mb_last']:>7} {row['private_growth_mb']:>+6}")
 
 
 def main() -> None:
