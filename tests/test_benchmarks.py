@@ -125,7 +125,7 @@ def test_soak_benchmark_smoke(tmp_path):
          "--max-tokens-per-batch", "256", "--target-bytes", "8MB", "--shard-size", "4", "--budget", "1MB",
          "--consumers", "2", "--num-cpus", "4", "--keep-output", "--work-dir", str(tmp_path / "work"),
          "--output-root", str(tmp_path), "--out", str(tmp_path / "results.json")],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,  # three model loads, two Ray heads
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
