@@ -1,5 +1,7 @@
-"""The soak's trainer: takes a running job's committed shard files as they appear, reads and checks every
-sample, declares the file consumed (``storage.consumed.consume_shard``) and deletes it.
+"""The soak's trainer: takes a running job's shard files as the manifest records them done (docs/training.md,
+"Consuming shards while the run goes on"), reads and checks every sample, declares the file consumed
+(``storage.consumed.consume_shard``) and deletes it. A file the manifest does not record yet is not taken:
+after a crash between its commit and its record the rerun writes that shard again.
 
 One process of ``--of`` takes the shards whose index is ``--index`` modulo ``--of``. Each consumed shard
 is one JSON line in ``--ledger``: its sample ids (checked to be the shard's planned range), tokens, bytes
@@ -14,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import time
 from pathlib import Path
 
@@ -24,10 +24,10 @@ import torch
 import xxhash
 
 from storage.consumed import consume_shard
+from storage.manifest import DONE, LOCAL, read_manifest
 from storage.reader import ShardReader
 
-SHARD_NAME = re.compile(r"shard-(\d+)\.parquet")
-POLL_S = 0.2
+POLL_S = 0.5
 
 
 class ShardCheckError(ValueError):
@@ -82,6 +82,16 @@ def consume_one(path: Path, shard: int, args: argparse.Namespace) -> dict | None
             "digests": digests, "at": time.time()}
 
 
+def recorded_done(directory: Path) -> list[tuple[int, Path]]:
+    """The shards the run's manifest (snapshot and journal, read-only) records done with their file in ``directory``."""
+    try:
+        shards = read_manifest(directory)["shards"]
+    except ValueError:  # no manifest yet
+        return []
+    return [(record["index"], directory / record["file"]) for record in shards
+            if record["state"] == DONE and record["location"] == LOCAL]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, type=Path, help="the run's output.dir")
@@ -95,8 +105,8 @@ def main() -> None:
     with open(args.ledger, "a") as ledger:
         while True:
             stopping = args.stop.exists()  # before the look: a file committed after it is seen next round
-            mine = [(int(match.group(1)), args.dir / name) for name in sorted(os.listdir(args.dir))
-                    if (match := SHARD_NAME.fullmatch(name)) and int(match.group(1)) % args.of == args.index]
+            mine = [(shard, path) for shard, path in recorded_done(args.dir)
+                    if shard % args.of == args.index and path.exists()]
             for shard, path in mine:
                 entry = consume_one(path, shard, args)
                 if entry is not None:

@@ -100,6 +100,15 @@ def test_driver_scale_benchmark_smoke(tmp_path):
     # loaded CI machine once made it negative: its sign is the benchmark's to report, not asserted here.
     assert schedule["driver_cpu_seconds"] > 0 and schedule["one_shard_run_cpu_seconds"] > 0
     assert "driver_ms_per_batch" in schedule and not list(tmp_path.glob("eagle3-driver-scale-*"))
+    # the bookkeeping at a tenth of the shards and at all of them: a consuming run's two updates per shard but the
+    # last 20, every operation timed, the snapshot's size growing with the shards
+    bookkeeping = results["bookkeeping"]
+    small, large = bookkeeping["sizes"]["5"], bookkeeping["sizes"]["50"]
+    assert (small["updates"], large["updates"]) == (5 + 0, 50 + 30)
+    for size in (small, large):
+        assert all(size[key] > 0 for key in ("create_ms", "update_ms", "reopen_ms", "rescan_ms", "status_ms")), size
+    assert large["manifest_bytes"] > 5 * small["manifest_bytes"] and large["journal_peak_bytes"] > 0
+    assert bookkeeping["growth_per_shard"]["manifest_bytes"] > 100
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
