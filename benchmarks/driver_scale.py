@@ -37,7 +37,9 @@ from jobs.config import load_config
 from jobs.extract import run
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.shards import Shard, plan_shards
-from storage.manifest import DONE, LOCAL, Manifest
+from jobs.driver.budget import DiskBudget
+from jobs.status import status_report
+from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE, Manifest
 
 VOCAB_SIZE = 128_256
 MAX_TOKENS_PER_BATCH = 16_384
@@ -48,6 +50,10 @@ ROW_GROUP_ROWS = 10_000
 SYNTHETIC_HIDDEN_SIZE = 8
 SYNTHETIC_LAYERS = [1, 2, 3]
 PROFILE_TOP = 25
+RESCAN_LOCAL_FILES = 20
+JOURNAL_LOOK_EVERY = 97
+"""A prime: the looks do not fall in step with the folds."""
+"""Done shards whose files are still on the disk at the bookkeeping step's rescan: a budget's worth of them."""
 
 
 @dataclasses.dataclass
@@ -149,6 +155,84 @@ def manifest_step(context: Context) -> None:
     }
 
 
+def bookkeeping_step(context: Context) -> None:
+    """The run's bookkeeping at a tenth of --shards and at --shards shards over --rows samples, each operation timed
+    at both; the growth per shard is the difference over the shards between."""
+    sizes = sorted({max(1, context.args.shards // 10), context.args.shards})
+    measured = {size: _bookkeeping(context, size) for size in sizes}
+    small, large = sizes[0], sizes[-1]
+    growth = {key: round((measured[large][key] - measured[small][key]) / max(large - small, 1), 4)
+              for key in measured[large] if key.endswith(("_ms", "_bytes"))}
+    context.results["bookkeeping"] = {"rows": context.args.rows, "sizes": {str(size): measured[size] for size in sizes},
+                                      "growth_per_shard": growth}
+
+
+def _bookkeeping(context: Context, shards: int) -> dict[str, Any]:
+    """One run's records of ``shards`` shards, as a consuming run makes them: every shard done, then all but
+    ``RESCAN_LOCAL_FILES`` consumed. Times (ms): the manifest's creation, one update (an fsynced journal line,
+    the fold into the snapshot amortised), reopening it (load, replay, rewrite: a resume's start), one rescan
+    (the done records still local, their files looked at on the disk), one ``jobs.status`` report; sizes: the
+    snapshot and the journal's peak."""
+    root = Path(context.args.output_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else context.work))
+    directory = Path(tempfile.mkdtemp(prefix="eagle3-driver-scale-bookkeeping-", dir=root))
+    rows = context.args.rows
+    plan = [(i, i * rows // shards, (i + 1) * rows // shards) for i in range(shards)]
+    content = {"data.fingerprint": "benchmark"}
+    try:
+        started = time.perf_counter()
+        manifest = Manifest.open(directory, content, plan)
+        create = time.perf_counter() - started
+        journal_peak = 0
+        started = time.perf_counter()
+        for index, start, stop in plan:
+            manifest.update(index, state=DONE, error="", file=f"shard-{index:05d}.parquet", rows=stop - start,
+                            tokens=(stop - start) * context.args.mean_tokens, bytes=1 << 30,
+                            checksum="xxh3_128:" + "0" * 32, location=LOCAL, sink_url="", node="gpu-node-17")
+            journal_peak = _journal_peak(manifest, index, journal_peak)
+        for index, _, _ in plan[:-RESCAN_LOCAL_FILES]:
+            manifest.update(index, location=CONSUMED, consumed_into="trainer 3 on gpu-node-17")
+            journal_peak = _journal_peak(manifest, index, journal_peak)
+        updates = len(plan) + max(len(plan) - RESCAN_LOCAL_FILES, 0)
+        update = (time.perf_counter() - started) / updates
+        manifest.close()
+        started = time.perf_counter()
+        manifest = Manifest.open(directory, content, plan)
+        reopen = time.perf_counter() - started
+        for record in manifest.in_state(DONE):
+            if record.location == LOCAL:
+                (directory / record.file).write_bytes(b"")
+        budget = DiskBudget(directory, 1 << 50, 0)
+        rescan = _median_seconds(lambda: budget.rescan(
+            (r.index, r.file, r.bytes) for r in manifest.in_state(DONE) if r.location == LOCAL))
+        status = _median_seconds(lambda: status_report(directory))
+        manifest.close()
+        return {
+            "shards": shards, "create_ms": round(1000 * create, 2), "update_ms": round(1000 * update, 4),
+            "updates": updates, "reopen_ms": round(1000 * reopen, 2), "rescan_ms": round(1000 * rescan, 3),
+            "status_ms": round(1000 * status, 2), "manifest_bytes": (directory / MANIFEST_FILE).stat().st_size,
+            "journal_peak_bytes": journal_peak,
+        }
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _journal_peak(manifest: Manifest, index: int, peak: int) -> int:
+    """The journal's largest size seen so far, looked at every ``JOURNAL_LOOK_EVERY`` updates (it is folded into the
+    snapshot at intervals, so the last look is not its peak)."""
+    if index % JOURNAL_LOOK_EVERY:
+        return peak
+    return max(peak, manifest.journal_path.stat().st_size)
+
+
+def _median_seconds(operation: Callable[[], Any], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        operation()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
 def schedule_step(context: Context) -> None:
     model = context.work / "synthetic-model"
     model.mkdir()
@@ -238,6 +322,7 @@ STEPS: list[tuple[str, Callable[[Context], None]]] = [
     ("plan", plan_step),
     ("rows", rows_step),
     ("manifest", manifest_step),
+    ("bookkeeping", bookkeeping_step),
     ("schedule", schedule_step),
 ]
 
@@ -250,6 +335,9 @@ def main() -> None:
     parser.add_argument("--max-samples-per-batch", type=int, default=256, help="extract.max_samples_per_batch")
     parser.add_argument("--work-dir", default="", help="where the data and manifest go (default: a temp dir)")
     parser.add_argument("--output-dir", default="", help="where the schedule step's runs write (default: /dev/shm)")
+    parser.add_argument("--steps", default="", help="comma-separated steps to run (data, open, plan, rows, manifest, "
+                                                     "bookkeeping, schedule; each needs the ones before it it reads, "
+                                                     "bookkeeping none); default: all")
     parser.add_argument("--profile", action="store_true", help="also profile a full run (cProfile) and print the top")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     args = parser.parse_args()
@@ -257,6 +345,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work_dir or None) as work:
         context = Context(args=args, work=Path(work), results={})
         for name, step in STEPS:
+            if args.steps and name.split()[-1] not in args.steps.split(","):
+                continue
             step(context)
             shown = {k: v for k, v in context.results.get(name.split()[-1], {}).items() if k != "profile"}
             print(f"{name:>10}: {json.dumps(shown)}", flush=True)

@@ -87,6 +87,16 @@ def benchmark_layer_ids(num_layers: int) -> list[int]:
         return check_layer_ids(list(range(1, num_layers - 1))[:3], num_layers)
 
 
+def benchmark_job_args(args: argparse.Namespace, model: Path, load_format: str, data: Path, num_layers: int) -> list[str]:
+    """The job's keys every benchmark run of ``model`` over ``data`` shares (``--set`` last: it wins)."""
+    return [
+        f"model.path={model}", f"data.path={data}", f"model.device={args.device}", f"model.tp_size={args.tp_size}",
+        f"model.load_format={load_format}", f"extract.max_tokens_per_batch={args.max_tokens_per_batch}",
+        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free=1GB",
+        f"extract.layers={benchmark_layer_ids(num_layers)}", *args.set,
+    ]
+
+
 FP8_ERROR_BATCHES = 4
 ROW_TOKENS_ON_CUDA = 2_000_000
 """--samples 0 on CUDA: rows long enough that ramp-up and drain (about two batches) are under 1% of them."""
@@ -352,12 +362,7 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
         work / "data.parquet", args.samples, vocab_size=checkpoint.vocab_size, min_len=args.tokens_per_sample,
         max_len=args.tokens_per_sample,
     )
-    job_args = [
-        f"model.path={model}", f"data.path={data}", f"model.device={args.device}", f"model.tp_size={args.tp_size}",
-        f"model.load_format={load_format}", f"extract.max_tokens_per_batch={args.max_tokens_per_batch}",
-        f"data.shard_size={args.shard_size}", "model.dtype=bfloat16", "output.min_free=1GB",
-        f"extract.layers={benchmark_layer_ids(checkpoint.num_layers)}", *args.set,
-    ]
+    job_args = benchmark_job_args(args, model, load_format, data, checkpoint.num_layers)
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
                      "cpus": len(os.sched_getaffinity(0)), "disk_probe_bytes": args.disk_probe_bytes,
                      "disk_write_bytes_per_s": round(measure_disk(work, args.disk_probe_bytes)) if args.disk_probe_bytes else None}

@@ -115,6 +115,15 @@ def test_driver_scale_benchmark_smoke(tmp_path):
     # loaded CI machine once made it negative: its sign is the benchmark's to report, not asserted here.
     assert schedule["driver_cpu_seconds"] > 0 and schedule["one_shard_run_cpu_seconds"] > 0
     assert "driver_ms_per_batch" in schedule and not list(tmp_path.glob("eagle3-driver-scale-*"))
+    # the bookkeeping at a tenth of the shards and at all of them: a consuming run's two updates per shard but the
+    # last 20, every operation timed, the snapshot's size growing with the shards
+    bookkeeping = results["bookkeeping"]
+    small, large = bookkeeping["sizes"]["5"], bookkeeping["sizes"]["50"]
+    assert (small["updates"], large["updates"]) == (5 + 0, 50 + 30)
+    for size in (small, large):
+        assert all(size[key] > 0 for key in ("create_ms", "update_ms", "reopen_ms", "rescan_ms", "status_ms")), size
+    assert large["manifest_bytes"] > 5 * small["manifest_bytes"] and large["journal_peak_bytes"] > 0
+    assert bookkeeping["growth_per_shard"]["manifest_bytes"] > 100
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -126,3 +135,43 @@ def test_default_layers_are_valid_for_every_shape(shape):
     assert check_layer_ids(layer_ids, num_layers) == layer_ids
     expected = {"llama8b": [2, 16, 29], "deepseek_v3_reduced": [1, 2], "kimi_k25_reduced": [2, 5, 7]}
     assert layer_ids == expected[shape]
+
+
+@pytest.mark.extended
+def test_soak_benchmark_smoke(tmp_path):
+    """The soak on CPU at a small size: the job's driver SIGKILLed halfway, the same command resumed on another
+    Ray cluster whose node has another name, a budget of a few shards drained by two consumer processes; every
+    sample consumed exactly once and the reference shards' states bit-identical (the benchmark exits 1 if not)."""
+    env = python_env()
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--shape", "tiny", "--device", "cpu", "--tokens-per-sample", "96",
+         "--max-tokens-per-batch", "256", "--target-bytes", "8MB", "--shard-size", "4", "--budget", "1MB",
+         "--consumers", "2", "--num-cpus", "4", "--keep-output", "--work-dir", str(tmp_path / "work"),
+         "--output-root", str(tmp_path), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,  # three model loads, two Ray heads
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    samples = results["samples"]
+    assert samples * 96 * results["state_bytes_per_token"] >= 8_000_000 and results["shards"] == -(-samples // 4)
+    first, second = results["phases"]
+    assert (first["label"], first["killed"], second["label"], second["exit_code"]) == ("soak-a", True, "soak-b", 0)
+    assert results["samples_consumed_once"] == samples and results["samples_never_consumed"] == 0
+    assert results["samples_consumed_twice_or_more"] == 0
+    reference = results["reference_shards"]
+    assert reference[0] == 0 and reference[-1] == results["shards"] - 1 and len(reference) == 4
+    assert results["reference_samples_compared"] == results["reference_samples"] == 3 * 4 + (samples - 4 * reference[-1])
+    assert results["reference_samples_differing"] == 0
+    assert results["consumed_tokens"] == samples * 96
+    # sampled every second over the run, never above the budget, and the budget was at work (files came and went)
+    assert results["budget_samples"] >= 5 and 0 < results["budget_peak_bytes"] <= 1_000_000
+    # the last files may be consumed after the job's last rescan: declared, recorded by the next run
+    states = results["shard_states"]
+    assert states.get("done/consumed", 0) + results["declarations_not_yet_recorded"] == results["shards"], states
+    assert states.get("done/local", 0) == results["declarations_not_yet_recorded"]
+    assert results["shard_files_removed_by_resume"] == 0
+    assert results["manifest_bytes"] > 0 and results["bare_prefill_tokens_per_s"] > 0
+    names = {row["name"] for row in results["memory"]}
+    assert {"python -m jobs.extract", "python -m benchmarks.soak_consumer", "ray::ExtractorActor"} <= names, names
+    assert (tmp_path / results["output_dir"]).exists() and not list((tmp_path / results["output_dir"]).glob("shard-*"))
