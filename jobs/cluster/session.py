@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -104,12 +105,17 @@ def _worker_env() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": pythonpath}}
 
 
-def _job_runtime_env() -> dict[str, Any] | None:
-    """Under ``ray job submit --working-dir`` the workers already import from it; otherwise point them here."""
-    job = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("runtime_env") or {}
-    if job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {}):
-        return None
-    return _worker_env()
+def _joined_runtime_env(job: dict[str, Any]) -> dict[str, Any]:
+    """What the workers of a cluster this driver joins run with, on top of the job's own runtime env ``job``.
+
+    Their Python is the driver's, which holds this project (``jobs.environment`` checked it), unless the job's
+    runtime env names one: a joined cluster's raylets start workers with the Python that started Ray, which
+    may lack it. Under ``ray job submit --working-dir`` the workers import from it; otherwise from here.
+    """
+    extra: dict[str, Any] = {} if "py_executable" in job else {"py_executable": sys.executable}
+    if not (job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {})):
+        extra.update(_worker_env())
+    return extra
 
 
 class _NotMainThread(logging.Filter):
@@ -159,7 +165,8 @@ def _connect_off_main_thread(address: str, session_over: threading.Event) -> Non
 
 def _connect(address: str) -> None:
     if inside_ray_job():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
+        job = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("runtime_env") or {}
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_joined_runtime_env(job))
     elif address or os.environ.get("RAY_ADDRESS"):
         _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
     else:
@@ -185,7 +192,7 @@ def _join(address: str, source: str) -> None:
         if _is_loopback(host):
             _use_loopback()  # a head on loopback registered its node as 127.0.0.1: this driver must too
     try:
-        ray.init(address=address, runtime_env=_worker_env())
+        ray.init(address=address, runtime_env=_joined_runtime_env({}))
     except (ConnectionError, RuntimeError, TimeoutError) as error:
         raise ConfigError(
             f"could not join the Ray cluster at {source}={address}: {' '.join(str(error).split())[:300]}. "
