@@ -13,12 +13,14 @@ import logging
 import os
 import re
 import select
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from common.checks import format_bytes
 from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
 from jobs.rundir.summary import read_summary
@@ -93,6 +95,21 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     lines = [record.getMessage() for record in caplog.records if record.name == "jobs.driver.progress"]
     assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, samples 8/16, tokens 420/1.0k (42%), ")
     assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
+
+
+def test_a_budget_beyond_the_free_space_shows_the_free_space(tmp_path):
+    """The default budget (1.3 TB) on a smaller disk: the line shows what the disk can take, and the budget."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
+    budget = DiskBudget(tmp_path, 10**18, 10**6)
+    budget.reserve(0, 3000)
+    progress = RunProgress(manifest, budget, {0: 100}, [0], run="r", interval_s=3600, interactive=False)
+    progress.begin()
+    snapshot = progress.snapshot()
+    free = shutil.disk_usage(tmp_path).free
+    assert snapshot.disk_budget == 10**18 and snapshot.disk_room < free + 3000
+    assert snapshot.disk_room == pytest.approx(3000 + free - 3000 - 10**6, rel=0.01)  # the reservation is unwritten
+    assert snapshot.describe().endswith(f", disk 3.0 KB/{format_bytes(snapshot.disk_room)} (free space; budget "
+                                        f"{format_bytes(10**18)})")
 
 
 def test_a_failed_shard_rerun_is_work_still_to_do(tmp_path):

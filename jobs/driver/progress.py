@@ -93,17 +93,23 @@ class ProgressSnapshot:
     disk_used: int
     disk_budget: int
     waiting_for_disk: int
+    disk_room: int = 0
+    """What the shard files can take: disk_budget, or less where the disk has less free (above output.min_free);
+    0 in a summary written before it was reported."""
 
     def describe(self) -> str:
-        """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``."""
+        """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``
+        (``disk 40.0 GB/75.0 GB (free space; budget 1.3 TB)`` where the disk holds less than the budget)."""
         share = 100 * self.tokens_done / self.tokens_planned if self.tokens_planned else 100.0
+        room = self.disk_room or self.disk_budget
         parts = [
             f"shards {self.shards_done}/{self.shards_total}",
             f"samples {format_count(self.samples_done)}/{format_count(self.samples_planned)}",
             f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)} ({share:.0f}%)",
             f"{format_count(self.tokens_per_second)} tok/s",
             f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
-            f"disk {format_bytes(self.disk_used)}/{format_bytes(self.disk_budget)}",
+            f"disk {format_bytes(self.disk_used)}/{format_bytes(room)}"
+            + (f" (free space; budget {format_bytes(self.disk_budget)})" if room < self.disk_budget else ""),
         ]
         if self.waiting_for_disk:
             parts.append("waiting for disk budget")
@@ -387,6 +393,7 @@ class RunProgress:
             eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
             disk_used=sum(budget.used for budget in self.budgets),
             disk_budget=sum(budget.limit for budget in self.budgets),
+            disk_room=sum(budget.room() for budget in self.budgets),
             waiting_for_disk=int(self.waiting),
         )
 
