@@ -47,7 +47,7 @@ def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[i
     started = time.perf_counter()
     with open(log, "w") as handle:
         process = subprocess.Popen([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
-                                    f"output.path={out}", *extra], cwd=REPO_ROOT, env=env, stdout=handle,
+                                    f"output.dir={out}", *extra], cwd=REPO_ROOT, env=env, stdout=handle,
                                    stderr=subprocess.STDOUT)
         watched = psutil.Process(process.pid)
         peak = {"rss": 0, "uss": 0}

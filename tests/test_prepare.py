@@ -40,7 +40,7 @@ def tokenizer(model):
 def prepare(capsys, model: Path, data: Path, out: Path, *overrides: str) -> tuple[int, str]:
     """Run the command; returns its exit code and what it printed on stderr (a refusal's ``error:`` line)."""
     capsys.readouterr()
-    code = main([f"model.path={model}", f"data.path={data}", f"output.path={out}", *overrides])
+    code = main([f"model.path={model}", f"data.path={data}", f"output.dir={out}", *overrides])
     return code, capsys.readouterr().err
 
 
@@ -283,7 +283,7 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, {"id": 1}])
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
-                             f"output.path={tmp_path / 'out'}"], cwd=REPO_ROOT, env=env, capture_output=True,
+                             f"output.dir={tmp_path / 'out'}"], cwd=REPO_ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-2000:]
     assert f"{data} row 1 (line 2) (conversation_id 1): no 'conversations' field" in result.stderr
@@ -292,7 +292,7 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
     help_text = capsys.readouterr().out
     assert exited.value.code == 0 and help_text.startswith("usage: ")
     for key in ("model.chat_template", "data.format", "data.other_roles", "data.on_invalid", "data.max_length",
-                "data.on_too_long", "output.path", "output.shard_size", "regenerate", "generation.max_new_tokens",
+                "data.on_too_long", "output.dir", "output.shard_size", "regenerate", "generation.max_new_tokens",
                 "generation.temperature"):
         assert f"  {key} = " in help_text, key
 

@@ -35,7 +35,7 @@ def start_prepare(model: Path, data: Path, out: Path, log: Path, *overrides: str
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
     with open(log, "a") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.path={out}",
+            [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}",
              f"ray.address={ray.get_runtime_context().gcs_address}", *overrides],
             cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
 

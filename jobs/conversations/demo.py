@@ -170,5 +170,5 @@ def demo_config(config: PrepareConfig) -> PrepareConfig:
         config,
         model=dataclasses.replace(config.model, path=str(model)),
         data=dataclasses.replace(config.data, path=str(data)),
-        output=dataclasses.replace(config.output, path=config.output.path or str(directory / "tokens")),
+        output=dataclasses.replace(config.output, dir=config.output.dir or str(directory / "tokens")),
     )
