@@ -19,6 +19,7 @@ from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations
 from jobs.conversations.output import RECORD_FILE, SKIPPED_FILE
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK
 from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.inputs.demo import build_tiny_model, prepare_demo
 from jobs.prepare import main
 from tests.conftest import REPO_ROOT
 
@@ -304,6 +305,21 @@ def test_the_demo_starts_from_conversations(capsys, tmp_path):
     assert f"12 of 12 conversations in {tokens} (1 parts)" in printed
     assert f"next: python -m jobs.extract model.path={model} data.path={tokens} output.dir=" in printed
     assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12
+
+
+def test_the_extraction_demos_model_prepares_and_a_checkpoint_without_a_tokenizer_is_named(capsys, tmp_path):
+    """jobs.extract's demo model (model-llama-seed0 under demo.dir) has a chat tokenizer: jobs.prepare takes it. A
+    checkpoint without tokenizer files is refused saying so, without suggesting trust_remote_code."""
+    model, _ = prepare_demo(tmp_path / "demo", "llama", num_samples=4, seed=0)
+    data = write_conversations(tmp_path / "chat.jsonl", 6)
+    code, errors = prepare(capsys, model, data, tmp_path / "tokens")
+    assert code == EXIT_OK, errors
+    assert len(open_tokenized_dataset(str(tmp_path / "tokens"), vocab_size=512, max_length=4096)) == 6
+
+    bare = build_tiny_model(tmp_path / "bare", arch="llama", num_layers=1)
+    code, errors = prepare(capsys, bare, data, tmp_path / "bare-tokens")
+    assert code == EXIT_BAD_INPUT and f"model.path={bare}: no tokenizer there (none of tokenizer.json" in errors, errors
+    assert "trust_remote_code" not in errors
 
 
 @pytest.mark.extended
