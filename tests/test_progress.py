@@ -7,6 +7,7 @@ progress lines of a piped run and of `ray job logs`.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
@@ -14,8 +15,10 @@ import os
 import re
 import select
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
@@ -213,11 +216,13 @@ PROGRESS_TEXT = re.compile(
     r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B")
 
 
-def run_under_a_terminal(args: list[str], cwd, timeout: float = 600) -> tuple[int, str]:
+def run_under_a_terminal(args: list[str], cwd, timeout: float = 600, columns: int = 0) -> tuple[int, str]:
     """The command's exit code and everything it wrote to its terminal: a pseudo-terminal is its stdin, stdout
-    and stderr. Its size is left unset, as a bare pty's (and some terminals', `script`'s without one) is: 0
-    columns."""
+    and stderr. Its size is ``columns`` wide (40 rows); 0 leaves it unset, as a bare pty's (and some terminals',
+    `script`'s without one) is."""
     main, child_side = os.openpty()
+    if columns:
+        fcntl.ioctl(child_side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     process = subprocess.Popen(args, cwd=cwd, env=user_env(), stdin=child_side, stdout=child_side,
                                stderr=child_side, start_new_session=True)
     os.close(child_side)
@@ -259,3 +264,17 @@ def test_extract_shows_live_progress_on_a_terminal(tmp_path):
     assert not re.search(r"INFO jobs\.driver\.progress: shards", screen)
     last = list(PROGRESS_TEXT.finditer(between))[-1]
     assert between[last.end():].startswith("\x1b[K\r\n")  # the last line stays (the pty turns \n into \r\n)
+
+
+@pytest.mark.parametrize("columns", [0, 120])
+def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
+    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: a tqdm bar
+    each time, drawn to the whole of 80 columns where the terminal reports none, within the width it reports."""
+    code, screen = run_under_a_terminal(
+        [sys.executable, "-m", "jobs.prepare", f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=40"], tmp_path,
+        columns=columns)
+    assert code == 0, screen[-3000:]
+    bars = [frame for line in screen.split("\n") for frame in line.split("\r") if frame.startswith("tokenize: ")]
+    assert bars and "100%" in bars[-1] and "40/40" in bars[-1], screen[-3000:]
+    widths = {len(frame.rstrip()) for frame in bars}
+    assert max(widths) <= (columns or 80) and (columns or max(widths) == 80), widths

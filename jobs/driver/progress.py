@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import sys
 import threading
 import time
 from typing import Any, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
+from common.terminal import terminal_columns
 from jobs.driver.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
@@ -247,13 +247,9 @@ class _EraseBefore(logging.Filter):
 
 
 def _fit(text: str, stream: TextIO) -> str:
-    """``text`` cut to the terminal's width (a wrapped line could not be redrawn in place); whole where the
-    width is unknown (a terminal that reports 0 columns)."""
-    try:
-        columns = os.get_terminal_size(stream.fileno()).columns
-    except (OSError, ValueError, AttributeError):
-        columns = 0
-    return text[: columns - 1] if columns > 1 else text
+    """``text`` cut to the terminal's width, 80 columns where it reports none (a wrapped line could not be
+    redrawn in place); whole on a stream that is no terminal."""
+    return text[: terminal_columns(stream) - 1] if stream.isatty() else text
 
 
 class RunProgress:
