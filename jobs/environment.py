@@ -26,7 +26,7 @@ REQUIRED_MODULES = {
 RUNTIME_ENV = "conf/runtime-env.yaml"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray's job supervisor for the entrypoint it starts."""
-VENV_ENV = "EAGLE3_VENV"
+VENV_ENV = "EAGLE3_JOB_VENV"
 """The virtualenv the runtime env puts first on the entrypoint's PATH (``conf/runtime-env.yaml``)."""
 
 

@@ -322,7 +322,7 @@ def test_the_readme_runtime_env_on_a_local_head(ray_head, llama_fp32, demo_datas
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
     missing = tmp_path / "missing-venv"
     wrong = tmp_path / "runtime-env.yaml"
-    wrong.write_text(f"env_vars:\n  EAGLE3_VENV: {missing}\n  PATH: {missing}/bin:{other}/bin:${{PATH}}\n")
+    wrong.write_text(f"env_vars:\n  EAGLE3_JOB_VENV: {missing}\n  PATH: {missing}/bin:{other}/bin:${{PATH}}\n")
     started = time.monotonic()
     failed = subprocess.run(["bash", "-c", f"{printed.replace('conf/runtime-env.yaml', str(wrong))} {keys}"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
