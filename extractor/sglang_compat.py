@@ -21,6 +21,7 @@ import inspect
 import io
 import json
 import logging
+import os
 import re
 import warnings
 from types import SimpleNamespace
@@ -331,6 +332,20 @@ class ServingParser:
             action.required = False
         self._fields = set(_server_args_fields(ServerArgs))
         self._defaults = vars(self._parser.parse_args([]))
+        self._keep_flags()
+
+    def _keep_flags(self) -> None:
+        """The parser's flags, kept for ``extractor.serving.refuse_unknown_flags`` (a later check without SGLang)."""
+        from extractor.serving import known_flags_file
+        from storage.atomic import replace_atomically
+
+        flags = sorted(option for action in self._actions for option in action.option_strings)
+        path = known_flags_file(self.version)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            replace_atomically(path, json.dumps(flags), temp_suffix=f".{os.getpid()}.tmp")
+        except OSError as error:  # a read-only home costs only the early check
+            logger.debug("could not keep SGLang's flags in %s: %s", path, error)
 
     def words_of(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
         """A mapping of ServerArgs fields as the command-line words that set them."""
