@@ -153,7 +153,13 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_p
     absolute paths in the final message; a rerun does nothing without starting Ray; a user-named
     output.dir holding something else is refused and kept."""
     args = ["demo.dir=demo", "demo.num_samples=12", "model.tp_size=2"]  # relative: resolved on the driver
-    driver = start_job(args, cwd=tmp_path)
+    # A user's shell without RAY_AUTH_MODE, with a home of its own: the private cluster must not leave a token there.
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "eagle3-extract").symlink_to(Path.home() / ".cache" / "eagle3-extract")
+    env = {key: value for key, value in user_env(HOME=str(home)).items() if key != "RAY_AUTH_MODE"}
+    driver = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: dict[tuple[str, str, int], None] = {}
     root = psutil.Process(driver.pid)
     while driver.poll() is None:
@@ -162,6 +168,11 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_p
     stdout, stderr = driver.communicate()
     assert driver.returncode == 0, stderr[-3000:]
     assert "started a private Ray cluster on 127.0.0.1 for this run" in stderr  # its GCS: sampled below
+    assert not (home / ".ray").exists()
+    sglang = [line for line in stderr.splitlines() if re.search(r"\b(INFO|WARNING) sglang\.", line)]
+    assert not sglang, "\n".join(sglang)  # its notices about this platform and its INFO lines are filtered
+    dashboard = re.search(r"its dashboard on http://127\.0\.0\.1:(\d+)", stderr)
+    assert dashboard and any(port == int(dashboard.group(1)) for _, _, port in seen), stderr[-3000:]
     print(f"{len(seen)} listening sockets sampled: {sorted({(ip, port) for _, ip, port in seen})}")
     assert any("gcs_server" in command for command, _, _ in seen)
     assert any("spawn_main" in command for command, _, _ in seen), "the TP follower rank was never sampled"

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -39,6 +40,8 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # Ray picks its node IP from this switch (named for Windows and macOS, where it is off by
 # default): off means 127.0.0.1 for every process the cluster starts.
 RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_AUTH_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Ray's authentication settings: the mode, a token, a file holding one."""
 RAY_WORKER_LOGGER = "ray._private.worker"
 """The logger of ``ray.init`` (Ray 2.60)."""
 
@@ -175,8 +178,12 @@ def _connect(address: str) -> None:
 
 def _start_private_cluster() -> None:
     _use_loopback()
-    ray.init(address="local", runtime_env=_worker_env())
-    logger.info("started a private Ray cluster on %s for this run (no ray.address or RAY_ADDRESS given)", LOOPBACK)
+    _use_run_token()
+    context = ray.init(address="local", runtime_env=_worker_env())
+    # Its dashboard takes 8265, or the next free port where another cluster holds that one: the one it took.
+    dashboard = f", its dashboard on http://{context.dashboard_url}" if context.dashboard_url else ""
+    logger.info("started a private Ray cluster on %s for this run (no ray.address or RAY_ADDRESS given)%s",
+                LOOPBACK, dashboard)
 
 
 def _join(address: str, source: str) -> None:
@@ -229,6 +236,23 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _use_run_token() -> None:
+    """Token authentication for the private cluster with a token of this run's own, which its processes inherit.
+
+    Left to itself, Ray 2.60 turns token authentication on for a new local cluster and writes a token into
+    ~/.ray/auth_token, which every Ray started on the machine later picks up. A mode or token the user set
+    is theirs. Ray read the mode when it was imported: its config is read again (checked on Ray 2.60).
+    """
+    if any(name in os.environ for name in RAY_AUTH_SETTINGS):
+        return
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ[RAY_AUTH_SETTINGS[0]] = "token"
+    os.environ[RAY_AUTH_SETTINGS[1]] = secrets.token_hex(32)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _use_loopback() -> None:
