@@ -24,7 +24,7 @@ from typing import Optional
 import psutil
 
 from common.pythonpath import checkout_first
-from jobs.conversations.demo import demo_conversations
+from jobs.inputs.demo_chat import demo_conversations
 from testbeds.smollm2 import checkpoint_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ def run_prepare(model: Path, data: Path, out: Path, extra: list[str]) -> tuple[i
     started = time.perf_counter()
     with open(log, "w") as handle:
         process = subprocess.Popen([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
-                                    f"output.path={out}", *extra], cwd=REPO_ROOT, env=env, stdout=handle,
+                                    f"output.dir={out}", *extra], cwd=REPO_ROOT, env=env, stdout=handle,
                                    stderr=subprocess.STDOUT)
         watched = psutil.Process(process.pid)
         peak = {"rss": 0, "uss": 0}

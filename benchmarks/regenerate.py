@@ -67,7 +67,7 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[fl
     env.pop("RAY_ADDRESS", None)
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.path={out}", *keys],
+        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
@@ -78,7 +78,7 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[fl
 def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -> dict[str, Any]:
     """SGLang's own rate on the prompts ``jobs.prepare`` answered, with the engine, chat template and sampling it
     used (its own ``read_inputs`` and ``generator_spec``)."""
-    inputs = read_inputs(load_config([f"model.path={model}", f"data.path={data}", "output.path=unused", *keys]))
+    inputs = read_inputs(load_config([f"model.path={model}", f"data.path={data}", "output.dir=unused", *keys]))
     config, chat = inputs.config, inputs.chat
     context = read_checkpoint_info(str(model)).max_position_embeddings
     prompts = chat.prompt_ids([[{"role": "user", "content": text}] for text in asked])

@@ -18,11 +18,15 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib.metadata
 import io
+import itertools
 import json
 import logging
+import os
 import re
 import shlex
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from extractor.config import serving_command
@@ -217,7 +221,37 @@ def parse_serving(serving: Any) -> Optional[ServingSettings]:
     words = serving_command(serving)
     if words == ():
         return None
+    refuse_unknown_flags(serving)
     return _parse_cached(words if words is not None else json.dumps(dict(serving), sort_keys=True))
+
+
+def known_flags_file(version: str) -> Path:
+    """Where the flags of SGLang ``version``'s ``sglang serve`` parser are kept once it has been built."""
+    cache = Path(os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-extract")
+    return cache / "serving-flags" / f"sglang-{version}.json"
+
+
+def refuse_unknown_flags(serving: Any) -> None:
+    """A flag of the serving command that the installed SGLang's parser has none of, refused as that parser refuses it
+    but without importing SGLang (seconds), from the flags it had when it was last built here. Nothing is
+    refused before the parser has been built once, nor a flag that begins one of its flags (argparse takes
+    abbreviations), nor a command with --config (the file's options join it)."""
+    words = serving_command(serving)
+    if not words or "--config" in words:
+        return
+    try:
+        version = importlib.metadata.version("sglang")
+        known = set(json.loads(known_flags_file(version).read_text()))
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        return
+    for index, word in enumerate(words):
+        flag = word.split("=", 1)[0]
+        if word.startswith("--") and not any(option.startswith(flag) for option in known):
+            values = list(itertools.takewhile(lambda later: not later.startswith("-"), words[index + 1:]))
+            close = difflib.get_close_matches(flag, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"model.serving: SGLang {version} refuses the serving command: unrecognized arguments: "
+                             f"{' '.join([word, *values])}{hint}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -339,6 +373,19 @@ class ServingParser:
             action.required = False
         self._fields = set(server_args_fields(ServerArgs))
         self._defaults = vars(self._parser.parse_args([]))
+        self._keep_flags()
+
+    def _keep_flags(self) -> None:
+        """The parser's flags, kept for ``refuse_unknown_flags`` (a later check without SGLang)."""
+        from storage.atomic import replace_atomically
+
+        flags = sorted(option for action in self._actions for option in action.option_strings)
+        path = known_flags_file(self.version)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            replace_atomically(path, json.dumps(flags), temp_suffix=f".{os.getpid()}.tmp")
+        except OSError as error:  # a read-only home costs only the early check
+            logger.debug("could not keep SGLang's flags in %s: %s", path, error)
 
     def words_of(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
         """A mapping of ServerArgs fields as the command-line words that set them."""

@@ -32,6 +32,18 @@ REGISTRY_LOGGER = "sglang.srt.models.registry"
 REGISTRY_IMPORT_ERROR = "Ignore import error when loading"
 # Import-time notices that a quantization method or Triton has no kernels on this device.
 PLATFORM_WARNINGS = r"Only CUDA.* support|Triton is not supported on current platform"
+# What SGLang logs at every start about this platform or a setting the extractor chose, none of it
+# actionable (on 0.5.23 CPU, with its INFO lines, about 19 lines per run): no CUDA to detect, the open-files
+# limit already at the hard limit, the CPU thread binding and torch_native attention the extractor sets, one
+# NUMA node for two ranks, no NVIDIA driver for multimem all-gather.
+# SGLang's INFO lines go too: the extractor logs what it loaded once it is ready.
+SGLANG_LOGGER = "sglang"
+PLATFORM_NOTICES = (
+    "Cannot detect CUDA architecture", "Fail to set RLIMIT_NOFILE", "SGLANG_CPU_OMP_THREADS_BIND is set",
+    "Cuda graph is disabled because of using torch native attention backend",
+    "init_cpu_threads_env and shared memory based AllReduce is disabled", "The total number of ranks",
+    "multimem all-gather disabled",
+)
 
 
 class _DropPrefix(logging.Filter):
@@ -43,12 +55,23 @@ class _DropPrefix(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+class _DropPlatformNotices(logging.Filter):
+    """On a handler: SGLang's records that start with one of PLATFORM_NOTICES (its loggers are many)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith(SGLANG_LOGGER) and record.getMessage().startswith(PLATFORM_NOTICES))
+
+
 def quiet_import_noise() -> None:
-    """Drop SGLang's import-time noise (above) from this process's log; every other warning stays."""
+    """Drop SGLang's import-time and start-up noise (above) from this process's log; every other warning stays."""
     registry = logging.getLogger(REGISTRY_LOGGER)
     if not any(isinstance(existing, _DropPrefix) for existing in registry.filters):
         registry.addFilter(_DropPrefix(REGISTRY_IMPORT_ERROR))
     warnings.filterwarnings("ignore", message=PLATFORM_WARNINGS, category=UserWarning, module=r"sglang\.")
+    logging.getLogger(SGLANG_LOGGER).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(existing, _DropPlatformNotices) for existing in handler.filters):
+            handler.addFilter(_DropPlatformNotices())
 
 
 @dataclasses.dataclass(frozen=True)

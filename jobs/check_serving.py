@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from extractor.checkpoint import read_config, text_config
-from extractor.serving import ServingSettings, classify, parse_serving, resolved_dtype
+from extractor.serving import ServingSettings, classify, parse_serving, refuse_unknown_flags, resolved_dtype
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
 from jobs.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
@@ -114,6 +114,7 @@ def _said(value: Any, given: bool) -> str:
 def check(output_dir: Path, serving: Any, model_path: Optional[str] = None) -> tuple[bool, list[str]]:
     """(whether the server matches the run, the report's lines)."""
     content = read_manifest(output_dir)["content"]
+    refuse_unknown_flags(serving)  # a misspelt flag in seconds, before SGLang's import
     from extractor.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # before the first SGLang import: the drafter check builds models on the meta device

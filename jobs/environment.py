@@ -4,7 +4,8 @@
 Python runs ``ray job submit``'s ``python`` with its own) would die on the first import with a
 traceback. Instead the command says in one line what is missing and what to do (exit 2):
 under ``ray job submit``, pass the runtime env that runs the job in the project's virtualenv
-(``conf/runtime-env.yaml``); elsewhere, run the command with that virtualenv's python.
+(``conf/runtime-env.yaml``), or, with it, the virtualenv it names that the node lacks; elsewhere, run the
+command with that virtualenv's python.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ REQUIRED_MODULES = {
 RUNTIME_ENV = "conf/runtime-env.yaml"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray's job supervisor for the entrypoint it starts."""
+VENV_ENV = "EAGLE3_JOB_VENV"
+"""The virtualenv the runtime env puts first on the entrypoint's PATH (``conf/runtime-env.yaml``)."""
 
 
 def missing_requirements() -> list[str]:
@@ -40,7 +43,14 @@ def refuse_incomplete_environment() -> None:
     if not missing:
         return
     where = f"this Python ({sys.executable}) lacks {', '.join(missing)}, which eagle3-extract needs"
-    if RAY_JOB_ENV in os.environ:
+    venv = os.environ.get(VENV_ENV, "")
+    if RAY_JOB_ENV in os.environ and venv and not (Path(venv) / "bin" / "python").exists():
+        todo = (f"{RUNTIME_ENV} runs the job in {venv}, but {Path(venv) / 'bin' / 'python'} does not exist on this "
+                "node; install the project there (cluster.yaml does) or write the path of the virtualenv that "
+                f"holds it on every node into {RUNTIME_ENV} (docs/cluster.md)")
+    elif RAY_JOB_ENV in os.environ and venv:
+        todo = f"install the project into {venv} (pip install -e \".[gpu]\", docs/install.md)"
+    elif RAY_JOB_ENV in os.environ:
         todo = (f"the Ray cluster started the job with its own Python; submit with --runtime-env {RUNTIME_ENV} to run "
                 "it in the project's virtualenv on every node (docs/cluster.md), or install the project there")
     else:

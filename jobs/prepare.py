@@ -7,7 +7,7 @@ through SGLang first. With neither ``model.path`` nor ``data.path`` it runs the 
 model and conversations made locally. Rerunning the same command resumes (or says it is done).
 
 Exit codes (``jobs.errors``): 0 done, 2 bad config or input (the message names the file, row and
-reason), 4 a fault (rerun: it resumes), 5 output.path in use by another prepare, 130/143 stopped by
+reason), 4 a fault (rerun: it resumes), 5 output.dir in use by another prepare, 130/143 stopped by
 a signal (rerun: it resumes).
 """
 
@@ -33,7 +33,7 @@ DESCRIPTION = (
     "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
     "by the target through SGLang. " + exit_codes({
         EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input", EXIT_FAULT: "fault (rerun: it resumes)",
-        EXIT_LOCKED: "output.path in use",
+        EXIT_LOCKED: "output.dir in use",
     }, signals="rerun: it resumes")
 )
 
@@ -49,18 +49,18 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
     model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
     config = dataclasses.replace(config, model=model)
     paths = absolute_paths({"model.path": config.model.path, "data.path": config.data.path,
-                            "output.path": config.output.path, "model.chat_template": config.model.chat_template},
-                           inside_job, example="output.path=/mnt/nvme/data/tokens")
+                            "output.dir": config.output.dir, "model.chat_template": config.model.chat_template},
+                           inside_job, example="output.dir=/mnt/nvme/data/tokens")
     return dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, path=paths["model.path"], chat_template=paths["model.chat_template"]),
         data=dataclasses.replace(config.data, path=paths["data.path"]),
-        output=dataclasses.replace(config.output, path=paths["output.path"]),
+        output=dataclasses.replace(config.output, dir=paths["output.dir"]),
     )
 
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
-    """Read and check everything, then write under output.path's lock; returns the side record."""
+    """Read and check everything, then write under output.dir's lock; returns the side record."""
     if config.is_demo:
         from jobs.conversations.demo import demo_config
 

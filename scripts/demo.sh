@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(bash scripts/setup.sh)
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 exec "$python" -m jobs.extract "$@"

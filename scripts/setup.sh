@@ -4,7 +4,8 @@
 # packages behind its own and holds this checkout, editable (the eagle3-* commands, running this
 # checkout's code); prints that python. Two checkouts never touch each other's .venv, and neither
 # writes the project into the shared one. Re-running it after a lock file or pyproject.toml changes
-# reinstalls what changed; otherwise it returns at once.
+# reinstalls what changed; otherwise it returns at once. Setups run one at a time (a lock beside the shared
+# virtualenv). With .venv activated, `pip` is its own.
 #   bash scripts/setup.sh                 the main environment (SGLang 0.5.23, CPU)
 #   bash scripts/setup.sh sglang-0.5.17   SGLang 0.5.17 overlaid on the main environment
 #   EAGLE3_VENV  where the shared virtualenv lives (default ~/.venvs/eagle3-extract)
@@ -40,7 +41,7 @@ install_checkout() {  # this checkout's .venv: the shared packages behind it, th
   shared_site=$(site_of "$main_venv")
   local stamp="$venv/.project-$({ echo "$root"; echo "$shared_site"; ls "$main_venv"/.installed-*;
     cat "$root/pyproject.toml"; } | sha256sum | cut -c1-16)"
-  [ -f "$stamp" ] && [ -x "$venv/bin/eagle3-extract" ] && return
+  [ -f "$stamp" ] && [ -x "$venv/bin/eagle3-extract" ] && [ -x "$venv/bin/pip" ] && return
   echo "setup: installing the project from $root into $venv (editable)" >&2
   [ -x "$venv/bin/python" ] || "$main_venv/bin/python" -m venv --without-pip "$venv"
   echo "$shared_site" > "$(site_of "$venv")/zz_eagle3_shared_environment.pth"
@@ -54,10 +55,19 @@ install_checkout() {  # this checkout's .venv: the shared packages behind it, th
     case "$(basename "$command")" in activate*|python*|pip*|eagle3-*) continue ;; esac
     [ -e "$venv/bin/$(basename "$command")" ] || ln -s "$command" "$venv/bin/"
   done
+  # pip of this virtualenv (pip's own code is the shared one's): with it activated, `pip` installs here.
+  for command in pip pip3; do
+    printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n' > "$venv/bin/$command"
+    chmod +x "$venv/bin/$command"
+  done
   rm -f "$venv"/.project-*
   touch "$stamp"
 }
 
+# One setup at a time on this machine (two demos started at once): the second waits, then finds it all done.
+mkdir -p "$(dirname "$main_venv")"
+exec 9>"$main_venv.setup-lock"
+flock -n 9 || { echo "setup: waiting for another setup (scripts/setup.sh) to finish" >&2; flock 9; }
 install_locked "$main_venv" "$root/requirements/cpu-lock.txt"
 install_checkout
 case "$overlay" in

@@ -131,7 +131,7 @@ RUN_AS_PRINTED = {
 """README commands a test runs exactly as printed, and the test."""
 NOT_RUNNABLE_HERE = {
     "bash scripts/test.sh": "it is the suite itself (CI runs it: .ci/run)",
-    "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.path=/data/tokens":
+    "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.dir=/data/tokens":
         "a checkpoint at /models/target; tests/jobs/test_prepare_extract.py runs prepare -> extract -> verify on a tiny one",
     "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
         "the same placeholder checkpoint",

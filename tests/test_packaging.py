@@ -106,6 +106,25 @@ def test_each_checkout_gets_its_own_venv_and_never_touches_another(private_share
     assert again.stdout.strip() == str(clones[0] / ".venv" / "bin" / "python")
 
 
+def test_two_setups_at_once_install_once_and_pip_is_the_venvs_own(private_shared_venv, tmp_path):
+    """Two `bash scripts/setup.sh` started together (two demos at once) in one clone: one installs, the other waits
+    for it and finds everything done. In the shell with .venv activated, `pip` is that virtualenv's."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "EAGLE3_VENV": str(private_shared_venv)}
+    clone = clone_checkout(tmp_path / "clone")
+    setups = [subprocess.Popen(["bash", str(clone / "scripts" / "setup.sh")], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [setup.communicate(timeout=300) for setup in setups]
+    assert [setup.returncode for setup in setups] == [0, 0], outputs
+    assert all(stdout.strip() == str(clone / ".venv" / "bin" / "python") for stdout, _ in outputs)
+    installing = f"setup: installing the project from {clone} into {clone / '.venv'} (editable)"
+    assert sum(installing in stderr for _, stderr in outputs) == 1, outputs
+    activated = subprocess.run(["bash", "-c", "source .venv/bin/activate && command -v pip && pip show eagle3-extract"],
+                               cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+    assert activated.returncode == 0, activated.stderr[-2000:]
+    assert activated.stdout.splitlines()[0] == str(clone / ".venv" / "bin" / "pip")
+    assert f"Editable project location: {clone}" in activated.stdout, activated.stdout
+
+
 def test_the_commands_check_for_every_dependency():
     """jobs.environment (a command's one-line refusal on a Python without the project's packages) checks exactly
     pyproject.toml's dependencies, each through the module the code imports."""

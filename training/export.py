@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from common.terminal import tqdm_width
 from storage import checksum, schema
 from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE
 from storage.reader import Sample, sample_from_table
@@ -539,7 +540,7 @@ class _Progress:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="sample", desc="export", dynamic_ncols=True)
+            self._bar = tqdm(total=total, unit="sample", desc="export", **tqdm_width(sys.stderr))
 
     def update(self, samples: int, size: int) -> None:
         self.done += samples

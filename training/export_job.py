@@ -41,7 +41,7 @@ class RunSource:
 class ExportConfig:
     output: RunSource = dataclasses.field(default_factory=RunSource)
     to: str = ""
-    """specforge | speculators: the trainer whose layout to write."""
+    """specforge | speculators (any case): the trainer whose layout to write."""
     dest: str = ""
     """Directory (local path or fsspec URL) to write into, created if missing. speculators: the dataset goes at its
     top, the states under hidden_states/."""
@@ -72,6 +72,7 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if not self.output.dir:
             raise ValueError("name the run: output.dir=DIR (its output.dir) or a URL holding its shard files")
+        self.to = self.to.lower() if isinstance(self.to, str) else self.to  # to=SpecForge as the trainer spells it
         if self.to not in peer_formats.FORMATS:
             raise ValueError(f"to={self.to!r}: use {' or '.join(peer_formats.FORMATS)}")
         if not self.dest:

@@ -20,7 +20,7 @@ def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens:
     on (on the H200 a greedy answer held the literal text ``<|im_end|>``; 2 of 3,000 rows were left out) is
     left out and listed in ``_skipped_rows.jsonl`` instead of stopping the run."""
     return [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={conversations}",
-            f"output.path={out}", "regenerate=true", "generation.temperature=0",
+            f"output.dir={out}", "regenerate=true", "generation.temperature=0",
             f"generation.max_new_tokens={max_new_tokens}", f"model.cuda_graph={str(cuda_graph).lower()}",
             "data.on_invalid=skip"]
 

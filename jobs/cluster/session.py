@@ -16,8 +16,10 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,6 +41,8 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # Ray picks its node IP from this switch (named for Windows and macOS, where it is off by
 # default): off means 127.0.0.1 for every process the cluster starts.
 RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_AUTH_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Ray's authentication settings: the mode, a token, a file holding one."""
 RAY_WORKER_LOGGER = "ray._private.worker"
 """The logger of ``ray.init`` (Ray 2.60)."""
 
@@ -104,12 +108,17 @@ def _worker_env() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": checkout_first(REPO_ROOT)}}
 
 
-def _job_runtime_env() -> dict[str, Any] | None:
-    """Under ``ray job submit --working-dir`` the workers already import from it; otherwise point them here."""
-    job = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("runtime_env") or {}
-    if job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {}):
-        return None
-    return _worker_env()
+def _joined_runtime_env(job: dict[str, Any]) -> dict[str, Any]:
+    """What the workers of a cluster this driver joins run with, on top of the job's own runtime env ``job``.
+
+    Their Python is the driver's, which holds this project (``jobs.environment`` checked it), unless the job's
+    runtime env names one: a joined cluster's raylets start workers with the Python that started Ray, which
+    may lack it. Under ``ray job submit --working-dir`` the workers import from it; otherwise from here.
+    """
+    extra: dict[str, Any] = {} if "py_executable" in job else {"py_executable": sys.executable}
+    if not (job.get("working_dir") or "PYTHONPATH" in (job.get("env_vars") or {})):
+        extra.update(_worker_env())
+    return extra
 
 
 class _NotMainThread(logging.Filter):
@@ -159,7 +168,8 @@ def _connect_off_main_thread(address: str, session_over: threading.Event) -> Non
 
 def _connect(address: str) -> None:
     if inside_ray_job():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_job_runtime_env())
+        job = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("runtime_env") or {}
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", runtime_env=_joined_runtime_env(job))
     elif address or os.environ.get("RAY_ADDRESS"):
         _join(address or os.environ["RAY_ADDRESS"], "ray.address" if address else "RAY_ADDRESS")
     else:
@@ -168,8 +178,12 @@ def _connect(address: str) -> None:
 
 def _start_private_cluster() -> None:
     _use_loopback()
-    ray.init(address="local", runtime_env=_worker_env())
-    logger.info("started a private Ray cluster on %s for this run (no ray.address or RAY_ADDRESS given)", LOOPBACK)
+    _use_run_token()
+    context = ray.init(address="local", runtime_env=_worker_env())
+    # Its dashboard takes 8265, or the next free port where another cluster holds that one: the one it took.
+    dashboard = f", its dashboard on http://{context.dashboard_url}" if context.dashboard_url else ""
+    logger.info("started a private Ray cluster on %s for this run (no ray.address or RAY_ADDRESS given)%s",
+                LOOPBACK, dashboard)
 
 
 def _join(address: str, source: str) -> None:
@@ -185,7 +199,7 @@ def _join(address: str, source: str) -> None:
         if _is_loopback(host):
             _use_loopback()  # a head on loopback registered its node as 127.0.0.1: this driver must too
     try:
-        ray.init(address=address, runtime_env=_worker_env())
+        ray.init(address=address, runtime_env=_joined_runtime_env({}))
     except (ConnectionError, RuntimeError, TimeoutError) as error:
         raise ConfigError(
             f"could not join the Ray cluster at {source}={address}: {' '.join(str(error).split())[:300]}. "
@@ -222,6 +236,23 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _use_run_token() -> None:
+    """Token authentication for the private cluster with a token of this run's own, which its processes inherit.
+
+    Left to itself, Ray 2.60 turns token authentication on for a new local cluster and writes a token into
+    ~/.ray/auth_token, which every Ray started on the machine later picks up. A mode or token the user set
+    is theirs. Ray read the mode when it was imported: its config is read again (checked on Ray 2.60).
+    """
+    if any(name in os.environ for name in RAY_AUTH_SETTINGS):
+        return
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ[RAY_AUTH_SETTINGS[0]] = "token"
+    os.environ[RAY_AUTH_SETTINGS[1]] = secrets.token_hex(32)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _use_loopback() -> None:

@@ -86,7 +86,7 @@ class ConversationDataConfig:
     drop (the turn is left out) or keep (rendered under its role, never in the loss mask)."""
     on_invalid: str = "fail"
     """A bad row (missing field, unknown role, empty turn, not ending with an assistant turn, not renderable):
-    fail (stop, naming file, row and reason; exit 2) or skip (leave it out, listed in output.path/_skipped_rows.jsonl)."""
+    fail (stop, naming file, row and reason; exit 2) or skip (leave it out, listed in output.dir/_skipped_rows.jsonl)."""
     max_length: int = 0
     """Longest tokenized conversation kept; 0: the model's max_position_embeddings (what jobs.extract accepts)."""
     on_too_long: str = "truncate"
@@ -110,7 +110,7 @@ class ConversationDataConfig:
 
 @dataclasses.dataclass
 class PrepareOutputConfig:
-    path: str = ""
+    dir: str = ""
     """Directory the tokenized Parquet parts go to (give it to jobs.extract as data.path), with _prepare.json.
     Empty in the demo: demo.dir/tokens."""
     shard_size: int = 5000
@@ -200,8 +200,8 @@ class PrepareConfig:
             )
         if not is_int(self.workers) or self.workers < 0:
             raise ValueError(f"workers={self.workers!r}: must be an integer >= 0 (0: one per CPU)")
-        if not self.is_demo and not self.output.path:
-            raise ValueError("output.path is empty: name the directory the tokenized Parquet goes to")
+        if not self.is_demo and not self.output.dir:
+            raise ValueError("output.dir is empty: name the directory the tokenized Parquet goes to")
 
     @property
     def is_demo(self) -> bool:

@@ -71,7 +71,7 @@ def now() -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     """``text`` under ``path``, whole or not at all (temp name, fsync, rename)."""
-    temp = temp_path(path)  # hidden, unlike replace_atomically's: readers of output.path skip it
+    temp = temp_path(path)  # hidden, unlike replace_atomically's: readers of output.dir skip it
     write_synced(temp, text.encode())
     os.replace(temp, path)
     fsync_path(path.parent)
@@ -89,10 +89,10 @@ def read_record(out: Path) -> Optional[dict[str, Any]]:
         record = json.loads(path.read_text())
     except ValueError as error:
         raise ValueError(f"{path} is not valid JSON ({error}); it is not a record this command wrote whole. Move "
-                         "the directory away or choose another output.path") from None
+                         "the directory away or choose another output.dir") from None
     if record.get("format") != RECORD_FORMAT:
         raise ValueError(f"{path} is not a jobs.prepare record (format {record.get('format')!r}); choose another "
-                         "output.path")
+                         "output.dir")
     return record
 
 
@@ -101,7 +101,7 @@ def read_record(out: Path) -> Optional[dict[str, Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class Existing:
-    """What output.path holds before this run."""
+    """What output.dir holds before this run."""
 
     record: Optional[dict[str, Any]]
 
@@ -113,31 +113,31 @@ class Existing:
 def inspect_output(out: Path, content: dict[str, Any], regeneration: Optional[dict[str, Any]]) -> Existing:
     """Whether this run may write into ``out``; raises ValueError (nothing touched) where it may not."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"output.path={out} is a file; name a directory for the tokenized parts")
+        raise ValueError(f"output.dir={out} is a file; name a directory for the tokenized parts")
     record = read_record(out) if out.is_dir() else None
     if record is None:
         held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
         if held:
             shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-            raise ValueError(f"output.path={out} holds {shown} and no {RECORD_FILE}: it is not a jobs.prepare output. "
+            raise ValueError(f"output.dir={out} holds {shown} and no {RECORD_FILE}: it is not a jobs.prepare output. "
                              "Choose an empty or new directory; nothing there was touched")
         return Existing(None)
     foreign = [path.name for path in sorted(out.iterdir()) if not _is_own_entry(path)]
     if foreign:
-        raise ValueError(f"output.path={out} holds {', '.join(foreign[:5])}, which jobs.prepare did not write: readers "
-                         "of the directory would take it for data. Move it away, or choose another output.path")
+        raise ValueError(f"output.dir={out} holds {', '.join(foreign[:5])}, which jobs.prepare did not write: readers "
+                         "of the directory would take it for data. Move it away, or choose another output.dir")
     answers = list_regenerated(out)
     if answers and regeneration is not None and record.get("regeneration") != regeneration:
         differs = _differences(record.get("regeneration") or {}, regeneration)
         raise ValueError(
-            f"output.path={out} holds {len(answers)} shards of answers regenerated with other settings (differs in: "
-            f"{differs}); rerun with those settings to resume, or choose another output.path. Nothing was touched"
+            f"output.dir={out} holds {len(answers)} shards of answers regenerated with other settings (differs in: "
+            f"{differs}); rerun with those settings to resume, or choose another output.dir. Nothing was touched"
         )
     if record.get("state") == COMPLETE and record.get("content") != content:
         differs = _differences(record.get("content") or {}, content)
         raise ValueError(
-            f"output.path={out} holds a complete prepare of other inputs or settings (differs in: {differs}); "
-            "choose another output.path (nothing was touched), or move that one away first"
+            f"output.dir={out} holds a complete prepare of other inputs or settings (differs in: {differs}); "
+            "choose another output.dir (nothing was touched), or move that one away first"
         )
     return Existing(record)
 

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Inputs:
-    """What the run reads before it touches output.path."""
+    """What the run reads before it touches output.dir."""
 
     config: PrepareConfig
     chat: ChatTemplate
@@ -126,7 +126,7 @@ def read_inputs(config: PrepareConfig) -> Inputs:
     total = sum(count_rows(fs, file) for file in files)
     if total == 0:
         raise ValueError(f"data.path={config.data.path}: the files hold no rows")
-    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.path), serving)
+    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.dir), serving)
 
 
 # -- shards -------------------------------------------------------------------------------------

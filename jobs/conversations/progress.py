@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any, Optional
 
+from common.terminal import tqdm_width
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,7 +24,7 @@ class Progress:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=already, unit="conv", desc=what, dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=already, unit="conv", desc=what, **tqdm_width(sys.stderr))
 
     @property
     def rate(self) -> float:

@@ -265,6 +265,10 @@ class _Plan:
         return bounds[0], bounds[1]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""A checkpoint's tokenizer files: one of them at least."""
+
+
 def _error(error: Exception) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
@@ -275,12 +279,26 @@ def _load_tokenizer(model_path: str, trust_remote_code: bool) -> Any:
 
     if not Path(model_path).is_dir():
         raise ValueError(f"model.path={model_path}: no such directory (a checkpoint directory with the tokenizer)")
+    if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"model.path={model_path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); point "
+                         "model.path at the checkpoint as released, with its tokenizer files, or copy them in")
     try:
         return transformers.AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        hint = "" if trust_remote_code else (
-            "; if it ships its own tokenizer code (as Kimi-K2.5's does) and you trust it, set model.trust_remote_code=true")
+        hint = "" if trust_remote_code or not _ships_tokenizer_code(Path(model_path)) else (
+            "; it ships its own tokenizer code (as Kimi-K2.5's does): if you trust it, set model.trust_remote_code=true")
         raise ValueError(f"model.path={model_path}: cannot load its tokenizer ({_error(error)}){hint}") from None
+
+
+def _ships_tokenizer_code(directory: Path) -> bool:
+    """Whether the checkpoint names code of its own for its tokenizer (``auto_map`` in its configs)."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            if "auto_map" in json.loads((directory / name).read_text()):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def _stop_ids(tokenizer: Any, model_path: str, names: Sequence[str]) -> dict[int, str]:

@@ -83,6 +83,8 @@ class DiskBudget:
         self.overshoot = 0
         self.changes = 0
         """Counts every change of the accounting: an admission refused at one count is refused until it moves."""
+        self._free_seen: int | None = None
+        """free_after_reservations() as last looked at."""
 
     def for_disk(self, disk: LocalDisk) -> "DiskBudget":
         """The same limits for a node's directory (each node has its own budget)."""
@@ -160,7 +162,14 @@ class DiskBudget:
     def free_after_reservations(self) -> int:
         """Free bytes on the disk once every reserved byte not yet written lands (temp files hold the rest)."""
         free, unwritten = self.disk.free_and_unwritten(self._reserved)
-        return free - unwritten
+        self._free_seen = free - unwritten
+        return self._free_seen
+
+    def room(self) -> int:
+        """The bytes of shard files this directory can hold: the budget, or less where the disk, as last looked at
+        (once, if never), holds less above output.min_free."""
+        free = self._free_seen if self._free_seen is not None else self.free_after_reservations()
+        return min(self.limit, self.used + max(0, free - self.min_free_bytes))
 
     def _set(self, table: dict[int, int], shard: int, nbytes: int | None) -> None:
         """The one place the tables change: their totals follow in O(1)."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import sys
 import threading
 import time
 from typing import Any, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
+from common.terminal import terminal_columns
 from jobs.driver.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
@@ -93,17 +93,23 @@ class ProgressSnapshot:
     disk_used: int
     disk_budget: int
     waiting_for_disk: int
+    disk_room: int = 0
+    """What the shard files can take: disk_budget, or less where the disk has less free (above output.min_free);
+    0 in a summary written before it was reported."""
 
     def describe(self) -> str:
-        """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``."""
+        """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``
+        (``disk 40.0 GB/75.0 GB (free space; budget 1.3 TB)`` where the disk holds less than the budget)."""
         share = 100 * self.tokens_done / self.tokens_planned if self.tokens_planned else 100.0
+        room = self.disk_room or self.disk_budget
         parts = [
             f"shards {self.shards_done}/{self.shards_total}",
             f"samples {format_count(self.samples_done)}/{format_count(self.samples_planned)}",
             f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)} ({share:.0f}%)",
             f"{format_count(self.tokens_per_second)} tok/s",
             f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
-            f"disk {format_bytes(self.disk_used)}/{format_bytes(self.disk_budget)}",
+            f"disk {format_bytes(self.disk_used)}/{format_bytes(room)}"
+            + (f" (free space; budget {format_bytes(self.disk_budget)})" if room < self.disk_budget else ""),
         ]
         if self.waiting_for_disk:
             parts.append("waiting for disk budget")
@@ -241,13 +247,9 @@ class _EraseBefore(logging.Filter):
 
 
 def _fit(text: str, stream: TextIO) -> str:
-    """``text`` cut to the terminal's width (a wrapped line could not be redrawn in place); whole where the
-    width is unknown (a terminal that reports 0 columns)."""
-    try:
-        columns = os.get_terminal_size(stream.fileno()).columns
-    except (OSError, ValueError, AttributeError):
-        columns = 0
-    return text[: columns - 1] if columns > 1 else text
+    """``text`` cut to the terminal's width, 80 columns where it reports none (a wrapped line could not be
+    redrawn in place); whole on a stream that is no terminal."""
+    return text[: terminal_columns(stream) - 1] if stream.isatty() else text
 
 
 class RunProgress:
@@ -387,6 +389,7 @@ class RunProgress:
             eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
             disk_used=sum(budget.used for budget in self.budgets),
             disk_budget=sum(budget.limit for budget in self.budgets),
+            disk_room=sum(budget.room() for budget in self.budgets),
             waiting_for_disk=int(self.waiting),
         )
 

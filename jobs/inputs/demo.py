@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.inputs.config import DEMO_ARCHS
+from jobs.inputs.demo_chat import DEMO_VOCAB_SIZE, build_chat_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEMO_VOCAB_SIZE = 512
 
 # Kimi-K2.5's MoonViT (27 blocks of width 1152 as released) at toy size. The released config.json
 # carries only the vt_* names (the projector reads them); SGLang's MoonViT reads the plain names and
@@ -228,13 +228,16 @@ def build_synthetic_dataset(
 
 
 def prepare_demo(directory: str | Path, arch: str, num_samples: int, seed: int) -> tuple[Path, Path]:
-    """Model and dataset for the demo run, built once and reused by later runs."""
+    """Model and dataset for the demo run, built once and reused by later runs. The model has a chat tokenizer
+    of its vocabulary, so that ``jobs.prepare`` and a trainer take it as they take a real checkpoint."""
     directory = Path(directory)
     model_dir = directory / f"model-{arch}-seed{seed}"
     data_path = directory / f"data-{num_samples}-seed{seed}.parquet"
     if not (model_dir / "config.json").exists():
         logger.info("demo: building a tiny random %s model in %s", arch, model_dir)
         build_tiny_model(model_dir, arch=arch, seed=seed)
+    if not (model_dir / "tokenizer.json").exists():
+        build_chat_tokenizer(model_dir)
     if not data_path.exists():
         build_synthetic_dataset(data_path, num_samples=num_samples, seed=seed)
     return model_dir, data_path

@@ -304,7 +304,7 @@ def _refuse_conversations(file: InputFile, fields: list[str]) -> None:
     if found and INPUT_IDS not in fields:
         raise ValueError(
             f"{file.name} is a conversations file ({found[0]!r}, no {INPUT_IDS!r}): jobs.extract reads token ids. "
-            "Tokenize it first with python -m jobs.prepare model.path=MODEL data.path=FILE output.path=DIR, then "
+            "Tokenize it first with python -m jobs.prepare model.path=MODEL data.path=FILE output.dir=DIR, then "
             "give jobs.extract data.path=DIR (docs/conversations.md)"
         )
 

@@ -5,6 +5,7 @@ refused before Ray when SGLang refuses them, and compared with a run by jobs.che
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ from jobs.config import load_config
 from jobs.extract import main as extract_main
 from jobs.extract import run
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE
-from storage.manifest import read_manifest
+from storage.manifest import Manifest, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import HIDDEN, engine_spec, hf_hidden_states, job_config, python_env, read_all
 
@@ -128,6 +129,29 @@ def test_sglang_parses_the_command_and_refuses_what_it_refuses(llama_fp32):
     spec = GeneratorSpec(model_path="m", dtype="float32", device="cpu", seed=3,
                          server_args={"json_model_override_args": OVERRIDE, "random_seed": 9})
     assert _engine_args(spec)["json_model_override_args"] == OVERRIDE and _engine_args(spec)["random_seed"] == 3
+
+
+def test_check_serving_refuses_a_misspelt_flag_without_importing_sglang(llama_fp32, tmp_path):
+    """Once SGLang's parser has been built here (its flags kept), `jobs.check_serving` refuses a flag it lacks as
+    SGLang does, with the flag it likely meant, before importing SGLang: here an `sglang` package that cannot be
+    imported stands in front of the real one."""
+    env = python_env(EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    run.mkdir()
+    Manifest.open(run, {"model.path": str(llama_fp32)}, [(0, 0, 4)])
+    command = [sys.executable, "-m", "jobs.check_serving", f"output.dir={run}", "--", "--dtype", "float32",
+               "--kv-cache-dtpye", "fp8_e4m3"]
+    built = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 2 and "unrecognized arguments: --kv-cache-dtpye fp8_e4m3" in built.stderr, built.stderr
+    blocker = tmp_path / "blocker" / "sglang"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('SGLang was imported')\n")
+    blocked = {**env, "PYTHONPATH": f"{blocker.parent}:{env['PYTHONPATH']}"}
+    fast = subprocess.run(command, cwd=REPO_ROOT, env=blocked, capture_output=True, text=True, timeout=600)
+    assert fast.returncode == 2 and fast.stdout == "", fast.stderr
+    assert fast.stderr.splitlines()[-1] == (f"error: model.serving: SGLang {importlib.metadata.version('sglang')} refuses the "
+                                   "serving command: unrecognized arguments: --kv-cache-dtpye fp8_e4m3 (did you mean "
+                                   "--kv-cache-dtype?)"), fast.stderr
 
 
 def test_a_refused_command_stops_the_job_before_ray(llama_fp32, demo_dataset, tmp_path, capsys):

@@ -328,5 +328,5 @@ def test_a_conversations_file_is_named_as_such_with_the_command_that_tokenizes_i
             open_tokenized_dataset(str(path), VOCAB, 100, on_invalid=mode)
         assert str(refused.value) == (
             f"{path} is a conversations file ('{field}', no 'input_ids'): jobs.extract reads token ids. Tokenize it "
-            "first with python -m jobs.prepare model.path=MODEL data.path=FILE output.path=DIR, then give jobs.extract "
+            "first with python -m jobs.prepare model.path=MODEL data.path=FILE output.dir=DIR, then give jobs.extract "
             "data.path=DIR (docs/conversations.md)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import re
 import subprocess
 import sys
@@ -28,10 +29,12 @@ from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
-from tests.conftest import REPO_ROOT, free_port, ray_temp_dir
+from tests.conftest import REPO_ROOT, free_port, ray_temp_dir, readme_commands
 from tests.helpers import assert_run_verifies, checksum_of, read_all, user_env
 
 RAY = str(Path(sys.executable).parent / "ray")
+ACTIVATED = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+"""PATH in a shell with this virtualenv activated."""
 
 
 def start_job(args: list[str], cwd: Path = REPO_ROOT, **env: str) -> subprocess.Popen:
@@ -150,7 +153,13 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_p
     absolute paths in the final message; a rerun does nothing without starting Ray; a user-named
     output.dir holding something else is refused and kept."""
     args = ["demo.dir=demo", "demo.num_samples=12", "model.tp_size=2"]  # relative: resolved on the driver
-    driver = start_job(args, cwd=tmp_path)
+    # A user's shell without RAY_AUTH_MODE, with a home of its own: the private cluster must not leave a token there.
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "eagle3-extract").symlink_to(Path.home() / ".cache" / "eagle3-extract")
+    env = {key: value for key, value in user_env(HOME=str(home)).items() if key != "RAY_AUTH_MODE"}
+    driver = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: dict[tuple[str, str, int], None] = {}
     root = psutil.Process(driver.pid)
     while driver.poll() is None:
@@ -159,6 +168,11 @@ def test_demo_is_private_loopback_resumable_and_keeps_user_files(ray_head, tmp_p
     stdout, stderr = driver.communicate()
     assert driver.returncode == 0, stderr[-3000:]
     assert "started a private Ray cluster on 127.0.0.1 for this run" in stderr  # its GCS: sampled below
+    assert not (home / ".ray").exists()
+    sglang = [line for line in stderr.splitlines() if re.search(r"\b(INFO|WARNING) sglang\.", line)]
+    assert not sglang, "\n".join(sglang)  # its notices about this platform and its INFO lines are filtered
+    dashboard = re.search(r"its dashboard on http://127\.0\.0\.1:(\d+)", stderr)
+    assert dashboard and any(port == int(dashboard.group(1)) for _, _, port in seen), stderr[-3000:]
     print(f"{len(seen)} listening sockets sampled: {sorted({(ip, port) for _, ip, port in seen})}")
     assert any("gcs_server" in command for command, _, _ in seen)
     assert any("spawn_main" in command for command, _, _ in seen), "the TP follower rank was never sampled"
@@ -234,7 +248,8 @@ def ray_head() -> Iterator[RayHead]:
              f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
              "--disable-usage-stats"],
             # Metrics reach the endpoint every second (Ray's floor) rather than every 10 s: the job is short.
-            env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000"),
+            # Started from the activated virtualenv, as docs/install.md's user would.
+            env=user_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000", PATH=ACTIVATED),
             capture_output=True, text=True, timeout=180,
         )
         try:
@@ -292,6 +307,41 @@ def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
         if match and match.group(1).startswith("ray_eagle3_"):
             samples.append((match.group(1), dict(_LABEL.findall(match.group(2))), float(match.group(3))))
     return samples
+
+
+def test_the_readme_runtime_env_on_a_local_head(ray_head, llama_fp32, demo_dataset, tmp_path):
+    """The README's `ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m jobs.extract`,
+    as printed up to the job's keys, to a head started from the activated virtualenv on a machine without
+    ~/eagle3-venv (cluster.yaml's): the job runs in the head's Python and completes. The same env naming a
+    virtualenv that is not there, on a head whose `python` lacks the project, fails at once with one line naming
+    the missing path."""
+    assert not (Path.home() / "eagle3-venv").exists()
+    submit_line = next(command for command in readme_commands() if command.startswith("ray job submit"))
+    printed = submit_line[:submit_line.index("python -m jobs.extract") + len("python -m jobs.extract")]
+    assert "--runtime-env conf/runtime-env.yaml" in printed
+    env = user_env(RAY_ADDRESS=ray_head.dashboard_url, PATH=ACTIVATED)
+    out = tmp_path / "out"
+    keys = f"model.path={llama_fp32} data.path={demo_dataset} output.dir={out} data.shard_size=10"
+    ran = subprocess.run(["bash", "-c", f"{printed} {keys}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
+    assert f"2 of 2 shards done in {out}: 20 samples" in ran.stdout, ran.stdout[-3000:]
+    assert sorted(read_all(out)) == list(range(20))
+
+    # A Python without the project first on the entrypoint's PATH, as on a head that another Python started.
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    missing = tmp_path / "missing-venv"
+    wrong = tmp_path / "runtime-env.yaml"
+    wrong.write_text(f"env_vars:\n  EAGLE3_JOB_VENV: {missing}\n  PATH: {missing}/bin:{other}/bin:${{PATH}}\n")
+    started = time.monotonic()
+    failed = subprocess.run(["bash", "-c", f"{printed.replace('conf/runtime-env.yaml', str(wrong))} {keys}"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    print(f"a runtime env naming a missing virtualenv: `ray job submit` ended after {time.monotonic() - started:.0f} s")
+    assert failed.returncode != 0, failed.stdout[-3000:]
+    errors = sorted({line for line in failed.stdout.splitlines() if line.startswith("error: ")})
+    assert len(errors) == 1 and f"{missing}/bin/python does not exist on this node" in errors[0], failed.stdout[-3000:]
+    assert "Traceback" not in failed.stdout
 
 
 def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):

@@ -15,10 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations, write_conversations
+from jobs.conversations.demo import build_chat_model, write_conversations
+from jobs.inputs.demo_chat import CHATML, demo_conversations
 from jobs.conversations.output import RECORD_FILE, SKIPPED_FILE
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK
 from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.inputs.demo import build_tiny_model, prepare_demo
 from jobs.prepare import main
 from tests.conftest import REPO_ROOT
 
@@ -40,7 +42,7 @@ def tokenizer(model):
 def prepare(capsys, model: Path, data: Path, out: Path, *overrides: str) -> tuple[int, str]:
     """Run the command; returns its exit code and what it printed on stderr (a refusal's ``error:`` line)."""
     capsys.readouterr()
-    code = main([f"model.path={model}", f"data.path={data}", f"output.path={out}", *overrides])
+    code = main([f"model.path={model}", f"data.path={data}", f"output.dir={out}", *overrides])
     return code, capsys.readouterr().err
 
 
@@ -283,7 +285,7 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, {"id": 1}])
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
-                             f"output.path={tmp_path / 'out'}"], cwd=REPO_ROOT, env=env, capture_output=True,
+                             f"output.dir={tmp_path / 'out'}"], cwd=REPO_ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-2000:]
     assert f"{data} row 1 (line 2) (conversation_id 1): no 'conversations' field" in result.stderr
@@ -292,7 +294,7 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
     help_text = capsys.readouterr().out
     assert exited.value.code == 0 and help_text.startswith("usage: ")
     for key in ("model.chat_template", "data.format", "data.other_roles", "data.on_invalid", "data.max_length",
-                "data.on_too_long", "output.path", "output.shard_size", "regenerate", "generation.max_new_tokens",
+                "data.on_too_long", "output.dir", "output.shard_size", "regenerate", "generation.max_new_tokens",
                 "generation.temperature"):
         assert f"  {key} = " in help_text, key
 
@@ -304,6 +306,21 @@ def test_the_demo_starts_from_conversations(capsys, tmp_path):
     assert f"12 of 12 conversations in {tokens} (1 parts)" in printed
     assert f"next: python -m jobs.extract model.path={model} data.path={tokens} output.dir=" in printed
     assert len(open_tokenized_dataset(str(tokens), vocab_size=512, max_length=4096)) == 12
+
+
+def test_the_extraction_demos_model_prepares_and_a_checkpoint_without_a_tokenizer_is_named(capsys, tmp_path):
+    """jobs.extract's demo model (model-llama-seed0 under demo.dir) has a chat tokenizer: jobs.prepare takes it. A
+    checkpoint without tokenizer files is refused saying so, without suggesting trust_remote_code."""
+    model, _ = prepare_demo(tmp_path / "demo", "llama", num_samples=4, seed=0)
+    data = write_conversations(tmp_path / "chat.jsonl", 6)
+    code, errors = prepare(capsys, model, data, tmp_path / "tokens")
+    assert code == EXIT_OK, errors
+    assert len(open_tokenized_dataset(str(tmp_path / "tokens"), vocab_size=512, max_length=4096)) == 6
+
+    bare = build_tiny_model(tmp_path / "bare", arch="llama", num_layers=1)
+    code, errors = prepare(capsys, bare, data, tmp_path / "bare-tokens")
+    assert code == EXIT_BAD_INPUT and f"model.path={bare}: no tokenizer there (none of tokenizer.json" in errors, errors
+    assert "trust_remote_code" not in errors
 
 
 @pytest.mark.extended

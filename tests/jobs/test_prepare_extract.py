@@ -12,7 +12,8 @@ import pytest
 
 from jobs.config import build_config
 from jobs.conversations.config import PrepareConfig
-from jobs.conversations.demo import CHATML, build_chat_model, write_conversations
+from jobs.conversations.demo import build_chat_model, write_conversations
+from jobs.inputs.demo_chat import CHATML
 from jobs.driver.job import run as extract
 from jobs.prepare import prepare
 from tests.helpers import job_config, read_all
@@ -30,7 +31,7 @@ def parts_table(out: Path) -> pa.Table:
 def test_prepared_conversations_extract_to_states(ray_cluster, model, tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl", 20, seed=5)
     tokens = tmp_path / "tokens"
-    prepare(build_config(PrepareConfig, None, [f"model.path={model}", f"data.path={data}", f"output.path={tokens}",
+    prepare(build_config(PrepareConfig, None, [f"model.path={model}", f"data.path={data}", f"output.dir={tokens}",
                                                 "output.shard_size=8"], prog="test"))
     summary = extract(job_config(model, tokens, tmp_path / "states", "model.dtype=float32"))
     assert summary["samples"] == 20

@@ -16,7 +16,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations
+from jobs.conversations.demo import build_chat_model
+from jobs.inputs.demo_chat import CHATML, demo_conversations
 from jobs.conversations.output import SKIPPED_FILE
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK
 from jobs.prepare import main
@@ -52,9 +53,9 @@ def test_a_huge_conversation_is_refused_naming_its_size_and_costs_no_memory(caps
     small = write_jsonl(tmp_path / "small.jsonl", rows)
     with_huge = write_jsonl(tmp_path / "with-huge.jsonl", [*rows[:4], huge, *rows[4:]])
 
-    code, base, errors = prepare_peak(f"model.path={model}", f"data.path={small}", f"output.path={tmp_path / 'a'}")
+    code, base, errors = prepare_peak(f"model.path={model}", f"data.path={small}", f"output.dir={tmp_path / 'a'}")
     assert code == EXIT_OK, errors[-2000:]
-    code, peak, errors = prepare_peak(f"model.path={model}", f"data.path={with_huge}", f"output.path={tmp_path / 'b'}",
+    code, peak, errors = prepare_peak(f"model.path={model}", f"data.path={with_huge}", f"output.dir={tmp_path / 'b'}",
                                       "data.on_invalid=skip")
     assert code == EXIT_OK, errors[-2000:]
     print(f"peak RSS: {base / 2**20:.0f} MiB for the small rows, {peak / 2**20:.0f} MiB with the huge one")
@@ -68,6 +69,6 @@ def test_a_huge_conversation_is_refused_naming_its_size_and_costs_no_memory(caps
     assert table.column("conversation_id").to_pylist() == [0, 1, 2, 3, 5, 6, 7, 8]
 
     # By default (data.on_invalid=fail) the row stops the command, named with its size
-    assert main([f"model.path={model}", f"data.path={with_huge}", f"output.path={tmp_path / 'c'}"]) == EXIT_BAD_INPUT
+    assert main([f"model.path={model}", f"data.path={with_huge}", f"output.dir={tmp_path / 'c'}"]) == EXIT_BAD_INPUT
     assert f"with-huge.jsonl row 4 (line 5) (conversation_id 4): its turns hold {HUGE_CHARS + 8:,} characters" in \
         capsys.readouterr().err

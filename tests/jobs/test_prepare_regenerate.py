@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from jobs.conversations.demo import CHATML, build_chat_model, demo_conversations
+from jobs.conversations.demo import build_chat_model
+from jobs.inputs.demo_chat import CHATML, demo_conversations
 from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR
 from jobs.errors import EXIT_OK, EXIT_SIGNAL_BASE
 from tests.conftest import REPO_ROOT
@@ -35,7 +36,7 @@ def start_prepare(model: Path, data: Path, out: Path, log: Path, *overrides: str
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
     with open(log, "a") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.path={out}",
+            [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}",
              f"ray.address={ray.get_runtime_context().gcs_address}", *overrides],
             cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.conversations.demo import CHATML, LLAMA3, build_chat_tokenizer
+from jobs.inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer
 from jobs.conversations.reader import to_messages
 from jobs.conversations.template import ChatTemplate, Encoded
 from testbeds.smollm2 import checkpoint_dir

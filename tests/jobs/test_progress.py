@@ -7,18 +7,23 @@ progress lines of a piped run and of `ray job logs`.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
 import os
 import re
 import select
+import shutil
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
 
+from common.checks import format_bytes
 from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
 from jobs.rundir.summary import read_summary
@@ -93,6 +98,21 @@ def test_snapshot_counts_this_run_and_earlier_runs(tmp_path, caplog):
     lines = [record.getMessage() for record in caplog.records if record.name == "jobs.driver.progress"]
     assert lines[-1] == end.describe() and lines[-1].startswith("shards 2/4, samples 8/16, tokens 420/1.0k (42%), ")
     assert lines[-1].endswith(", disk 2.0 KB/1.0 MB, 1 failed")
+
+
+def test_a_budget_beyond_the_free_space_shows_the_free_space(tmp_path):
+    """The default budget (1.3 TB) on a smaller disk: the line shows what the disk can take, and the budget."""
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
+    budget = DiskBudget(tmp_path, 10**18, 10**6)
+    budget.reserve(0, 3000)
+    progress = RunProgress(manifest, budget, {0: 100}, [0], run="r", interval_s=3600, interactive=False)
+    progress.begin()
+    snapshot = progress.snapshot()
+    free = shutil.disk_usage(tmp_path).free
+    assert snapshot.disk_budget == 10**18 and snapshot.disk_room < free + 3000
+    assert snapshot.disk_room == pytest.approx(3000 + free - 3000 - 10**6, rel=0.01)  # the reservation is unwritten
+    assert snapshot.describe().endswith(f", disk 3.0 KB/{format_bytes(snapshot.disk_room)} (free space; budget "
+                                        f"{format_bytes(10**18)})")
 
 
 def test_a_failed_shard_rerun_is_work_still_to_do(tmp_path):
@@ -196,11 +216,13 @@ PROGRESS_TEXT = re.compile(
     r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B")
 
 
-def run_under_a_terminal(args: list[str], cwd, timeout: float = 600) -> tuple[int, str]:
+def run_under_a_terminal(args: list[str], cwd, timeout: float = 600, columns: int = 0) -> tuple[int, str]:
     """The command's exit code and everything it wrote to its terminal: a pseudo-terminal is its stdin, stdout
-    and stderr. Its size is left unset, as a bare pty's (and some terminals', `script`'s without one) is: 0
-    columns."""
+    and stderr. Its size is ``columns`` wide (40 rows); 0 leaves it unset, as a bare pty's (and some terminals',
+    `script`'s without one) is."""
     main, child_side = os.openpty()
+    if columns:
+        fcntl.ioctl(child_side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     process = subprocess.Popen(args, cwd=cwd, env=user_env(), stdin=child_side, stdout=child_side,
                                stderr=child_side, start_new_session=True)
     os.close(child_side)
@@ -242,3 +264,17 @@ def test_extract_shows_live_progress_on_a_terminal(tmp_path):
     assert not re.search(r"INFO jobs\.driver\.progress: shards", screen)
     last = list(PROGRESS_TEXT.finditer(between))[-1]
     assert between[last.end():].startswith("\x1b[K\r\n")  # the last line stays (the pty turns \n into \r\n)
+
+
+@pytest.mark.parametrize("columns", [0, 120])
+def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
+    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: a tqdm bar
+    each time, drawn to the whole of 80 columns where the terminal reports none, within the width it reports."""
+    code, screen = run_under_a_terminal(
+        [sys.executable, "-m", "jobs.prepare", f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=40"], tmp_path,
+        columns=columns)
+    assert code == 0, screen[-3000:]
+    bars = [frame for line in screen.split("\n") for frame in line.split("\r") if frame.startswith("tokenize: ")]
+    assert bars and "100%" in bars[-1] and "40/40" in bars[-1], screen[-3000:]
+    widths = {len(frame.rstrip()) for frame in bars}
+    assert max(widths) <= (columns or 80) and (columns or max(widths) == 80), widths

@@ -169,7 +169,7 @@ def test_dataloader_workers_collate_and_two_ranks(runs):
 
 def test_specforge_export_round_trip_and_resume(runs, tmp_path, capsys):
     dest = tmp_path / "specforge"
-    assert export(runs["post"], "specforge", dest) == 0
+    assert export(runs["post"], "SpecForge", dest) == 0
     expected = shard_samples(runs["post"])
     files = specforge_files(dest)
     assert sorted(files) == sorted(str(dest / f"rows_0-2000/data_{i}.ckpt") for i in expected)
