@@ -207,7 +207,14 @@ def _load(path: Path) -> dict[str, Any]:
     # newer snapshot, never a journal ahead of an older one.
     journal = path.with_name(MANIFEST_JOURNAL_FILE)
     data = journal.read_bytes() if journal.exists() else b""
-    stored = json.loads(path.read_text())
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(
+            f"{path} is damaged: not whole JSON ({error}). The job writes it whole (a temp file renamed), so something "
+            "else cut it short or changed it: restore it from a backup or a copy of output.dir; without one, move "
+            "the shard files aside and extract again into a new output.dir"
+        ) from None
     if stored.get("version") != MANIFEST_VERSION:
         raise ValueError(f"{path}: manifest version {stored.get('version')} is not {MANIFEST_VERSION}")
     stored.setdefault("sequence", 0)
