@@ -125,7 +125,7 @@ def load_config(argv: Sequence[str]) -> JobConfig:
         "jobs.extract",
         "Extract EAGLE-3 hidden states with SGLang into Parquet shards. Exit codes: 0 done, 1 shards failed, "
         "2 bad config or input, 3 disk budget exhausted, 4 fault, 5 output.dir in use, 7 shards written but not "
-        "all uploaded to output.sink, 130/143 stopped by a signal (docs/reference.md: exit codes).",
+        "all uploaded to output.sink, 129/130/143 stopped by a signal (docs/reference.md: exit codes).",
         JobConfig, argv,
     )[0]
 

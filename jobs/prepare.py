@@ -32,7 +32,7 @@ DESCRIPTION = (
     "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
     "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
     "by the target through SGLang. Exit codes: 0 done, 2 bad config or input, 4 fault (rerun: it resumes), "
-    "5 output.path in use, 130/143 stopped by a signal (rerun: it resumes)."
+    "5 output.path in use, 129/130/143 stopped by a signal (rerun: it resumes)."
 )
 
 
