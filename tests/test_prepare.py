@@ -338,8 +338,8 @@ def test_an_input_edited_in_place_at_the_same_size_is_another_input(model, tmp_p
     assert first.returncode == EXIT_OK, first.stderr[-3000:]
     original = data.read_bytes()
     rows = [json.loads(line) for line in original.decode().splitlines()]
-    content = rows[3]["conversations"][-1]["value"] if "conversations" in rows[3] else rows[3]["messages"][-1]["content"]
-    word = max(content.split(), key=len)
+    turn = rows[3]["conversations"][-1] if "conversations" in rows[3] else rows[3]["messages"][-1]
+    word = max((turn.get("value") or turn.get("content")).split(), key=len)
     edited = original.replace(word.encode(), word[::-1].encode() if word[::-1] != word else word.upper().encode(), 1)
     assert edited != original and len(edited) == len(original)
     data.write_bytes(edited)

@@ -150,7 +150,9 @@ def inspect_output(out: Path, content: dict[str, Any], regeneration: Optional[di
 
 def _as_recorded(stored: dict[str, Any], content: dict[str, Any]) -> dict[str, Any]:
     """``content`` as ``stored`` was recorded: without the inputs' checksums where the record has none."""
-    return content if INPUT_DIGESTS in stored else {key: value for key, value in content.items() if key != INPUT_DIGESTS}
+    if INPUT_DIGESTS in stored:
+        return content
+    return {key: value for key, value in content.items() if key != INPUT_DIGESTS}
 
 
 def _is_own_entry(path: Path) -> bool:
