@@ -4,7 +4,7 @@ Each command (``jobs.extract``, ``jobs.plan``, ``jobs.status``, ``jobs.verify``,
 ``jobs.export``, ``jobs.check_drafter``) writes a ``body(argv) -> exit code`` and
 hands it to ``run_command``:
 
-- SIGTERM and SIGINT raise ``JobInterrupted`` while the body runs (exit 143 / 130), except
+- SIGTERM, SIGINT and SIGHUP raise ``JobInterrupted`` while the body runs (exit 143 / 130 / 129), except
   inside the sections ``jobs.interrupts.signals_deferred`` runs whole; the handlers found before are put
   back after, however the body ends.
 - A ``ValueError`` (``ConfigError`` included) is a refusal: ``error: <message>`` on

@@ -6,11 +6,11 @@
 | 1 | the command's work or check did not pass: ``jobs.extract``: some shards failed (their errors are in the manifest); ``jobs.check_drafter``: a drafter config would not capture the run's layers; ``jobs.check_serving``: a serving setting differs from the run's | ``jobs.extract``: rerun with ``shards=failed``; ``jobs.check_drafter``: fix the drafter config; ``jobs.check_serving``: extract again with the serving settings, or serve with the run's |
 | 2 | bad config or input, refused before any work (or an input file changed under the running job) | fix what the message names |
 | 3 | the disk budget is full and nothing can free it, or the disk is (ENOSPC), or a shard could never fit above ``output.min_free`` | free space or raise the budget, rerun |
-| 4 | a fault the job could not absorb (actors or a node lost), or shards left neither done nor failed (named) | rerun the same command: it resumes |
+| 4 | a fault the job could not absorb (actors or a node lost; the whole Ray cluster lost: outcome ``cluster_lost``), or shards left neither done nor failed (named) | rerun the same command (once the cluster runs again): it resumes |
 | 5 | another job holds output.dir | wait for it, or choose another output.dir |
 | 6 | ``jobs.verify`` found problems (one line each: file, what is wrong, what to do) | do what the lines say |
 | 7 | every shard is written, but some could not be uploaded to ``output.sink`` (kept locally, listed) | fix the sink, rerun: it uploads them |
-| 130, 143 | stopped by SIGINT (Ctrl-C) or SIGTERM (``ray job stop``, ``kill``) | rerun the same command: it resumes |
+| 129, 130, 143 | stopped by SIGHUP (the SSH session it was started from dropped), SIGINT (Ctrl-C) or SIGTERM (``ray job stop``, ``kill``) | rerun the same command: it resumes |
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def exit_codes(meanings: dict[int, str], signals: str | None = "") -> str:
     said = ", ".join(f"{code} {meaning}" for code, meaning in sorted(meanings.items()))
     if signals is None:
         return f"Exit codes: {said}."
-    codes = f"{EXIT_SIGNAL_BASE + signal.SIGINT}/{EXIT_SIGNAL_BASE + signal.SIGTERM}"
+    codes = "/".join(str(EXIT_SIGNAL_BASE + signum) for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM))
     return f"Exit codes: {said}, {codes} stopped by a signal{f' ({signals})' if signals else ''}."
 
 
@@ -78,6 +78,13 @@ class JobFault(JobStopped):
     outcome = "fault"
 
 
+class ClusterLost(JobFault):
+    """The Ray cluster went away under the job (its GCS stopped answering: ``ray stop`` on the head, a crash, a
+    reboot): nothing more can run on it; what is done is recorded, a rerun on a cluster that runs resumes."""
+
+    outcome = "cluster_lost"
+
+
 class OutputLocked(JobStopped):
     """Another job holds output.dir."""
 
@@ -86,7 +93,7 @@ class OutputLocked(JobStopped):
 
 
 class JobInterrupted(JobStopped):
-    """A signal asked the job to stop (``ray job stop`` sends SIGTERM, Ctrl-C SIGINT)."""
+    """A signal asked the job to stop (``ray job stop`` sends SIGTERM, Ctrl-C SIGINT, a dropped SSH session SIGHUP)."""
 
     outcome = "interrupted"
 

@@ -4,7 +4,7 @@ The command around ``training.export``: parse, export, print. With ``consume=tru
 the run's lock (``.job.lock``, as a running extraction does) for the whole export: the export
 then writes the run's manifest, and no job may write it or the shards meanwhile. Exit codes: 0
 done, 2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5
-a job holds the run (consume=true), 130/143 stopped by a signal (rerun: it resumes).
+a job holds the run (consume=true), 129/130/143 stopped by a signal (rerun: it resumes).
 """
 
 from __future__ import annotations

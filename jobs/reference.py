@@ -52,7 +52,7 @@ COMMANDS = (
 )
 
 SIGNAL_CODES = {errors.EXIT_SIGNAL_BASE + signum: f"EXIT_SIGNAL_BASE + {signal.Signals(signum).name}"
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+                for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
 
 
 def markdown(text: str) -> str:

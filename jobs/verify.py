@@ -92,9 +92,10 @@ def format_report(report: VerifyReport, details: bool = False) -> str:
     if report.exported_files_checked:
         lines.append(f"note: {report.exported_files_checked} files of the exports that consumed shards checked against "
                      "the sizes and checksums listed when they did")
+    missing = f" ({report.files_missing} not found)" if report.files_missing else ""
     checked = (
-        f"{report.files_checked} files of {report.shards} shards: {report.rows} samples, {report.tokens} tokens, "
-        f"{format_bytes(report.bytes)}"
+        f"{report.files_checked} files of {report.shards} shards{missing}: {report.rows} samples, {report.tokens} "
+        f"tokens, {format_bytes(report.bytes)}"
     )
     if report.ok:
         lines.append(f"OK: {checked} in {report.output_dir}")

@@ -66,6 +66,7 @@ def check_exported_files(
 
     def check(item: tuple[str, Any]) -> str:
         path, (size, expected) = item
+        expected = expected if checksum.SEPARATOR in expected else f"sha256:{expected}"  # a version-1 list: sha256 hex
         try:
             found = fs.info(f"{root}/{path}")["size"]
         except FileNotFoundError:

@@ -23,6 +23,11 @@ MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
 MANIFEST_VERSION = 2
 """2: checksums are ``<algorithm>:<hex>`` (``checksum``, ``exported_files_checksum``)."""
+V1_FIELDS = {"sha256": "checksum", "exported_files_sha256": "exported_files_checksum"}
+"""Version 1 (the release before) named its checksums by their algorithm and kept them as plain sha256 hex: read
+as version 2's (``_from_v1``); the first run that opens such a manifest writes it as version 2, keeping the
+version-1 files beside it (``V1_BACKUP_SUFFIX``)."""
+V1_BACKUP_SUFFIX = ".v1"
 COMPACT_MIN_UPDATES = 1000
 """The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""
 
@@ -109,6 +114,8 @@ class Manifest:
             manifest.save()
             return manifest
         stored = _load(path)
+        if stored["migrated_from"] is not None:
+            _keep_v1(path)
         differing = content_differences(stored["content"], content, recorded_since)
         if differing:
             raise ValueError(
@@ -217,11 +224,24 @@ def _load(path: Path) -> dict[str, Any]:
     # newer snapshot, never a journal ahead of an older one.
     journal = path.with_name(MANIFEST_JOURNAL_FILE)
     data = journal.read_bytes() if journal.exists() else b""
-    stored = json.loads(path.read_text())
-    if stored.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{path}: manifest version {stored.get('version')} is not {MANIFEST_VERSION}")
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(
+            f"{path} is damaged: not whole JSON ({error}). The job writes it whole (a temp file renamed), so something "
+            "else cut it short or changed it: restore it from a backup or a copy of output.dir; without one, move "
+            "the shard files aside and extract again into a new output.dir"
+        ) from None
+    version = stored.get("version")
+    if version not in (1, MANIFEST_VERSION):
+        raise ValueError(
+            f"{path}: manifest version {version!r}, which this release does not read (it reads 1 and "
+            f"{MANIFEST_VERSION}): the run was written by a newer release; use that release for it"
+        )
+    stored["migrated_from"] = 1 if version == 1 else None
+    convert = _from_v1 if version == 1 else (lambda fields: fields)
     stored.setdefault("sequence", 0)
-    records = {record["index"]: record for record in stored["shards"]}
+    records = {record["index"]: convert(record) for record in stored["shards"]}
     for line in data.split(b"\n")[:-1]:  # what follows the last newline is a torn write (or nothing)
         try:
             entry = json.loads(line)
@@ -229,10 +249,31 @@ def _load(path: Path) -> dict[str, Any]:
             continue  # a write cut short (blank or partial): that update never returned
         if entry["seq"] <= stored["sequence"]:
             continue  # already in the snapshot
-        records[entry["index"]].update(entry["fields"])
+        records[entry["index"]].update(convert(entry["fields"]))
         stored["sequence"] = entry["seq"]
     stored["shards"] = [records[i] for i in sorted(records)]
     return stored
+
+
+def _from_v1(fields: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 record's (or journal line's) fields as version 2 names them: ``sha256: <hex>`` is
+    ``checksum: sha256:<hex>``, ``exported_files_sha256`` likewise ``exported_files_checksum``."""
+    converted = {key: value for key, value in fields.items() if key not in V1_FIELDS}
+    for old, new in V1_FIELDS.items():
+        if old in fields:
+            converted[new] = f"sha256:{fields[old]}" if fields[old] else ""
+    return converted
+
+
+def _keep_v1(path: Path) -> None:
+    """Before a version-1 manifest is written as version 2: a copy of its snapshot and journal beside it (the first
+    copy is kept), for a user who goes back to the release before."""
+    for source in (path, path.with_name(MANIFEST_JOURNAL_FILE)):
+        backup = source.with_name(source.name + V1_BACKUP_SUFFIX)
+        if source.exists() and not backup.exists():
+            replace_atomically(backup, source.read_bytes())
+    logger.warning("%s was written by the release before (manifest version 1): it is written as version %d now; "
+                   "the version-1 files are kept as %s%s", path, MANIFEST_VERSION, path.name, V1_BACKUP_SUFFIX)
 
 
 def read_manifest(output_dir: Path) -> dict[str, Any]:

@@ -7,13 +7,17 @@ the ``input_ids`` and ``loss_mask`` columns (a few bytes a token, next to tens o
 whole run is counted in seconds. ``write_token_freq`` writes it into the run's ``output.dir`` as
 ``.token_freq.pt`` once the run is complete: after ``jobs.export consume=true`` the shards are gone, and
 with them what the count is made from. Hidden (the leading dot) so that the directory still reads as a
-Parquet dataset. torch is imported only to save the file: the writer processes never load this module.
+Parquet dataset. torch is imported only to save the file: the writer processes never load this module. A link
+planted at its name is never read or written through (``_own_file``).
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,6 +31,10 @@ from storage.manifest import CONSUMED, DONE, LOCAL, read_manifest
 from storage.run_index import list_run_files, open_parquet
 
 TOKEN_FREQ_FILE = ".token_freq.pt"
+NOT_OURS = ("%s is a link (or not a regular file), not a count this job wrote: never read through; the counts "
+            "are made from the shards, and the next count written replaces it")
+
+logger = logging.getLogger(__name__)
 
 
 class TokenCounter:
@@ -88,7 +96,7 @@ def maybe_write_token_freq(output_dir: str | os.PathLike, storage_options: Mappi
     local shard file is in ``output_dir`` (not on another node's disk); else None. Safe to call at the end of any
     run; ``jobs.export consume=true`` calls it before it deletes anything, the last moment the count can be made."""
     directory = Path(output_dir)
-    if (directory / TOKEN_FREQ_FILE).exists():
+    if _own_file(directory / TOKEN_FREQ_FILE):
         return None
     for record in read_manifest(directory)["shards"]:
         if record["state"] != DONE or record["location"] == CONSUMED:
@@ -99,10 +107,39 @@ def maybe_write_token_freq(output_dir: str | os.PathLike, storage_options: Mappi
 
 
 def read_token_freq(output_dir: str | os.PathLike) -> dict[int, int] | None:
-    """The counts ``write_token_freq`` left in ``output_dir``, or None when there are none."""
+    """The counts ``write_token_freq`` left in ``output_dir``, or None when there are none (or a link is there:
+    ``_own_file``)."""
     path = Path(output_dir) / TOKEN_FREQ_FILE
-    if not path.is_file():
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return None
-    import torch
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        logger.warning(NOT_OURS, path)
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if not _is_own(os.fstat(file.fileno())):
+            logger.warning(NOT_OURS, path)
+            return None
+        import torch
 
-    return torch.load(path, weights_only=True)
+        return torch.load(file, weights_only=True)
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` is a count this module wrote: a regular file with no other name. A link planted there
+    (symbolic or hard) is not: it is neither read nor written through, and the next count replaces it."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if _is_own(found):
+        return True
+    logger.warning(NOT_OURS, path)
+    return False
+
+
+def _is_own(found: os.stat_result) -> bool:
+    return stat.S_ISREG(found.st_mode) and found.st_nlink == 1

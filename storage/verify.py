@@ -63,6 +63,8 @@ class VerifyReport:
     """Files of exports that consumed shards, checked against the sizes and checksums listed when they did."""
     shards: int = 0
     files_checked: int = 0
+    """Shard files found and checked; with ``files_missing``, every done shard's file that is not consumed."""
+    files_missing: int = 0
     rows: int = 0
     tokens: int = 0
     bytes: int = 0
@@ -85,6 +87,8 @@ class _ShardCheck:
     problems: list[Problem] = dataclasses.field(default_factory=list)
     metadata: Optional[ShardMetadata] = None
     note: str = ""
+    found: bool = False
+    """Whether the file is there (the rest of the check ran)."""
 
     def problem(self, what: str, fix: str) -> None:
         self.problems.append(Problem(self.where, what, fix, self.index))
@@ -122,11 +126,9 @@ def verify_run(
         if record["state"] != DONE:
             report.problems.append(_not_done(record, output_dir))
             continue
-        report.rows += record["rows"]
-        report.tokens += record["tokens"]
-        report.bytes += record["bytes"]
         report.notes += _nonfinite_notes(record)
         if record["location"] == CONSUMED:
+            _count(report, record)
             if not record.get("consumed_into"):
                 report.problems.append(_consumed_by_no_one(record, output_dir))
                 continue
@@ -143,8 +145,11 @@ def verify_run(
         checks = list(pool.map(lambda item: _check_shard(*item, deep, options), to_check))
         for record in exports:
             report.problems += _check_export(record, dict(export_options or {}), pool.map, report)
-    report.files_checked = len(checks)
-    for check in checks:
+    for (record, _, _), check in zip(to_check, checks):
+        if check.found:  # the samples, tokens and bytes of the files that are there, not of the missing ones
+            _count(report, record)
+        report.files_checked += check.found
+        report.files_missing += not check.found
         report.problems += check.problems
         report.notes += [check.note] if check.note else []
     required = dict(expected_metadata(manifest["content"])) if expected_metadata else {}
@@ -155,6 +160,12 @@ def verify_run(
     # Shard by shard, in plan order; problems of no shard (the plan, stray files) last.
     report.problems.sort(key=lambda problem: len(records) if problem.shard is None else problem.shard)
     return report
+
+
+def _count(report: VerifyReport, record: dict) -> None:
+    report.rows += record["rows"]
+    report.tokens += record["tokens"]
+    report.bytes += record["bytes"]
 
 
 def _planned_ids(
@@ -262,6 +273,7 @@ def _check_shard(
                     "rerun the job's command: it extracts the shard again",
                 )
             return check
+        check.found = True
         if size != record["bytes"]:
             check.problem(f"{size} bytes, the manifest recorded {record['bytes']}",
                           "the file was changed or cut short after it was written; " + check.rerun)

@@ -1,7 +1,7 @@
 """What the tests share: the environment of the commands they start, a small job config, extractor actors,
-HF reference states, checks of a run's output, tools to damage files or sample a directory, the trainers'
-own loaders, a process that holds a run's lock, and SmolLM2-135M-Instruct (real trained weights) with its
-extraction runs, each made once per test session.
+HF reference states, checks of a run's output, tools to damage files or sample a directory, the processes a
+command started, the trainers' own loaders, a process that holds a run's lock, and SmolLM2-135M-Instruct (real
+trained weights) with its extraction runs, each made once per test session.
 
 Test modules import from here and from ``tests.conftest`` only, never from one another."""
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
@@ -348,6 +349,26 @@ def speculators_dataset(dest: Path, fp8: bool = False, **kwargs):
 
     transfer = (FP8Transfer if fp8 else FileTransfer)(Path(dest) / "hidden_states")
     return ArrowDataset(peer_formats.SPECFORGE_MAX_LEN, str(dest), transfer=transfer, on_missing="raise", **kwargs)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process below ``pid`` now (none once it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(processes: dict[int, psutil.Process]) -> list[str]:
+    """What of ``processes`` still runs (a zombie has ended)."""
+    left = []
+    for process in processes.values():
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
 
 
 LOCK_HOLDER = """

@@ -63,6 +63,8 @@ from training.peer_formats import SPECFORGE, SPECULATORS
 logger = logging.getLogger(__name__)
 
 STATE_FILE = ".export_state.json"
+SHARD_BYTES = "shard_bytes"
+"""The complete export state's shard file name -> bytes of its samples' files, which a rerun checks them against."""
 EXPORT_VERSION = 3
 """The export state's format, part of what a resumed export must match. The state lists every shard (file, rows,
 checksum as ``storage.checksum``'s ``<algorithm>:<hex>``, sample ids), so that shards consumed since still count."""
@@ -281,18 +283,23 @@ def write(job: PreparedExport) -> dict[str, Any]:
               "final_state": _final_state(job), "written": 0, "skipped": 0, "bytes": 0, "consumed": 0,
               "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
+    lost: set[str] = set()
     if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
         with concurrent.futures.ThreadPoolExecutor(config.threads) as pool:
             for shard in job.shards:  # the only copy of a consumed shard's samples: still as it was exported?
                 if shard.consumed:
                     check_consumed(job, shard, pool.map)
-        dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
-        report["skipped"] = job.samples
-        return _finish(report, started, already_complete=True)
+        lost = _lost_files(job, dest.file_sizes())
+        if not lost:
+            dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
+            report["skipped"] = job.samples
+            return _finish(report, started, already_complete=True)
+        logger.warning("%d files of the complete export in %s are missing or not the size they were written with "
+                       "(%s): writing them again", len(lost), config.dest, ", ".join(sorted(lost)[:3]))
     removed = dest.remove_temps()
     if removed:
         logger.info("removed %d temp files a stopped export left in %s", removed, config.dest)
-    present = dest.file_sizes()
+    present = {path: size for path, size in dest.file_sizes().items() if path not in lost}
     with _Progress(job.samples, config.progress_interval_s) as progress, _Writers(config.threads) as writers, \
             ShardConsumer(job, present, report) as consumer:
         for shard in job.shards:
@@ -306,9 +313,34 @@ def write(job: PreparedExport) -> dict[str, Any]:
                 consumer.consume(shard, puts, ends)
     if plan.trainer == SPECULATORS and not was_complete:
         report["bytes"] += _write_speculators_dataset(job)
-    dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now()})
+    dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now(),
+                                 SHARD_BYTES: _shard_bytes(job, dest.file_sizes())})
     dest.remove(ROWS_DIR)  # the dataset holds them now (removed after the state says so: a rerun needs them till then)
     return _finish(report, started)
+
+
+def _shard_bytes(job: PreparedExport, sizes: dict[str, int]) -> dict[str, int]:
+    """Shard file name -> the bytes of the files the export holds of its samples (shards not consumed into it:
+    the files of those are listed with their checksums, ``storage.exported``)."""
+    return {shard.name: sum(sizes.get(path, 0) for path in job.paths(shard, rows=False))
+            for shard in job.shards if not shard.consumed}
+
+
+def _lost_files(job: PreparedExport, sizes: dict[str, int]) -> set[str]:
+    """The files of a complete export's samples (of shards not consumed into it) that are gone, and every file of a
+    shard whose files no longer add up to the bytes the export recorded when it completed (one was cut short or
+    changed): what a rerun writes again."""
+    recorded = job.state.get(SHARD_BYTES) or {}
+    lost: set[str] = set()
+    for shard in job.shards:
+        if shard.consumed:
+            continue
+        paths = job.paths(shard, rows=False)
+        if shard.name in recorded and sum(sizes.get(path, 0) for path in paths) != recorded[shard.name]:
+            lost.update(paths)
+        else:
+            lost.update(path for path in paths if path not in sizes)
+    return lost
 
 
 def _final_state(job: PreparedExport) -> str:

@@ -24,11 +24,12 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import ray
 
 from common.pythonpath import checkout_first
-from jobs.errors import ConfigError
-from jobs.interrupts import signals_deferred
+from jobs.errors import ClusterLost, ConfigError, stop_in
+from jobs.interrupts import SIGNALS, signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +78,38 @@ def this_host_cpus() -> int:
 @contextlib.contextmanager
 def ray_session(address: str) -> Iterator[None]:
     """Run the body connected to Ray (see the module docstring for which cluster); disconnect after, and shut
-    a private cluster down with every process it started. Starting and stopping run whole: a signal meanwhile
-    is held until Ray is up (then raised: the body never runs) or down (``jobs.interrupts.signals_deferred``)."""
+    a private cluster down with every process it started (also when its head was lost: ``ClusterLost``). Starting
+    and stopping run whole: a signal meanwhile is held until Ray is up (then raised: the body never runs) or down
+    (``jobs.interrupts.signals_deferred``)."""
     if ray.is_initialized():
         yield
         return
     session_over = threading.Event()
+    private = starts_private_cluster(address)
     try:
         with signals_deferred():
             _connect_off_main_thread(address, session_over)
         yield
+    except BaseException as error:
+        if isinstance(stop_in(error), ClusterLost):
+            if private:  # its head is gone: what is left of it (raylet, agents, workers) is ended here
+                _end_processes_left()
+            logger.info("disconnecting from the lost Ray cluster (Ray waits for its GCS a while first)")
+        raise
     finally:
         with signals_deferred(reraise=False):  # the run has recorded how it ended; the process ends next
             ray.shutdown()
         session_over.set()
+
+
+def _end_processes_left() -> None:
+    """SIGKILL every process this one started (the private cluster's: Ray's own shutdown, without its GCS, leaves
+    its agents behind); every descendant first, so that none is orphaned before it is found."""
+    processes = psutil.Process().children(recursive=True)
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(processes, timeout=10)
 
 
 def resolve_device(requested: str, tp_size: int) -> str:
@@ -135,12 +154,17 @@ def _connect_off_main_thread(address: str, session_over: threading.Event) -> Non
     Ray 2.60), which would end the driver in the middle of starting a cluster and leave the processes
     started so far (the raylet's agents) behind; off it, Ray leaves the handler alone. The thread must
     outlive the session: Ray has the kernel end the processes it starts when their parent *thread* ends
-    (``PR_SET_PDEATHSIG``).
+    (``PR_SET_PDEATHSIG``). SIGHUP is blocked in that thread: what it starts is not ended by a dropped SSH
+    session; the driver (whose main thread takes SIGHUP) stops it.
     """
     outcome: dict[str, BaseException] = {}
     connected = threading.Event()
 
     def connect() -> None:
+        # The processes a private cluster starts (GCS, raylet, agents, workers) are children of this thread and
+        # inherit its signal mask: with SIGHUP blocked, a dropped SSH session (SIGHUP to the whole process group)
+        # does not kill the cluster under the driver, which winds the run down on it as it does on SIGTERM.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         try:
             _connect(address)
         except BaseException as error:  # noqa: BLE001 - raised again on the main thread
@@ -160,7 +184,7 @@ def _connect_off_main_thread(address: str, session_over: threading.Event) -> Non
         ray_logger.removeFilter(quiet)
     # Ray's core worker puts its own C-level handler in front of SIGTERM (it logs a stack, then calls the one
     # before it); the handler the command runs with goes back in front.
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in SIGNALS:
         signal.signal(signum, signal.getsignal(signum))
     if "error" in outcome:
         raise outcome["error"]

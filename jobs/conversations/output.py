@@ -35,6 +35,9 @@ RUNNING, COMPLETE = "running", "complete"
 PART_METADATA_KEY = b"eagle3_prepare"
 """Parquet key-value metadata of a part: which run wrote it (its content hash) and the shard it holds."""
 ROW_GROUP_ROWS = 2048
+INPUT_DIGESTS = "input.digests"
+"""The content key of the input files' checksums. A record written before it existed compares without it: those
+inputs were identified by their names and sizes only."""
 """jobs.extract reads a Parquet input by row group: small ones keep its reads of a few rows small."""
 SCHEMA = pa.schema([
     pa.field("conversation_id", pa.int64(), nullable=False),
@@ -127,19 +130,29 @@ def inspect_output(out: Path, content: dict[str, Any], regeneration: Optional[di
         raise ValueError(f"output.dir={out} holds {', '.join(foreign[:5])}, which jobs.prepare did not write: readers "
                          "of the directory would take it for data. Move it away, or choose another output.dir")
     answers = list_regenerated(out)
-    if answers and regeneration is not None and record.get("regeneration") != regeneration:
-        differs = _differences(record.get("regeneration") or {}, regeneration)
+    regenerated = record.get("regeneration") or {}
+    if answers and regeneration is not None and regenerated != _as_recorded(regenerated, regeneration):
+        differs = _differences(regenerated, _as_recorded(regenerated, regeneration))
         raise ValueError(
             f"output.dir={out} holds {len(answers)} shards of answers regenerated with other settings (differs in: "
             f"{differs}); rerun with those settings to resume, or choose another output.dir. Nothing was touched"
         )
-    if record.get("state") == COMPLETE and record.get("content") != content:
-        differs = _differences(record.get("content") or {}, content)
+    stored = record.get("content") or {}
+    content = _as_recorded(stored, content)
+    if record.get("state") == COMPLETE and stored != content:
+        differs = _differences(stored, content)
         raise ValueError(
             f"output.dir={out} holds a complete prepare of other inputs or settings (differs in: {differs}); "
             "choose another output.dir (nothing was touched), or move that one away first"
         )
     return Existing(record)
+
+
+def _as_recorded(stored: dict[str, Any], content: dict[str, Any]) -> dict[str, Any]:
+    """``content`` as ``stored`` was recorded: without the inputs' checksums where the record has none."""
+    if INPUT_DIGESTS in stored:
+        return content
+    return {key: value for key, value in content.items() if key != INPUT_DIGESTS}
 
 
 def _is_own_entry(path: Path) -> bool:

@@ -41,6 +41,7 @@ from jobs.conversations.tokenize import (
     tokenize_shards,
 )
 from jobs.inputs.files import InputFile, resolve_files
+from storage import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class Inputs:
     total: int
     max_length: int
     out: Path
+    digests: list[str] = dataclasses.field(default_factory=list)
+    """Per input file, the checksum of its bytes (``storage.checksum``, xxh3_128): a file edited in place at the
+    same size is another input."""
     serving: Optional[ServingSettings] = None
     """``model.serving`` as the installed SGLang parsed it, with regenerate=true (its values are in ``config.model``)."""
 
@@ -98,6 +102,7 @@ class Inputs:
         data = self.config.data
         return {
             "input.files": [[file.name, file.size] for file in self.files],
+            out_dir.INPUT_DIGESTS: self.digests,
             "data.format": data.format, "data.other_roles": data.other_roles,
             "output.shard_size": self.config.output.shard_size,
             "tokenizer_sha256": self.chat.tokenizer_sha256, "chat_template_sha256": self.chat.template_sha256,
@@ -126,7 +131,8 @@ def read_inputs(config: PrepareConfig) -> Inputs:
     total = sum(count_rows(fs, file) for file in files)
     if total == 0:
         raise ValueError(f"data.path={config.data.path}: the files hold no rows")
-    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.dir), serving)
+    digests = [checksum.of_remote(fs, file.path, checksum.DEFAULT_ALGORITHM) for file in files]
+    return Inputs(config, chat, fs, files, total, max_length, Path(config.output.dir), digests, serving)
 
 
 # -- shards -------------------------------------------------------------------------------------

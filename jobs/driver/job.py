@@ -5,7 +5,8 @@ checks the inputs (``jobs.planning``), output.dir (writable, outside the input,
 holding no run of other content), the layers (would SGLang capture them), the
 sink (a test write), takes output.dir's lock, checks every done shard's file a
 rerun would trust, and refuses what cannot fit. Then it starts Ray, claims and checks the run's
-directories on every node, cleans them, drives the ``ExtractionRun`` and records
+directories on every node, cleans them, drives the ``ExtractionRun`` (while
+``ClusterWatch`` watches that the cluster is still there) and records
 how it ended in ``.summary.json``: exit 0 only when every shard this run was to
 write is done (and uploaded, with a sink).
 """
@@ -25,6 +26,7 @@ from extractor.types import EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
+from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
 from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import RunProgress
@@ -36,6 +38,7 @@ from jobs.errors import (
     EXIT_OK,
     EXIT_UPLOADS_FAILED,
     RERUN,
+    ClusterLost,
     DiskFull,
     JobFault,
     JobInterrupted,
@@ -127,7 +130,8 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     try:
         with ray_session(config.ray.address):
             try:
-                return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
+                with ClusterWatch(ray.get_runtime_context().gcs_address):
+                    return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
             finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
                 with signals_deferred(reraise=False):
                     lock.release()
@@ -325,10 +329,11 @@ def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code
 
 
 def _record_early_stop(summary: RunSummary, manifest: Manifest, error: BaseException) -> None:
-    """A signal before the run's summary started (Ray starting, the looks at every node's directory) ends
-    it as interrupted all the same, recorded against what output.dir holds; a refusal leaves it as it was."""
+    """A signal (or the cluster lost) before the run's summary started (Ray starting, the looks at every node's
+    directory) ends it as interrupted (or cluster_lost) all the same, recorded against what output.dir holds; a
+    refusal leaves it as it was."""
     stop = stop_in(error)
-    if not summary.ended and isinstance(stop, JobInterrupted):
+    if not summary.ended and isinstance(stop, (JobInterrupted, ClusterLost)):
         _record_end(summary, manifest, stop.outcome, stop.exit_code, str(stop))
 
 

@@ -46,6 +46,7 @@ from jobs.driver.startup import (
 )
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
+from jobs.errors import ClusterLost, stop_in
 from jobs.inputs.dataset import TokenizedDataset
 from jobs.interrupts import signals_deferred
 from jobs.planning.shards import Shard
@@ -87,9 +88,15 @@ class ExtractionRun:
     def __exit__(self, kind: Optional[type], error: Optional[BaseException], trace: Optional[TracebackType]) -> None:
         """Stop the actors. After an early end, first stop the extractors (a writer's batch still waiting for
         its states then fails at once instead of being extracted first), discard the open shards and record
-        those already published: a few seconds at most, run whole (a second signal waits)."""
+        those already published: a few seconds at most, run whole (a second signal waits). With the cluster
+        lost there is no actor to stop or ask: a shard a writer published unrecorded, and the temp files of open
+        ones, are removed by the next run's start."""
         ended_early = error is not None
         lanes = list(self._started.lanes) if self._started is not None else []
+        if error is not None and isinstance(stop_in(error), ClusterLost):  # the actors went with the cluster
+            with signals_deferred(reraise=False):
+                self._progress.close()
+            return
         with signals_deferred(reraise=not ended_early):
             try:
                 if ended_early and self._scheduler is not None and self._completions is not None:

@@ -5,7 +5,9 @@ for the run and released by the kernel when the process ends, however it ends
 (``kill -9`` included). The same file holds a JSON record of the owner (host, pid
 and its start time, Ray job id, start time, command) for the message a second job
 gets and for ``jobs.status``; the owner removes it when it releases the lock (a refused or
-finished run leaves no lock file).
+finished run leaves no lock file). The record is only ever written into a file of the lock's own: one
+created new at that name, or one found there with no other name (a hard link planted there would send
+the record into the file it shares: its name is removed instead).
 
 A record left by an owner that died is stale: the next job takes the lock over
 and logs whose it was. A record whose owner still runs on this host although the
@@ -28,6 +30,7 @@ import logging
 import os
 import shlex
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -143,18 +146,38 @@ class OutputLock:
                 os.close(fd)
                 raise OutputLocked(self._held_message(self._wait_for_record())) from None
             try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino and not self._shared(fd):
                     return fd
             except FileNotFoundError:
                 pass
             os.close(fd)
 
+    def _shared(self, fd: int) -> bool:
+        """Whether the file at the lock's name is not a plain file of its own: one with other names too (a hard
+        link planted there would have the record written into a file outside output.dir), or no regular file.
+        Every lock file is created new under this name alone, and nobody holds this one (its flock is ours):
+        the name is removed, the file it shares untouched, and the lock is taken on a new file."""
+        found = os.fstat(fd)
+        if found.st_nlink <= 1 and stat.S_ISREG(found.st_mode):
+            return False
+        logger.warning("%s is not a lock file of its own (a hard link to a file with other names, or not a regular "
+                       "file): its name removed (the file is untouched)", self.path)
+        self.path.unlink(missing_ok=True)
+        return True
+
     def _open_lock_file(self) -> int:
-        """The lock file, opened (created if missing) without following a link: a symbolic link at its name is
-        never a lock file (a job's lock is a plain file), so it is removed (the link, not what it points to)."""
+        """The lock file, created new (``O_EXCL``: never through a link of any kind) or, when one is there already,
+        opened without following a link: a symbolic link at its name is never a lock file (a job's lock is a
+        plain file), so it is removed (the link, not what it points to)."""
         while True:
             try:
-                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                pass
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # its owner released it meanwhile: create it
             except OSError as error:
                 if error.errno != errno.ELOOP:
                     raise

@@ -26,7 +26,13 @@ def select_shards(manifest: Manifest, selection: Any) -> list[ShardRecord]:
     if selection == SELECT_PENDING:
         return manifest.in_state(PENDING, FAILED)
     if selection == SELECT_FAILED:
-        return manifest.in_state(FAILED)
+        failed, pending = manifest.in_state(FAILED), manifest.in_state(PENDING)
+        if not failed and pending:  # "nothing to do" would read as "the run is complete"
+            raise ValueError(
+                f"shards=failed selects no shard: none failed, but {len(pending)} of {len(manifest.shards)} are "
+                f"still pending (a run that stopped early). Rerun without shards=failed: it extracts them"
+            )
+        return failed
     check_selection(selection, len(manifest.shards))
     return [manifest.shards[i] for i in sorted(set(selection))]
 

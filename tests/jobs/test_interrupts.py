@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 
-from jobs.errors import JobInterrupted
-from jobs.interrupts import signals_deferred, raise_if_stopped, signals_stop
+from jobs.errors import ClusterLost, JobInterrupted
+from jobs.interrupts import signals_deferred, raise_if_stopped, signals_stop, stop_main
 
 
 def send(signum: int) -> None:
@@ -59,4 +61,30 @@ def test_a_stop_swallowed_as_another_error_is_raised_again():
         except Exception:  # noqa: BLE001 - what a shard's error handler would do with it
             pass
         with pytest.raises(JobInterrupted):
+            raise_if_stopped()
+
+
+def test_a_watcher_thread_stops_the_main_thread_with_its_error_after_a_held_section():
+    """``stop_main`` from another thread (the cluster watch): its error is raised in the main thread, where it
+    waits, once a held section there is over; a loop that swallowed it raises it again."""
+    lost = ClusterLost("the cluster is gone")
+    steps = []
+    with pytest.raises(ClusterLost) as stopped, signals_stop():
+        with signals_deferred():
+            watcher = threading.Thread(target=stop_main, args=(lost,))
+            watcher.start()
+            watcher.join()
+            time.sleep(0.05)  # bytecodes run: the stop waits for the section
+            steps.append("the section ran whole")
+        steps.append("not reached")
+    assert stopped.value is lost and steps == ["the section ran whole"]
+
+    with signals_stop():
+        try:
+            threading.Thread(target=stop_main, args=(lost,)).start()
+            time.sleep(5)  # interrupted well before
+            raise AssertionError("not stopped")
+        except ClusterLost:
+            pass  # what a shard's error handler would do with it
+        with pytest.raises(ClusterLost):
             raise_if_stopped()

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import subprocess
 import sys
 
@@ -127,3 +128,24 @@ def test_of_runs_claiming_one_directory_at_once_exactly_one_gets_it(tmp_path):
     assert sum(won) == 1
     assert json.loads((tmp_path / "node" / CLAIM_FILE).read_text()) == owner(runs[won.index(True)])
     assert sorted(p.name for p in (tmp_path / "node").iterdir()) == [CLAIM_FILE], "no temp claim left"
+
+
+def test_a_hard_link_planted_at_the_lock_gets_no_record(tmp_path):
+    """A hard link at ``.job.lock`` to a file outside output.dir: a job (a real process) takes the lock on a new
+    file of its own; the file the link shared is never written, and no link is left."""
+    victim = tmp_path / "victim"
+    victim.write_text("not the job's\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(victim, out / LOCK_FILE)
+    process = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(root=str(REPO_ROOT)), str(out)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "held"
+        assert victim.read_text() == "not the job's\n" and os.stat(victim).st_nlink == 1
+        assert os.stat(out / LOCK_FILE).st_nlink == 1 and read_owner(out).pid == process.pid
+        with pytest.raises(OutputLocked, match=f"pid {process.pid} on "):  # the new file is the lock
+            OutputLock(out).acquire()
+    finally:
+        process.kill()
+        process.wait()

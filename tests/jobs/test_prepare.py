@@ -23,6 +23,7 @@ from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model, prepare_demo
 from jobs.prepare import main
 from tests.conftest import REPO_ROOT
+from tests.helpers import python_env
 
 SKIP_HINT = "-- data.on_invalid=skip leaves such rows out and lists them in"
 
@@ -336,3 +337,32 @@ def test_scale_benchmark_smoke(model, tmp_path):
     assert results["conversations"] == results["kept"] == 1000 and results["parts"] == 2
     assert results["tokenize_conversations_per_s"] > 0 and results["peak_rss_bytes"] >= results["peak_uss_bytes"] > 0
     assert "peak RSS" in result.stdout
+
+
+def test_an_input_edited_in_place_at_the_same_size_is_another_input(model, tmp_path):
+    """A conversations file changed in place, same size (a word of an answer swapped for another as long): the
+    rerun (a real process) does not take the complete output for it ("nothing to do" with stale tokens): it is
+    refused, naming the input's checksum; the file as it was is still "nothing to do"."""
+    data = write_conversations(tmp_path / "chat.jsonl", 10)
+    out = tmp_path / "out"
+
+    def prepare_process() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}",
+                               f"output.dir={out}"], cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True,
+                              timeout=600)
+
+    first = prepare_process()
+    assert first.returncode == EXIT_OK, first.stderr[-3000:]
+    original = data.read_bytes()
+    rows = [json.loads(line) for line in original.decode().splitlines()]
+    turn = rows[3]["conversations"][-1] if "conversations" in rows[3] else rows[3]["messages"][-1]
+    word = max((turn.get("value") or turn.get("content")).split(), key=len)
+    edited = original.replace(word.encode(), word[::-1].encode() if word[::-1] != word else word.upper().encode(), 1)
+    assert edited != original and len(edited) == len(original)
+    data.write_bytes(edited)
+    refused = prepare_process()
+    assert refused.returncode == EXIT_BAD_INPUT, refused.stdout + refused.stderr[-3000:]
+    assert "holds a complete prepare of other inputs or settings (differs in: input.digests)" in refused.stderr
+    data.write_bytes(original)
+    again = prepare_process()
+    assert again.returncode == EXIT_OK and "nothing to do" in again.stdout, again.stdout + again.stderr[-3000:]

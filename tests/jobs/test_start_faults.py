@@ -26,7 +26,7 @@ from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once, python_env
+from tests.helpers import alive, assert_every_sample_once, descendants, python_env
 
 LOADING = "ray::ExtractorActor.__init__"
 """Ray's title for the extractor's process while its constructor (the model load) runs."""
@@ -97,25 +97,6 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     assert_every_sample_once(out, dataset)
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def alive(processes: dict[int, psutil.Process]) -> list[str]:
-    """What of ``processes`` still runs (a zombie has ended)."""
-    left = []
-    for process in processes.values():
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 @pytest.mark.parametrize("signum", [
     signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended),
 ])
@@ -169,3 +150,4 @@ def _name(process: psutil.Process) -> str:
 
 def _is_gcs(process: psutil.Process) -> bool:
     return "gcs_server" in _name(process)
+

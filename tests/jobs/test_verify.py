@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from extractor.config import NONFINITE_ACTIONS
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.planning.content import expected_metadata
 from jobs.rundir.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
@@ -24,7 +26,8 @@ HIDDEN = 32
 LAYERS = [1, 2, 3]
 ROWS = 4
 NAN_BF16 = np.int16(0x7FC0)
-from tests.helpers import flip_middle
+from tests.conftest import REPO_ROOT
+from tests.helpers import flip_middle, python_env
 
 
 def metadata(state_dtype="bfloat16", layer_ids=LAYERS) -> ShardMetadata:
@@ -138,6 +141,8 @@ def test_every_problem_is_listed_one_line_each(tmp_path, capsys):
     ]
     for pattern in expected:
         assert any(re.search(pattern, line) for line in lines), (pattern, problems)
+    # the counts are of what is there: 4 files found of the 5 done shards (shard 1's is gone)
+    assert re.search(r"^FAILED: \d+ problems in .* \(4 files of 6 shards \(1 not found\): ", lines[-2]), lines[-2]
     assert lines[-2].startswith(f"FAILED: {len(expected) - 1} problems"), problems  # the lines above, no others
     # the page checksums: the project's reader refuses the flipped file instead of returning wrong states
     with pytest.raises(OSError, match="CRC|checksum|Invalid"):
@@ -230,3 +235,19 @@ def test_writer_fails_skips_or_keeps_nonfinite_samples(tmp_path):
     assert (kept.rows, kept.tokens) == (4, sum(lengths.values()))
     assert [s["action"] for s in kept.nonfinite] == ["kept"]
     assert ShardReader(kept.path)[2].aux_hidden_states.isnan().any()
+
+
+@pytest.mark.parametrize("command", ["jobs.verify", "jobs.status"])
+def test_a_truncated_manifest_is_named_with_what_to_do(tmp_path, command):
+    """A ``.manifest.json`` cut short (not by the job, which writes it whole): one line naming the file and what to
+    do, exit 2, no traceback."""
+    write_run(tmp_path)
+    manifest = tmp_path / ".manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    result = subprocess.run([sys.executable, "-m", command, f"output.dir={tmp_path}"], cwd=REPO_ROOT,
+                            env=python_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {manifest} is damaged: not whole JSON"), result.stderr
+    assert "restore it from a backup" in errors[0]

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from jobs import export as export_job
-from jobs.errors import EXIT_FAULT, EXIT_LOCKED
+from jobs.errors import EXIT_FAULT, EXIT_LOCKED, EXIT_OK
 from jobs.extract import run
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.status import status_report
@@ -383,3 +383,55 @@ def test_the_token_count_is_made_only_while_the_whole_run_is_there(shaped_runs, 
     counts = read_token_freq(run_dir)
     assert counts == made_by_the_run and sum(counts.values()) > 0
     assert maybe_write_token_freq(run_dir) is None and read_token_freq(run_dir) == counts
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_link_planted_as_the_token_count_is_never_read_or_written_through(shaped_runs, tmp_path, link):
+    """A planted ``.token_freq.pt`` (a link to a count that is not the run's) is not read: the dataset counts from
+    the shards; the next count replaces the link, and the file it pointed to is untouched."""
+    import torch
+
+    run_dir = consumable_copy(shaped_runs, "pre", tmp_path)
+    counts = read_token_freq(run_dir)
+    fake = tmp_path / "fake.pt"
+    torch.save({1: 999}, fake)
+    fake_bytes = fake.read_bytes()
+    (run_dir / ".token_freq.pt").unlink()
+    if link == "symbolic":
+        (run_dir / ".token_freq.pt").symlink_to(fake)
+    else:
+        os.link(fake, run_dir / ".token_freq.pt")
+    assert read_token_freq(run_dir) is None
+    assert HiddenStatesDataset(run_dir).token_freq() == counts
+    assert maybe_write_token_freq(run_dir) == run_dir / ".token_freq.pt"
+    assert read_token_freq(run_dir) == counts and not (run_dir / ".token_freq.pt").is_symlink()
+    assert fake.read_bytes() == fake_bytes and os.stat(fake).st_nlink == 1
+
+
+@pytest.mark.parametrize("to", ["specforge", "speculators"])
+def test_a_rerun_of_a_complete_export_writes_again_what_is_gone_or_cut_short(shaped_runs, tmp_path, to):
+    """A complete export (real processes) with one file deleted and another of another shard cut short: the plain
+    rerun does not call it complete; it writes exactly those again, and the export is as it was."""
+    run_dir = shaped_runs["pre" if to == "speculators" else "post"]
+    dest = tmp_path / "dest"
+
+    def export_process() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "jobs.export", f"output.dir={run_dir}", f"to={to}",
+                               f"dest={dest}"], cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True,
+                              timeout=600)
+
+    first = export_process()
+    assert first.returncode == EXIT_OK, first.stderr[-3000:]
+    files = {path.relative_to(dest): path.read_bytes() for path in sorted(dest.rglob("*")) if path.is_file()
+             and not path.name.startswith(".")}
+    samples = sorted(path for path in files if path.suffix in (".ckpt", ".safetensors"))
+    deleted, cut = dest / samples[0], dest / samples[-1]  # the first and the last shard's
+    deleted.unlink()
+    cut.write_bytes(files[samples[-1]][: len(files[samples[-1]]) // 2])
+    again = export_process()
+    assert again.returncode == EXIT_OK, again.stderr[-3000:]
+    assert "holds the complete" not in again.stdout and "written" in again.stdout, again.stdout
+    assert {path.relative_to(dest): path.read_bytes() for path in sorted(dest.rglob("*")) if path.is_file()
+            and not path.name.startswith(".")} == files
+    third = export_process()
+    assert third.returncode == EXIT_OK and "holds the complete" in third.stdout, third.stdout + third.stderr
