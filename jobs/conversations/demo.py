@@ -3,6 +3,7 @@ conversations to render with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path

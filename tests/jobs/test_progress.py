@@ -213,7 +213,8 @@ def test_live_line_on_a_terminal(tmp_path):
 # -- a real run on a terminal ------------------------------------------------------------------------
 
 PROGRESS_TEXT = re.compile(
-    r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B")
+    r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B"
+    r"(?: \(free space; budget [\d.]+ [KMGT]?B\))?")
 
 
 def run_under_a_terminal(args: list[str], cwd, timeout: float = 600, columns: int = 0) -> tuple[int, str]:
