@@ -115,16 +115,17 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def stop_in(error: BaseException) -> BaseException:
-    """The ``JobInterrupted`` behind ``error``, if a signal caused it, else ``error``.
+    """The stop behind ``error``: the ``JobInterrupted`` of a signal, or the ``ClusterLost`` a watcher raised in the
+    main thread (``jobs.interrupts.stop_main``), if one caused it, else ``error``.
 
-    A signal handler raises wherever the main thread is; inside a Ray call (waiting on a
+    Both are raised by a handler wherever the main thread is; inside a Ray call (waiting on a
     model load, say) CPython reports that as ``SystemError: ... returned a result with an
     exception set``, with the handler's exception as its cause.
     """
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, JobInterrupted):
+        if isinstance(current, (JobInterrupted, ClusterLost)):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
