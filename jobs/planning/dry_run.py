@@ -23,8 +23,9 @@ from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.planning.capture import ProbeFailed, capture_plan
+from jobs.planning.engine import planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
-from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes, planned_metadata
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
