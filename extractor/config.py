@@ -55,7 +55,11 @@ class SGLangModelConfig:
 
     path: str = ""
     """The checkpoint: a local HF checkpoint directory (for jobs.prepare, with its tokenizer and chat template), or a
-    hub id (org/name) in the local Hugging Face cache. Empty, with data.path empty too: the demo (a tiny random model)."""
+    Hugging Face hub id (org/name; see download). Empty, with data.path empty too: the demo (a tiny random model)."""
+    download: bool = True
+    """A hub id as path: fetch what the local Hugging Face cache lacks of it first (huggingface_hub's download into
+    HF_HUB_CACHE, once, on the machine the command runs on), then read it there; HF_HUB_OFFLINE=1 or false: the cache
+    only, and an id not in it is refused with the command that downloads it. jobs.plan fetches its config.json only."""
     dtype: str = "bfloat16"
     """SGLang's compute dtype, which jobs.extract also stores the states in: bfloat16 | float16 | float32."""
     device: str = "auto"

@@ -40,6 +40,7 @@ def build_engine_spec(
         load_format=model.load_format,
         trust_remote_code=model.trust_remote_code,
         server_args=serving.server_args_for(model) if serving else {},
+        download=model.download,
     )
 
 

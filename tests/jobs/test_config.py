@@ -264,9 +264,10 @@ def test_a_hub_id_is_found_in_the_local_hugging_face_cache(llama_fp32, demo_data
     missing = plan("HuggingFaceTB/SmolLM2-135M-Instruct", REPO_ROOT)
     assert missing.returncode == 2 and missing.stdout == "", missing.stderr
     assert missing.stderr.splitlines() == [
-        f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and not in the local Hugging Face "
-        f"cache ({cache}). Download it first (hf download HuggingFaceTB/SmolLM2-135M-Instruct), or name the "
-        "checkpoint's directory"]
+        f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and no complete snapshot of it in "
+        f"the local Hugging Face cache ({cache}); HF_HUB_OFFLINE is set, so nothing is downloaded. Download it where the hub "
+        "is reachable (HF_HUB_OFFLINE=0 hf download HuggingFaceTB/SmolLM2-135M-Instruct, into this cache), or name "
+        "the checkpoint's directory"]
 
 
 PLACE_WRITER = """
