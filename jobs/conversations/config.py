@@ -23,7 +23,7 @@ ON_TOO_LONG = ("truncate", "drop")
 
 @dataclasses.dataclass
 class PrepareModelConfig(SGLangModelConfig):
-    """``jobs.prepare``'s ``model`` section: the SGLang model keys (all but path and trust_remote_code serve
+    """``jobs.prepare``'s ``model`` section: the SGLang model keys (all but path, download and trust_remote_code serve
     regeneration only) and the chat's own."""
 
     chat_template: str = ""
