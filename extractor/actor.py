@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from extractor.checkpoint import checkpoint_on_this_node
 from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
 
 T = TypeVar("T")
@@ -36,6 +37,7 @@ class Extractor:
 
     def __init__(self, spec: EngineSpec) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        spec = dataclasses.replace(spec, model_path=checkpoint_on_this_node(spec.model_path, spec.download))
         self._engine = build_engine(spec)
         self._lock = threading.Lock()
         self._hand_on = {"wall": 0.0, "cpu": 0.0}

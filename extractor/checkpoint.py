@@ -1,14 +1,17 @@
 """What the driver needs to know about a checkpoint, read from its config.json alone, and where it is:
-``model.path`` is a directory, or a Hugging Face hub id found in the local Hugging Face cache."""
+``model.path`` is a directory, or a Hugging Face hub id: its snapshot in the local Hugging Face cache, downloaded
+there first with ``model.download``."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import logging
 import re
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 IDENTITY_HEAD_BYTES = 1 << 20
@@ -18,6 +21,11 @@ IDENTITY_BLOCK_BYTES = 64 * 1024
 """Blocks read from the rest of every weight file, evenly spread: 2 MiB per file whatever its size."""
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``: what model.path is when no such directory exists (as SGLang and transformers read it)."""
+
+HUB_SNAPSHOT = re.compile(r".*/models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
+"""A snapshot in a Hugging Face cache, as huggingface_hub lays it out: the repo's folder, then the commit's."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,22 +41,67 @@ class CheckpointInfo:
     max_position_embeddings: int
 
 
-def local_checkpoint(model_path: str) -> str:
-    """``model_path`` itself when it exists or is no hub id; else the hub id's snapshot in the local Hugging Face
-    cache (``HF_HUB_CACHE``; revision ``main``), found offline: nothing is downloaded."""
+def local_checkpoint(model_path: str, download: bool = False, files: Optional[Sequence[str]] = None) -> str:
+    """``model_path`` itself when it exists or is no hub id; else the hub id's snapshot (revision ``main``) in the
+    local Hugging Face cache (``HF_HUB_CACHE``). With ``download``, unless ``HF_HUB_OFFLINE`` is set, huggingface_hub's
+    own ``snapshot_download`` first fetches into that cache what it lacks of the hub's ``main`` (``files``: only
+    those, e.g. config.json for a dry run); without, nothing is downloaded. ValueError says what to run."""
     if Path(model_path).expanduser().exists() or not HUB_ID.fullmatch(model_path):
         return model_path
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 
+    online = download and not constants.HF_HUB_OFFLINE
     try:
-        return snapshot_download(model_path, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError):
+        if not online:
+            return snapshot_download(model_path, local_files_only=True)
+        logger.info("model.path=%s: fetching what the local cache (%s) lacks from %s", model_path,
+                    constants.HF_HUB_CACHE, constants.ENDPOINT)
+        return snapshot_download(model_path, allow_patterns=list(files) if files else None)
+    except (LocalEntryNotFoundError, HFValidationError, HfHubHTTPError, OSError) as error:
+        raise ValueError(_not_here(model_path, download, online, error)) from None
+
+
+def checkpoint_on_this_node(model_path: str, download: bool) -> str:
+    """Where the checkpoint the driver found at ``model_path`` is on the node this runs on (an extractor's or a
+    generator's). A hub snapshot the driver downloaded into its cache (``.../models--org--name/snapshots/<commit>``)
+    that this node lacks is downloaded here, that commit, into this node's Hugging Face cache (``download``: the
+    run's model.download; HF_HUB_OFFLINE respected); any other path is left for the loader to find or refuse."""
+    found = HUB_SNAPSHOT.fullmatch(model_path)
+    if Path(model_path).is_dir() or found is None:
+        return model_path
+    from huggingface_hub import constants, snapshot_download
+
+    repo_id, commit = f"{found['org']}/{found['name']}", found["commit"]
+    if not download or constants.HF_HUB_OFFLINE:
         raise ValueError(
-            f"model.path={model_path}: no such directory, and not in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}). Download it first (hf download {model_path}), or name the checkpoint's "
-            "directory"
-        ) from None
+            f"model.path={model_path}: the driver's snapshot of {repo_id} is not on this node ({socket.gethostname()}) "
+            f"and {'model.download=false' if not download else 'HF_HUB_OFFLINE is set'}: download it on every node "
+            f"(hf download {repo_id} --revision {commit}) or share one Hugging Face cache (HF_HOME) between them"
+        )
+    logger.info("%s@%s is not on this node: downloading it into %s", repo_id, commit, constants.HF_HUB_CACHE)
+    return snapshot_download(repo_id, revision=commit)
+
+
+def _not_here(model_path: str, download: bool, online: bool, error: Exception) -> str:
+    """Why the hub id ``model_path`` has no complete snapshot here, and the command that makes one."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = f"model.path={model_path}: no such directory, and no complete snapshot of it in the local Hugging Face " \
+            f"cache ({constants.HF_HUB_CACHE})"
+    if not download:
+        return f"{where} (nothing is downloaded here). Download it first (hf download {model_path}), or name the " \
+               "checkpoint's directory"
+    if not online:
+        return f"{where}; HF_HUB_OFFLINE is set, so nothing is downloaded. Download it where the hub is reachable " \
+               f"(HF_HUB_OFFLINE=0 hf download {model_path}, into this cache), or name the checkpoint's directory"
+    # huggingface_hub wraps a connection error in "not in the cache either": the connection error says why
+    cause = error.__cause__ if isinstance(error, LocalEntryNotFoundError) and error.__cause__ else error
+    said = " ".join(str(cause).split())[:300]
+    return (f"{where}, and the download from {constants.ENDPOINT} failed ({type(cause).__name__}: {said}). Check "
+            "the id and the network (HF_ENDPOINT; HF_TOKEN for a gated model), or download it where the hub is "
+            f"reachable (hf download {model_path} prints where it put it) and name that directory")
 
 
 def read_config(model_path: str) -> dict[str, Any]:

@@ -49,58 +49,76 @@ def serving_command(serving: Any) -> Optional[tuple[str, ...]]:
 
 
 @dataclasses.dataclass
-class ModelConfig:
+class SGLangModelConfig:
+    """The ``model`` keys of every command that runs SGLang on a checkpoint (the extractor, jobs.prepare's
+    regeneration), checked here once; each command's own ``model`` keys extend it."""
+
     path: str = ""
-    """Local HF checkpoint directory, or a hub id (org/name) in the local Hugging Face cache. Empty: run the embedded
-    demo (a tiny random model)."""
-    tp_size: int = 1
-    """Tensor-parallel ranks, one process each; on GPU the extractor actor asks Ray for this many GPUs."""
-    dp_size: int = 0
-    """Data-parallel extractor groups, each tp_size GPUs of one node with its own writers there. 0: as many as
-    the cluster holds (GPUs // tp_size per node on GPU; one per node on CPU)."""
+    """The checkpoint: a local HF checkpoint directory (for jobs.prepare, with its tokenizer and chat template), or a
+    Hugging Face hub id (org/name; see download). Empty, with data.path empty too: the demo (a tiny random model)."""
+    download: bool = True
+    """A hub id as path: fetch what the local Hugging Face cache lacks of it first (huggingface_hub's download into
+    HF_HUB_CACHE, once, on the machine the command runs on), then read it there; HF_HUB_OFFLINE=1 or false: the cache
+    only, and an id not in it is refused with the command that downloads it. jobs.plan fetches its config.json only."""
     dtype: str = "bfloat16"
-    """Compute and storage dtype: bfloat16 | float16 | float32."""
+    """SGLang's compute dtype, which jobs.extract also stores the states in: bfloat16 | float16 | float32."""
     device: str = "auto"
     """auto | cpu | cuda. auto picks cuda when the Ray cluster has tp_size GPUs."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of the SGLang engine, one process each; on GPU, this many GPUs of one node."""
     attention_backend: str = ""
     """SGLang attention backend; empty picks torch_native on CPU and flashinfer on CUDA."""
-    context_length: Optional[int] = None
-    """Longest sample the runner accepts; default: the model's max_position_embeddings."""
     mem_fraction_static: float = 0.8
     """Fraction of GPU memory SGLang may hold for weights + KV cache (GPU only)."""
-    load_format: str = "auto"
-    """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
     trust_remote_code: bool = False
-    """Let loading run Python code shipped with the checkpoint (auto_map classes, pickled .bin weights). Off: never."""
-    engine: str = "sglang"
-    """sglang | synthetic. synthetic runs no model: random states of the checkpoint's shape, copied from
-    device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
-    synthetic_tokens_per_s: float = 0.0
-    """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
+    """Let loading run Python code shipped with the checkpoint (auto_map classes, pickled .bin weights, a tokenizer's
+    own code as Kimi-K2.5's tiktoken tokenizer needs). Off: never."""
     serving: Any = None
-    """The SGLang server's settings the states must match (docs/serving.md): its command line as one string
-    ('--quantization fp8 --kv-cache-dtype fp8_e4m3 --tp-size 8'; a leading `sglang serve` or `python -m
-    sglang.launch_server` is dropped), a list of its words, or a mapping of ServerArgs fields ({quantization: fp8}).
-    The installed SGLang parses it; what changes the numerics is applied and recorded in the manifest, the rest is
-    left out and logged (ports, keys, logging, scheduling, the drafter). Its --dtype, --tp-size, --attention-backend,
-    --device, --context-length, --load-format, --trust-remote-code decide the model.* keys of the same name (a
-    conflicting one is refused); without --dtype, SGLang's auto dtype for the checkpoint."""
+    """The SGLang server's settings the states (jobs.prepare: the regenerated answers) must match (docs/serving.md):
+    its command line as one string ('--quantization fp8 --kv-cache-dtype fp8_e4m3 --tp-size 8'; a leading `sglang
+    serve` or `python -m sglang.launch_server` is dropped), a list of its words, or a mapping of ServerArgs fields
+    ({quantization: fp8}). The installed SGLang parses it; what changes the numerics is applied and recorded with the
+    output, the rest is left out and logged (ports, keys, logging, scheduling, the drafter). Its --dtype, --tp-size,
+    --attention-backend, --device, --trust-remote-code (and jobs.extract's --context-length, --load-format) decide the
+    model.* keys of the same name (a conflicting one is refused); without --dtype, SGLang's auto dtype for the
+    checkpoint."""
 
     def __post_init__(self) -> None:
         serving_command(self.serving)
         check_choice("model.device", self.device, DEVICES)
         check_choice("model.dtype", self.dtype, DTYPES)
         check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(
+                f"model.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1], the share of "
+                "GPU memory SGLang may hold"
+            )
+
+
+@dataclasses.dataclass
+class ModelConfig(SGLangModelConfig):
+    """``jobs.extract``'s ``model`` section: the SGLang model keys and the extractor's own."""
+
+    dp_size: int = 0
+    """Data-parallel extractor groups, each tp_size GPUs of one node with its own writers there. 0: as many as
+    the cluster holds (GPUs // tp_size per node on GPU; one per node on CPU)."""
+    context_length: Optional[int] = None
+    """Longest sample the runner accepts; default: the model's max_position_embeddings."""
+    load_format: str = "auto"
+    """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
+    engine: str = "sglang"
+    """sglang | synthetic. synthetic runs no model: random states of the checkpoint's shape, copied from
+    device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
+    synthetic_tokens_per_s: float = 0.0
+    """With engine=synthetic: the rate the states are produced at; 0 = as fast as the host copy goes."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         check_int("model.dp_size", self.dp_size, 0, "0: as many groups as the cluster holds")
         if self.context_length is not None and (not is_int(self.context_length) or self.context_length < 1):
             raise ValueError(
                 f"model.context_length={self.context_length!r}: must be a positive token count, or unset "
                 "for the model's max_position_embeddings"
-            )
-        if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(
-                f"model.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1], the share of "
-                "GPU memory SGLang may hold"
             )
         if not self.load_format:
             raise ValueError("model.load_format is empty: use auto (or an SGLang load format such as dummy)")

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from extractor.checkpoint import checkpoint_on_this_node
+
 logger = logging.getLogger(__name__)
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
@@ -58,6 +60,8 @@ class GeneratorSpec:
     """SGLang's random_seed (sampled answers also depend on how the engine batches the requests)."""
     server_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The serving command's applied settings (``extractor.serving``), under the engine's own above."""
+    download: bool = False
+    """model.download: a node without the driver's hub snapshot at ``model_path`` downloads that commit itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,7 @@ class Generator:
         import sglang
 
         started = time.perf_counter()
+        spec = dataclasses.replace(spec, model_path=checkpoint_on_this_node(spec.model_path, spec.download))
         self.spec = spec
         self.sglang_version = sglang.__version__
         self._engine: Optional[Any] = sglang.Engine(**_engine_args(spec))

@@ -38,6 +38,8 @@ class EngineSpec:
     synthetic_tokens_per_s: float = 0.0
     server_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The serving command's applied settings (``extractor.serving``): ServerArgs fields -> values."""
+    download: bool = False
+    """model.download: a node without the driver's hub snapshot at ``model_path`` downloads that commit itself."""
 
     @property
     def has_last_hidden_state(self) -> bool:

@@ -290,7 +290,16 @@ def to_yaml(config: Any) -> str:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under dataclass fields (the convention used in this repo)."""
+    """Docstrings written under dataclass fields (the convention used in this repo), a section's own and those of
+    the sections it extends (``extractor.config.SGLangModelConfig``)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

@@ -45,8 +45,8 @@ def load_config(argv: Sequence[str]) -> PrepareConfig:
 
 def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
     """Local paths made absolute once (under ``ray job submit`` relative ones are refused, as by jobs.extract); a hub
-    id as model.path is its snapshot in the local Hugging Face cache."""
-    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    id as model.path is its snapshot in the local Hugging Face cache (downloaded there first with model.download)."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path, config.model.download))
     config = dataclasses.replace(config, model=model)
     paths = absolute_paths({"model.path": config.model.path, "data.path": config.data.path,
                             "output.dir": config.output.dir, "model.chat_template": config.model.chat_template},

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List
 
-from common.checks import is_int
-from extractor.config import DEVICES, DTYPES, serving_command
+from common.checks import check_choice, check_int, check_number, check_seconds, is_int
+from extractor.config import SGLangModelConfig
 from jobs.cluster.config import RayConfig
 from jobs.inputs.config import ON_INVALID
 
@@ -22,53 +22,28 @@ ON_TOO_LONG = ("truncate", "drop")
 
 
 @dataclasses.dataclass
-class PrepareModelConfig:
-    path: str = ""
-    """Checkpoint directory holding the tokenizer (and its chat template), or a hub id (org/name) in the local
-    Hugging Face cache; with regenerate=true also the model SGLang runs. Empty, with data.path empty too: the demo."""
+class PrepareModelConfig(SGLangModelConfig):
+    """``jobs.prepare``'s ``model`` section: the SGLang model keys (all but path, download and trust_remote_code serve
+    regeneration only) and the chat's own."""
+
     chat_template: str = ""
     """A Jinja chat-template file to render with instead of the checkpoint's own (the file SGLang is given with
     --chat-template when it serves, if any). Empty: the tokenizer's template."""
     chat_template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra variables for the chat template, as apply_chat_template's keyword arguments and SGLang's
     --chat-template-kwargs take them (e.g. {enable_thinking: false} for Qwen3's)."""
-    trust_remote_code: bool = False
-    """Let the tokenizer (and with regenerate=true the model) run code shipped with the checkpoint, as
-    Kimi-K2.5's tiktoken tokenizer needs. Off: never."""
     stop_tokens: List[str] = dataclasses.field(default_factory=list)
     """Tokens that end an assistant turn: the loss mask ends with the first of them in each answer, and
     regeneration stops at them. Empty: the tokenizer's eos token and generation_config.json's eos_token_id."""
-    dtype: str = "bfloat16"
-    """Regeneration: SGLang's compute dtype (bfloat16 | float16 | float32)."""
-    device: str = "auto"
-    """Regeneration: auto | cpu | cuda (auto: cuda when the Ray cluster has tp_size GPUs)."""
-    tp_size: int = 1
-    """Regeneration: tensor-parallel ranks of the SGLang engine (GPUs of one node on CUDA)."""
-    attention_backend: str = ""
-    """Regeneration: SGLang attention backend; empty: torch_native on CPU, flashinfer on CUDA."""
     cuda_graph: bool = True
     """Regeneration on CUDA: SGLang captures decode CUDA graphs (faster); false if capture fails on the stack."""
-    mem_fraction_static: float = 0.8
-    """Regeneration: fraction of GPU memory SGLang may hold for weights + KV cache."""
     max_total_tokens: int = 0
     """Regeneration: KV-cache tokens SGLang holds; 0: from mem_fraction_static on CUDA, 32768 on CPU."""
-    serving: Any = None
-    """Regeneration: the SGLang server's settings, as jobs.extract's model.serving takes them (docs/serving.md), so
-    that the answers come from the served model: what changes the numerics is applied, its --dtype, --tp-size,
-    --attention-backend, --device and --trust-remote-code decide the model.* keys of the same name."""
 
     def __post_init__(self) -> None:
-        serving_command(self.serving)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
-        if self.device not in DEVICES:
-            raise ValueError(f"model.device={self.device!r}: use one of {', '.join(DEVICES)}")
-        if not is_int(self.tp_size) or self.tp_size < 1:
-            raise ValueError(f"model.tp_size={self.tp_size!r}: must be an integer >= 1 (one rank per GPU)")
-        if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(f"model.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1]")
-        if not is_int(self.max_total_tokens) or self.max_total_tokens < 0:
-            raise ValueError(f"model.max_total_tokens={self.max_total_tokens!r}: must be an integer >= 0")
+        super().__post_init__()
+        check_int("model.max_total_tokens", self.max_total_tokens, 0,
+                  "0: from mem_fraction_static on CUDA, 32768 on CPU")
         if any(not token for token in self.stop_tokens):
             raise ValueError(f"model.stop_tokens={self.stop_tokens!r}: an empty token; name tokens like <|im_end|>")
 
@@ -96,16 +71,11 @@ class ConversationDataConfig:
     """Keyword arguments for data.path's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"data.format={self.format!r}: use one of {', '.join(FORMATS)}")
-        if self.other_roles not in OTHER_ROLES:
-            raise ValueError(f"data.other_roles={self.other_roles!r}: use one of {', '.join(OTHER_ROLES)}")
-        if self.on_invalid not in ON_INVALID:
-            raise ValueError(f"data.on_invalid={self.on_invalid!r}: use {' or '.join(ON_INVALID)}")
-        if not is_int(self.max_length) or self.max_length < 0:
-            raise ValueError(f"data.max_length={self.max_length!r}: must be a token count >= 1, or 0 for the model's")
-        if self.on_too_long not in ON_TOO_LONG:
-            raise ValueError(f"data.on_too_long={self.on_too_long!r}: use {' or '.join(ON_TOO_LONG)}")
+        check_choice("data.format", self.format, FORMATS)
+        check_choice("data.other_roles", self.other_roles, OTHER_ROLES)
+        check_choice("data.on_invalid", self.on_invalid, ON_INVALID)
+        check_int("data.max_length", self.max_length, 0, "a token count; 0: the model's max_position_embeddings")
+        check_choice("data.on_too_long", self.on_too_long, ON_TOO_LONG)
 
 
 @dataclasses.dataclass
@@ -117,8 +87,7 @@ class PrepareOutputConfig:
     """Conversations per part file; also the unit regeneration resumes by."""
 
     def __post_init__(self) -> None:
-        if not is_int(self.shard_size) or self.shard_size < 1:
-            raise ValueError(f"output.shard_size={self.shard_size!r}: must be an integer >= 1 (conversations per part)")
+        check_int("output.shard_size", self.shard_size, 1, "conversations per part")
 
 
 @dataclasses.dataclass
@@ -136,16 +105,13 @@ class GenerationConfig:
     which follows the answers' timing: a rerun samples others (greedy answers do not change)."""
 
     def __post_init__(self) -> None:
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"generation.temperature={self.temperature!r}: must be >= 0 (0: greedy)")
+        check_int("generation.max_new_tokens", self.max_new_tokens, 1)
+        check_number("generation.temperature", self.temperature, 0, "0: greedy")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p={self.top_p!r}: must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"generation.top_k={self.top_k!r}: must be -1 (off) or an integer >= 1")
-        if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"generation.seed={self.seed!r}: must be an integer >= 0")
+        check_int("generation.seed", self.seed, 0)
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang's sampling params for one answer (without its max_new_tokens and stop tokens)."""
@@ -158,8 +124,7 @@ class PrepareProgressConfig:
     """Without a terminal, a progress line (conversations, rate, ETA) this often; with one, a tqdm bar."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.interval_s, (int, float)) or isinstance(self.interval_s, bool) or self.interval_s <= 0:
-            raise ValueError(f"progress.interval_s={self.interval_s!r}: must be a number of seconds > 0")
+        check_seconds("progress.interval_s", self.interval_s, positive=True)
 
 
 @dataclasses.dataclass
@@ -172,8 +137,7 @@ class PrepareDemoConfig:
     def __post_init__(self) -> None:
         if not self.dir:
             raise ValueError("demo.dir is empty: name the directory the demo builds its model and data in")
-        if not is_int(self.num_conversations) or self.num_conversations < 1:
-            raise ValueError(f"demo.num_conversations={self.num_conversations!r}: must be an integer >= 1")
+        check_int("demo.num_conversations", self.num_conversations, 1)
 
 
 @dataclasses.dataclass
@@ -198,8 +162,7 @@ class PrepareConfig:
                 "set both model.path (the checkpoint with the tokenizer) and data.path (the conversations), "
                 "or neither for the demo"
             )
-        if not is_int(self.workers) or self.workers < 0:
-            raise ValueError(f"workers={self.workers!r}: must be an integer >= 0 (0: one per CPU)")
+        check_int("workers", self.workers, 0, "0: one per CPU")
         if not self.is_demo and not self.output.dir:
             raise ValueError("output.dir is empty: name the directory the tokenized Parquet goes to")
 

@@ -90,7 +90,7 @@ class Inputs:
             attention_backend=model.attention_backend, cuda_graph=model.cuda_graph,
             mem_fraction_static=model.mem_fraction_static,
             max_total_tokens=model.max_total_tokens, trust_remote_code=model.trust_remote_code,
-            seed=self.config.generation.seed, server_args=self.server_args(),
+            seed=self.config.generation.seed, server_args=self.server_args(), download=model.download,
         )
 
     def content(self) -> dict[str, Any]:

@@ -49,9 +49,9 @@ from jobs.errors import (
 from jobs.interrupts import signals_deferred
 from jobs.planning.capture import check_capture
 from jobs.planning.content import RECORDED_SINCE, resumed_device
-from jobs.planning.engine import build_engine_spec
+from jobs.planning.engine import build_engine_spec, planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
-from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, planned_metadata
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import (

@@ -64,7 +64,7 @@ def start_lanes(
         for extractor in extractors:  # every node loads its model at the same time
             extractor.launch()
         engine = [extractor.ready() for extractor in extractors][0]
-        metadata = shard_metadata(engine, spec)
+        metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
         budgets: dict[Path, DiskBudget] = {}
         for group, extractor in zip(groups, extractors):
             writers = WriterPool(group.directory, metadata, _writer_settings(spec, groups, group, extract, output),

@@ -23,8 +23,9 @@ from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.planning.capture import ProbeFailed, capture_plan
+from jobs.planning.engine import planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
-from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes, planned_metadata
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
@@ -36,6 +37,8 @@ logger = logging.getLogger("jobs.plan")
 
 INVALID_EXAMPLES = 3
 """Invalid rows the report names (all of them are counted)."""
+PLAN_FILES = ("config.json",)
+"""What the dry run fetches of a hub id the cache lacks (model.download): the plan reads config.json alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,8 @@ def dry_run(config: JobConfig) -> DryRun:
         raise ConfigError("the dry run plans a real run: set model.path and data.path (the demo needs no plan)")
     # Every invalid row is counted; data.on_invalid=fail is judged below, as the job would judge it.
     on_invalid = config.data.on_invalid
-    inputs = read_inputs(dataclasses.replace(config, data=dataclasses.replace(config.data, on_invalid="skip")))
+    inputs = read_inputs(dataclasses.replace(config, data=dataclasses.replace(config.data, on_invalid="skip")),
+                         fetch=PLAN_FILES)
     config, checkpoint, dataset = inputs.config, inputs.checkpoint, inputs.dataset
     check_output_dir(inputs.output_dir, config.data.path, create=False)
     check_resumable(inputs)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from extractor.checkpoint import CheckpointInfo
 from extractor.config import ExtractConfig, ModelConfig
 from extractor.serving import parse_serving
 from extractor.types import EngineInfo, EngineSpec
+from jobs.config import JobConfig
 from storage import ShardMetadata
 from storage.schema import SAME_AS_MODEL, stored_dtype
 
@@ -38,19 +40,40 @@ def build_engine_spec(
         load_format=model.load_format,
         trust_remote_code=model.trust_remote_code,
         server_args=serving.server_args_for(model) if serving else {},
+        download=model.download,
     )
 
 
-def shard_metadata(engine: EngineInfo, spec: EngineSpec) -> ShardMetadata:
+def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: list[int]) -> ShardMetadata:
+    """The shard metadata before the model loads, as far as config.json tells it (what SGLang captures, and
+    its release, are known once it has loaded: ``shard_metadata``)."""
+    planned = EngineInfo(
+        sglang_version="",
+        model_architecture=checkpoint.architecture,
+        language_model_architecture=checkpoint.language_model_architecture,
+        num_layers=checkpoint.num_layers,
+        hidden_size=checkpoint.hidden_size,
+        dtype=config.model.dtype,
+        tp_size=config.model.tp_size,
+        layer_ids=list(layer_ids),
+        layers_to_capture=[],
+        drafter_layer_ids=[],
+    )
+    return shard_metadata(planned, config.model.path, config.output.state_dtype, config.extract.last_hidden_state)
+
+
+def shard_metadata(engine: EngineInfo, model_path: str, state_dtype: str, last_hidden_state: str) -> ShardMetadata:
+    """What every shard file of the run records: the engine's report, where its checkpoint is, and what the run
+    stores (``state_dtype``: output.state_dtype; ``last_hidden_state``: extract.last_hidden_state)."""
     return ShardMetadata(
         dtype=engine.dtype,
-        state_dtype=stored_dtype(spec.state_dtype, engine.dtype),
+        state_dtype=stored_dtype(state_dtype, engine.dtype),
         hidden_size=engine.hidden_size,
-        layer_ids=engine.layer_ids,
+        layer_ids=list(engine.layer_ids),
         layers_to_capture=engine.layers_to_capture,
         drafter_layer_ids=engine.drafter_layer_ids,
-        last_hidden_state=spec.last_hidden_state,
-        model_path=spec.model_path,
+        last_hidden_state=last_hidden_state,
+        model_path=model_path,
         model_architecture=engine.model_architecture,
         language_model_architecture=engine.language_model_architecture,
         sglang_version=engine.sglang_version,

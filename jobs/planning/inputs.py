@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from extractor.checkpoint import (
     CheckpointInfo,
@@ -56,9 +56,10 @@ class RunInputs:
         return run_content(self.config, dataclasses.asdict(spec), self.fingerprint, self.checkpoint_id)
 
 
-def read_inputs(config: JobConfig) -> RunInputs:
-    """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written yet."""
-    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+def read_inputs(config: JobConfig, fetch: Optional[Sequence[str]] = None) -> RunInputs:
+    """Paths, demo, checkpoint, layers and dataset, all checked: nothing is written but a hub id's download into the
+    Hugging Face cache (model.download; ``fetch``: only those files of it)."""
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path, config.model.download, fetch))
     config = dataclasses.replace(config, model=model)
     config = resolve_paths(config, inside_ray_job())
     if config.is_demo:

@@ -23,7 +23,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from common.checks import format_bytes
-from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
 from jobs.config import JobConfig
 from jobs.driver.budget import DiskBudget
@@ -35,7 +34,6 @@ from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE
 from storage import ShardMetadata
 from storage.manifest import MANIFEST_FILE, read_manifest
-from storage.schema import stored_dtype
 from storage.sink import probe as probe_sink
 from storage.writer import state_bytes_per_token
 
@@ -106,23 +104,6 @@ def refuse_pickled_weights(model: ModelConfig) -> None:
             "can run code stored in it. Convert the checkpoint to safetensors, or set "
             "model.trust_remote_code=true if you trust where it came from"
         )
-
-
-def planned_metadata(config: JobConfig, checkpoint: CheckpointInfo, layer_ids: list[int]) -> ShardMetadata:
-    """The shard metadata as far as config.json tells it (what SGLang captures is known after loading)."""
-    return ShardMetadata(
-        dtype=config.model.dtype,
-        state_dtype=stored_dtype(config.output.state_dtype, config.model.dtype),
-        hidden_size=checkpoint.hidden_size,
-        layer_ids=list(layer_ids),
-        layers_to_capture=[],
-        drafter_layer_ids=[],
-        last_hidden_state=config.extract.last_hidden_state,
-        model_path=config.model.path,
-        model_architecture=checkpoint.architecture,
-        sglang_version="",
-        tp_size=config.model.tp_size,
-    )
 
 
 def check_shards_fit(

@@ -14,10 +14,12 @@ import pytest
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import JobConfig, config_keys, load_config, resolve_paths
+from jobs.conversations.config import PrepareConfig
 from jobs.actors.cpus import format_cores
 from jobs.driver.config import OutputConfig
 from jobs.errors import ConfigError
 from jobs.planning.preflight import refuse_pickled_weights
+from jobs.prepare import load_config as load_prepare_config
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 
@@ -84,6 +86,37 @@ def test_config_file_and_overrides(tmp_path):
         load_config(["--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(ConfigError, match="unrecognized arguments: --cofnig"):
         load_config(["--cofnig", "x.yaml"])
+
+
+SGLANG_MODEL_MISTAKES = [
+    ("model.tp_size=0", "model.tp_size=0: must be an integer >= 1 (one rank per GPU)"),
+    ("model.dtype=fp8", "model.dtype='fp8': use one of bfloat16, float16, float32"),
+    ("model.device=tpu", "model.device='tpu': use one of auto, cpu, cuda"),
+    ("model.mem_fraction_static=0", "model.mem_fraction_static=0.0: must be in (0, 1]"),
+    ("model.serving=[[1]]", "model.serving=[[1]]: give the SGLang server's command line as one string"),
+]
+
+
+@pytest.mark.parametrize("override, message", SGLANG_MODEL_MISTAKES)
+@pytest.mark.parametrize("command", ["jobs.extract", "jobs.prepare"])
+def test_the_sglang_model_section_refuses_alike_in_the_job_and_prepare(command, override, message):
+    """jobs.extract and jobs.prepare share one SGLang model section: the same mistake, the same line."""
+    load = load_config if command == "jobs.extract" else load_prepare_config
+    with pytest.raises(ConfigError) as error:
+        load([override])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_each_command_keeps_its_own_model_keys():
+    """What only the extractor reads is no key of jobs.prepare, and the reverse."""
+    prepare, job = set(config_keys(PrepareConfig)), set(config_keys(JobConfig))
+    assert {f"model.{key}" for key in ("path", "dtype", "device", "tp_size", "serving", "trust_remote_code")} <= prepare & job
+    assert {"model.dp_size", "model.context_length", "model.load_format", "model.engine"} <= job - prepare
+    assert {"model.chat_template", "model.stop_tokens", "model.max_total_tokens"} <= prepare - job
+    with pytest.raises(ConfigError, match="model.max_total_tokens=-1: must be an integer >= 0"):
+        load_prepare_config(["model.max_total_tokens=-1"])
+    with pytest.raises(ConfigError, match="unknown key model.dp_size"):
+        load_prepare_config(["model.dp_size=2"])
 
 
 def test_sections_check_themselves_when_built_in_python():
@@ -231,9 +264,10 @@ def test_a_hub_id_is_found_in_the_local_hugging_face_cache(llama_fp32, demo_data
     missing = plan("HuggingFaceTB/SmolLM2-135M-Instruct", REPO_ROOT)
     assert missing.returncode == 2 and missing.stdout == "", missing.stderr
     assert missing.stderr.splitlines() == [
-        f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and not in the local Hugging Face "
-        f"cache ({cache}). Download it first (hf download HuggingFaceTB/SmolLM2-135M-Instruct), or name the "
-        "checkpoint's directory"]
+        f"error: model.path=HuggingFaceTB/SmolLM2-135M-Instruct: no such directory, and no complete snapshot of it in "
+        f"the local Hugging Face cache ({cache}); HF_HUB_OFFLINE is set, so nothing is downloaded. Download it where the hub "
+        "is reachable (HF_HUB_OFFLINE=0 hf download HuggingFaceTB/SmolLM2-135M-Instruct, into this cache), or name "
+        "the checkpoint's directory"]
 
 
 PLACE_WRITER = """

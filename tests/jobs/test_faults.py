@@ -29,7 +29,7 @@ from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_
 from jobs.extract import main
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.planning.inputs import read_inputs
-from jobs.planning.preflight import planned_metadata
+from jobs.planning.engine import planned_metadata
 from jobs.planning.shards import plan_shards
 from jobs.rundir.summary import read_summary
 from storage.consumed import consume_shard
