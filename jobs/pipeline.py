@@ -60,8 +60,8 @@ TOKENS_DIR = "tokens"
 STATES_DIR = "states"
 STEP_DIRS = (TOKENS_DIR, STATES_DIR, *FORMATS)
 """What output.dir holds: jobs.prepare's parts, the extraction run, the trainer's files (one directory per format)."""
-DEMO_OUTPUT = "pipeline"
-"""The demo's output.dir under demo.dir."""
+DEMO_OUTPUT = "pipeline-{to}-{conversations}"
+"""The demo's output.dir under demo.dir: one per trainer and number of conversations, so that demos run in any order."""
 
 
 @dataclasses.dataclass
@@ -117,7 +117,7 @@ class PipelineOutputConfig:
     dir: str = ""
     """Where everything goes: tokens/ (jobs.prepare's parts), states/ (the extraction run: its manifest, and each
     shard until it is exported) and <to>/ (the trainer's files: SpecForge's --hidden-states-path, speculators'
-    data path). Empty in the demo: demo.dir/pipeline."""
+    data path). Empty in the demo: demo.dir/pipeline-<to>-<demo.num_conversations>."""
     shard_size: int = 200
     """Samples per shard of states (jobs.extract's data.shard_size): what extraction resumes by and the export
     consumes by; the disk holds the export and at most about one shard more."""
@@ -170,8 +170,10 @@ class PipelineConfig:
                              "conversations), or neither for the demo")
         if not self.is_demo and not self.output.dir:
             raise ValueError("output.dir is empty: name the directory the tokens, states and trainer files go to")
-        # The export's own checks (fp8 with SpecForge, fp8 with exact), before anything runs.
-        self.step_export("/", "/")
+        try:  # jobs.export's own checks of the export.* keys (fp8 with SpecForge, fp8 with exact), paths stood in
+            self.step_export(run="/", dest="/")
+        except ValueError as error:
+            raise ValueError(f"export.{error}") from None  # its messages start with the key: fp8=true: ...
 
     @property
     def is_demo(self) -> bool:
@@ -232,7 +234,8 @@ def resolve(config: PipelineConfig) -> PipelineConfig:
         made = demo_config(config.step_prepare())
         config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, path=made.model.path), data=made.data,
-            output=dataclasses.replace(config.output, dir=config.output.dir or str(Path(config.demo.dir) / DEMO_OUTPUT)),
+            output=dataclasses.replace(config.output, dir=config.output.dir or str(
+                Path(config.demo.dir) / DEMO_OUTPUT.format(to=config.to, conversations=config.demo.num_conversations))),
         )
     model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
     paths = absolute_paths({"model.path": model.path, "data.path": config.data.path, "output.dir": config.output.dir},

@@ -68,7 +68,7 @@ def assert_only_the_export_holds_the_states(out: Path, shards: int) -> None:
 
 def test_one_command_writes_what_the_three_commands_write(ray_cluster, tmp_path, capsys):
     demo = tmp_path / "demo"
-    out = demo / "pipeline"
+    out = demo / f"pipeline-specforge-{CONVERSATIONS}"
     ran = run(pipeline(demo, "output.shard_size=8"))
     assert ran.returncode == 0, ran.stderr[-4000:]
     print(ran.stdout)
@@ -109,7 +109,7 @@ def test_one_command_writes_what_the_three_commands_write(ray_cluster, tmp_path,
 
 def test_killed_mid_extraction_the_same_command_resumes(ray_cluster, tmp_path):
     demo = tmp_path / "demo"
-    out, shards = demo / "pipeline", CONVERSATIONS // 2
+    out, shards = demo / f"pipeline-specforge-{CONVERSATIONS}", CONVERSATIONS // 2
     command = pipeline(demo, "output.shard_size=2")
     log = tmp_path / "killed.log"
     with open(log, "w") as sink:  # a file, not a pipe: the command's log never waits for a reader
@@ -143,6 +143,7 @@ def demo_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("keys, message", [
     (["to=vllm"], "to='vllm': name the trainer, to=specforge or to=speculators"),
+    (["to=specforge", "export.fp8=true"], "export.fp8=true: SpecForge reads model-dtype states only"),
     (["to=speculators", "extract.last_hidden_state=post_norm"],
      "to=speculators with extract.last_hidden_state=post_norm: speculators reads the state before the final norm"),
     (["to=specforge", "export.exact=true"], "export.exact=true: specforge's files hold the post_norm final state"),
@@ -154,7 +155,7 @@ def test_refused_before_any_step(demo_dir, capsys, keys, message):
     assert pipeline_main([f"demo.dir={demo_dir}", *keys]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # the demo's first use builds its model (a progress bar)
     assert [line for line in err if line.startswith("error: ")] == err[-1:] and message in err[-1], err
-    assert not (demo_dir / "pipeline").exists()
+    assert not list(demo_dir.glob("pipeline*"))
 
 
 def test_an_output_dir_holding_other_files_is_refused(demo_dir, tmp_path, capsys):
