@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -332,7 +333,7 @@ def final_message(config: PipelineConfig, record: dict[str, Any], summary: dict[
 def _train_hint(trainer: str, dest: str) -> str:
     if trainer == SPECFORGE:
         return f"train: SpecForge's --hidden-states-path {dest}"
-    return f"train: speculators' data path {dest} (token_freq.pt beside it)"
+    return f"train: speculators' data path {dest}, --token-freq-path {dest}/token_freq.pt"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -344,7 +345,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _pipeline(argv: Sequence[str]) -> int:
     code, message = run_pipeline(load_config(argv))
-    print(message)
+    print(message, file=sys.stdout if code == EXIT_OK else sys.stderr)
     return code
 
 
