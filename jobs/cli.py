@@ -1,7 +1,7 @@
 """One way every command runs: logging, signals, and how each kind of error becomes an exit code.
 
-Each command (``jobs.extract``, ``jobs.plan``, ``jobs.status``, ``jobs.verify``,
-``jobs.export``, ``jobs.check_drafter``) writes a ``body(argv) -> exit code`` and
+Each command (``jobs.prepare``, ``jobs.extract``, ``jobs.pipeline``, ``jobs.plan``, ``jobs.status``,
+``jobs.verify``, ``jobs.export``, ``jobs.check_drafter``, ``jobs.check_serving``) writes a ``body(argv) -> exit code`` and
 hands it to ``run_command``:
 
 - SIGTERM, SIGINT and SIGHUP raise ``JobInterrupted`` while the body runs (exit 143 / 130 / 129), except

@@ -56,16 +56,20 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _export(argv: Sequence[str]) -> int:
-    config = load_config(argv)
+    print(final_message(export(load_config(argv))))
+    return EXIT_OK
+
+
+def export(config: ExportConfig) -> dict[str, Any]:
+    """The export, under the run's lock with ``consume``; returns its report. A ValueError before anything is
+    written is a refusal (exit 2); once writing, an error is a fault (exit 4: a rerun resumes)."""
     run_directory = config.run_directory() if config.consume else None
     with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
-        job = prepare(config)  # a ValueError here is a refusal: nothing written yet
+        job = prepare(config)
         try:
-            report = write(job)
-        except ValueError as error:  # once writing, an error is a fault (exit 4: a rerun resumes), not a refusal
+            return write(job)
+        except ValueError as error:
             raise RuntimeError(str(error)) from error
-    print(final_message(report))
-    return EXIT_OK
 
 
 cli = console_entry(main)

@@ -25,6 +25,7 @@ from jobs.check_drafter import CheckDrafterConfig
 from jobs.check_serving import CheckServingConfig
 from jobs.config import JobConfig, key_docs
 from jobs.conversations.config import PrepareConfig
+from jobs.pipeline import PipelineConfig
 from jobs.status import StatusConfig
 from jobs.verify import VerifyConfig
 from training.export import ExportConfig
@@ -43,6 +44,7 @@ class Command:
 
 COMMANDS = (
     Command(("jobs.prepare",), PrepareConfig),
+    Command(("jobs.pipeline",), PipelineConfig),
     Command(("jobs.extract", "jobs.plan"), JobConfig),
     Command(("jobs.status",), StatusConfig),
     Command(("jobs.verify",), VerifyConfig),

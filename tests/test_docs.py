@@ -136,6 +136,8 @@ NOT_RUNNABLE_HERE = {
     "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
         "the same placeholder checkpoint",
     "python -m jobs.verify output.dir=/data/states": "the run of the line before",
+    "python -m jobs.pipeline model.path=/models/target data.path=chat.jsonl output.dir=/data/run to=specforge":
+        "the same placeholder checkpoint; tests/jobs/test_pipeline.py runs it on the demo's conversations",
     "python -m jobs.plan --config conf/kimi.yaml data.path=/mnt/nvme/data/train.parquet "
     "output.dir=/mnt/nvme/eagle3/run1": "Kimi-K2.5's checkpoint (tests/extractor/test_kimi.py plans its published config.json)",
     "export RAY_ADDRESS=http://127.0.0.1:8265": "a real cluster's tunnelled Jobs API; tests/test_readme.py exports its "
@@ -279,7 +281,7 @@ def test_named_paths_modules_and_names_exist(page):
 def test_the_checks_catch_what_they_should():
     """The path and module checks above are not vacuous: names of modules that do not exist fail them."""
     assert _dotted_problem("storage.training") == "storage defines no training"
-    assert _dotted_problem("jobs.pipeline") == "jobs defines no pipeline"
+    assert _dotted_problem("jobs.train") == "jobs defines no train"
     assert _dotted_problem("storage.manifest.read_manifest") is None
     assert _dotted_problem("storage.manifest.no_such_thing") == "storage.manifest defines no no_such_thing"
     assert not (REPO_ROOT / "storage/config.py").exists()
