@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from extractor.checkpoint import local_checkpoint, read_checkpoint_info
-from extractor.config import ExtractConfig, ModelConfig
+from extractor.config import ExtractConfig, ModelConfig, SGLangModelConfig
 from extractor.layers import check_layer_ids, default_layer_ids
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.cluster.config import RayConfig
@@ -66,51 +66,20 @@ DEMO_OUTPUT = "pipeline-{to}-{conversations}"
 
 
 @dataclasses.dataclass
-class PipelineModelConfig:
-    path: str = ""
-    """The target: a checkpoint directory (with its tokenizer and chat template), or a hub id (org/name) in the local
-    Hugging Face cache. Empty, with data.path empty too: the demo."""
-    chat_template: str = ""
-    """A Jinja chat-template file to render with instead of the checkpoint's own (jobs.prepare's model.chat_template)."""
-    chat_template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Extra variables for the chat template (jobs.prepare's model.chat_template_kwargs, e.g. {enable_thinking: false})."""
-    stop_tokens: List[str] = dataclasses.field(default_factory=list)
-    """Tokens that end an assistant turn (jobs.prepare's model.stop_tokens). Empty: the tokenizer's eos token and
-    generation_config.json's eos_token_id."""
-    trust_remote_code: bool = False
-    """Let the tokenizer and the model run code shipped with the checkpoint. Off: never."""
-    dtype: str = "bfloat16"
-    """SGLang's compute dtype, and the states' (bfloat16 | float16 | float32)."""
-    device: str = "auto"
-    """auto | cpu | cuda (auto: cuda when the Ray cluster has tp_size GPUs)."""
-    tp_size: int = 1
-    """Tensor-parallel ranks of the SGLang engine (GPUs of one node on CUDA)."""
-    attention_backend: str = ""
-    """SGLang attention backend; empty: torch_native on CPU, flashinfer on CUDA."""
-    mem_fraction_static: float = 0.8
-    """Fraction of GPU memory SGLang may hold for weights + KV cache."""
-    serving: Any = None
-    """The SGLang server's settings, as jobs.extract's model.serving takes them (docs/serving.md): the states (and with
-    regenerate=true the answers) are those of the served model."""
+class PipelineModelConfig(PrepareModelConfig):
+    """``jobs.pipeline``'s ``model`` section: jobs.prepare's (the SGLang model keys and the chat's); the extraction
+    takes the SGLang model keys from it."""
 
     def __post_init__(self) -> None:
-        self.for_prepare()  # each step's own section checks the keys it takes
-        self.for_extract()
+        super().__post_init__()
+        self.for_extract()  # the extractor's own checks of the same keys
 
     def for_prepare(self) -> PrepareModelConfig:
-        return PrepareModelConfig(
-            path=self.path, chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
-            trust_remote_code=self.trust_remote_code, stop_tokens=self.stop_tokens, dtype=self.dtype,
-            device=self.device, tp_size=self.tp_size, attention_backend=self.attention_backend,
-            mem_fraction_static=self.mem_fraction_static, serving=self.serving,
-        )
+        return PrepareModelConfig(**{field.name: getattr(self, field.name)
+                                     for field in dataclasses.fields(PrepareModelConfig)})
 
     def for_extract(self) -> ModelConfig:
-        return ModelConfig(
-            path=self.path, tp_size=self.tp_size, dtype=self.dtype, device=self.device,
-            attention_backend=self.attention_backend, mem_fraction_static=self.mem_fraction_static,
-            trust_remote_code=self.trust_remote_code, serving=self.serving,
-        )
+        return ModelConfig(**{field.name: getattr(self, field.name) for field in dataclasses.fields(SGLangModelConfig)})
 
 
 @dataclasses.dataclass
