@@ -8,7 +8,8 @@ truth, owned by the driver) into a ``ProgressSnapshot`` and reports it: Ray metr
 from the start, every gauge set again each time: Ray drops one not set for 20-30 s), the ``progress``
 block of ``.summary.json`` every ``progress.interval_s`` (what ``jobs.status`` reads), and a log line,
 or one live line with a bar redrawn every ``LIVE_REFRESH_S`` on a terminal. The rate and the ETA follow
-``RateMeter``. The metrics, the line and why Ray's Jobs API cannot carry it: docs/operations.md."""
+``RateMeter``. The metrics, the line and why Ray's Jobs API cannot carry it: docs/operations.md.
+"""
 
 from __future__ import annotations
 
