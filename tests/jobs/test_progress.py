@@ -383,8 +383,9 @@ def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
 
 @pytest.mark.parametrize("columns", [0, 120])
 def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
-    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: a tqdm bar
-    each time, drawn to the whole of 80 columns where the terminal reports none, within the width it reports."""
+    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: from the
+    start a live line with the stage (reading the inputs, its seconds), then a tqdm bar each time, drawn to the
+    whole of 80 columns where the terminal reports none, within the width it reports."""
     code, screen = run_under_a_terminal(
         [sys.executable, "-m", "jobs.prepare", f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=40"], tmp_path,
         columns=columns)
@@ -393,3 +394,6 @@ def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
     assert bars and "100%" in bars[-1] and "40/40" in bars[-1], screen[-3000:]
     widths = {len(frame.rstrip()) for frame in bars}
     assert max(widths) <= (columns or 80) and (columns or max(widths) == 80), widths
+    stage = [frame for frame in live_frames(screen) if frame.startswith("reading the inputs (")]
+    assert stage and screen.index(stage[0]) < screen.index(bars[0]), screen[:3000]
+    assert all(len(frame) < (columns or 80) for frame in stage), stage
