@@ -29,6 +29,7 @@ from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import (
     METRICS,
     RATE_WINDOW_S,
+    LiveLine,
     ProgressSnapshot,
     RateMeter,
     RunProgress,
@@ -221,6 +222,33 @@ def test_live_line_on_a_terminal(tmp_path):
                      r"\x1b\[K\n$", text)
 
 
+@pytest.mark.parametrize("columns", [0, 120])
+def test_the_bar_fits_any_terminal(tmp_path, columns):
+    """The live line on a real pseudo-terminal of 0 columns (drawn in 80) and of 120: cut after its last whole
+    part that fits, the bar, the tokens, the rate and the ETA in it either way."""
+    main, child = os.openpty()
+    if columns:
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    stream = os.fdopen(child, "w")
+    try:
+        snapshot = ProgressSnapshot(
+            updated_at="", shards_done=12, shards_failed=1, shards_total=50, samples_done=2400, samples_planned=10000,
+            tokens_done=1_200_000, tokens_planned=5_000_000, bytes_written=0, tokens_to_go=3_800_000,
+            tokens_per_second=31_000, eta_seconds=130, disk_used=40 * 10**9, disk_budget=13 * 10**11,
+            waiting_for_disk=1, disk_room=75 * 10**9)
+        LiveLine(stream).show(snapshot.live())
+        drawn = os.read(main, 4096).decode()
+    finally:
+        stream.close()
+        os.close(main)
+    whole = snapshot.live()
+    frame = drawn.removeprefix("\r").removesuffix("\x1b[K\r")
+    assert len(frame) <= (columns or 80) - 1 and whole.startswith(frame), (frame, whole)
+    assert frame.startswith("[####----------------]  24% tokens 1.2M/5.0M, 31k tok/s, ETA 2m10s"), frame
+    assert whole[len(frame):].startswith(", ") or frame == whole  # whole parts only
+    assert frame.endswith("shards 12/50" if columns == 120 else "ETA 2m10s"), frame
+
+
 def test_the_rate_follows_steady_batches_without_swinging():
     """RateMeter on a simulated run (its own clock, no waiting): 2,000-token batches every 0.5 s after a first
     batch 3 s in, 10 minutes of work, the line redrawn every second. The ETA is known from the first batch on; once
@@ -342,8 +370,9 @@ def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
     (reading the inputs, starting Ray, loading the model with what the extractor's load does), then a bar with
     tokens counted batch by batch (seen between 0 and the total while the first shard is still open), the ETA
     known from the first batch on and never twice the one before (the rate averages since the first batch, over 30 s
-    windows). Every frame fits the 120 columns; the last one stays; no progress log lines. Then `jobs.export` of
-    that run under a terminal that reports no size (80 columns), and one of 120: its bar, within the width."""
+    windows). Every frame fits the 120 columns; the last one stays; no progress log lines. The same command again
+    under a terminal that reports no size: its stage within 80 columns, nothing to do. Then `jobs.export` of that
+    run under a terminal that reports no size (80 columns), and one of 120: its bar, within the width."""
     code, screen = run_under_a_terminal(
         [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
          "extract.max_tokens_per_batch=512"], tmp_path, columns=120)
@@ -367,6 +396,13 @@ def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
     assert screen.index(bars[-1][0]) < screen.index("3 of 3 shards done in")
     assert re.search(re.escape(bars[-1][0]) + r"\x1b\[K\r\n", screen)  # the last line stays (the pty: \n -> \r\n)
     assert not re.search(r"INFO jobs\.driver\.(progress|stages): ", screen)
+    # The same command again, on a terminal that reports no size: its stage in 80 columns, then nothing to do.
+    code, screen = run_under_a_terminal(
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
+         "extract.max_tokens_per_batch=512"], tmp_path, columns=0)
+    assert code == 0 and "nothing to do: all 3 shards" in screen, screen[-3000:]
+    drawn = [frame for frame in live_frames(screen) if frame.startswith(stages)]
+    assert drawn and drawn[0].startswith("reading the inputs (") and max(map(len, drawn)) <= 79, drawn
 
     run = next((tmp_path / "demo").glob("hidden_states-*"))
     for columns in (0, 120):
