@@ -21,6 +21,10 @@ from jobs.driver.progress import LIVE_REFRESH_S, LiveLine, format_duration
 
 logger = logging.getLogger(__name__)
 
+JOIN_TIMEOUT_S = 2.0
+"""How long closing waits for the redrawing thread (a daemon): a detail read from a Ray cluster that went away
+may hold it longer, and the job's end must not wait on that."""
+
 
 class StageLine:
     """The job's current stage on ``stream`` (default stderr): a live line if it is a terminal, else log lines."""
@@ -46,10 +50,10 @@ class StageLine:
             self._stage, self._detail, self._since = stage, detail, time.monotonic()
             if self.interactive and self._line is None:
                 self._line = LiveLine(self.stream)
-            self._draw(log=True)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._keep, name="eagle3-stages", daemon=True)
                 self._thread.start()
+        self._draw(log=True)
 
     def text(self) -> str:
         """``loading the model (12s): 0 of 1 extractors ready (node 10.0.0.5: importing SGLang)``: the seconds
@@ -65,22 +69,24 @@ class StageLine:
                 self._line.close()
                 self._line = None
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
 
     def _keep(self) -> None:
         period = LIVE_REFRESH_S if self.interactive else min(LIVE_REFRESH_S, self.interval_s)
         while not self._stop.wait(period):
-            with self._lock:
-                if not self._stop.is_set():
-                    self._draw(log=time.monotonic() - self._logged >= self.interval_s)
+            self._draw(log=time.monotonic() - self._logged >= self.interval_s)
 
     def _draw(self, log: bool) -> None:
-        try:
+        since = self._since
+        try:  # outside the lock: a detail may wait on Ray's GCS
             text = self.text()
         except Exception as error:  # noqa: BLE001 - a detail that cannot be read now must not stop the job
             text = f"{self._stage} (its detail failed: {type(error).__name__}: {error})"
-        if self._line is not None:
-            self._line.show(text)
-        elif log:
-            self._logged = time.monotonic()
-            logger.info("%s", text)
+        with self._lock:
+            if self._stop.is_set() or since != self._since:  # closed, or a new stage began meanwhile
+                return
+            if self._line is not None:
+                self._line.show(text)
+            elif log:
+                self._logged = time.monotonic()
+                logger.info("%s", text)
