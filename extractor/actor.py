@@ -16,29 +16,31 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from extractor.checkpoint import checkpoint_on_this_node
-from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec, LoadStage, unreported
 
 T = TypeVar("T")
 
 
-def build_engine(spec: EngineSpec) -> Any:
-    """The engine ``spec.engine`` names: SGLang's runners over the TP group, or the synthetic source."""
+def build_engine(spec: EngineSpec, stage: LoadStage = unreported) -> Any:
+    """The engine ``spec.engine`` names: SGLang's runners over the TP group, or the synthetic source; ``stage`` is
+    told what the load does now."""
     if spec.engine == "synthetic":
         from extractor.synthetic import SyntheticEngine
 
         return SyntheticEngine(spec)
     from extractor.tensor_parallel import TensorParallelEngine
 
-    return TensorParallelEngine(spec)
+    return TensorParallelEngine(spec, stage)
 
 
 class Extractor:
     """Run ``spec.host_buffers`` calls at once: a batch's states are handed on while the next forward runs."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, stage: LoadStage = unreported) -> None:
+        """``stage``: told what the model's load does now (importing SGLang, loading the weights, ...)."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         spec = dataclasses.replace(spec, model_path=checkpoint_on_this_node(spec.model_path, spec.download))
-        self._engine = build_engine(spec)
+        self._engine = build_engine(spec, stage)
         self._lock = threading.Lock()
         self._hand_on = {"wall": 0.0, "cpu": 0.0}
 

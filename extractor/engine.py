@@ -32,7 +32,7 @@ from extractor.quantize import fp8_relative_errors
 from extractor.serving import runner_server_args
 from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
 from extractor.timing import DeviceSpans, StageTimes, maybe_device_spans
-from extractor.types import EngineInfo, EngineSpec
+from extractor.types import EngineInfo, EngineSpec, LoadStage, unreported
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +42,17 @@ WARM_UP_TOKENS = 2048
 class CaptureEngine:
     """SGLang ModelRunner of one TP rank, set up to capture EAGLE-3 aux states."""
 
-    def __init__(self, spec: EngineSpec, tp_rank: int, nccl_port: int) -> None:
+    def __init__(self, spec: EngineSpec, tp_rank: int, nccl_port: int, stage: LoadStage = unreported) -> None:
         if spec.device == "cpu":
             install_cpu_shims()  # before the first sglang import
         self.spec = spec
         self.tp_rank = tp_rank
+        stage("importing SGLang")
         self._sgl = sgl = import_sglang()
         if spec.device == "cpu":
             register_torch_native_mla()
         server_args = runner_server_args(spec, nccl_port, capture_only=sgl.capture_only)
+        stage("loading the weights")
         self._runner = build_model_runner(sgl, server_args, spec, tp_rank)
         # Multimodal wrappers (Kimi-K2.5) hold the language model; bare causal LMs are their own.
         self._model = model = LanguageModel(self._runner.model, self._runner.model_config.hf_text_config)
@@ -80,6 +82,7 @@ class CaptureEngine:
             count=spec.host_buffers, times=self.times,
         ) if tp_rank == 0 else None
         if spec.device == "cuda":
+            stage("warm-up forward")
             self._warm_up()
         logger.info("TP rank %d ready: %s", tp_rank, self.info)
         if spec.server_args:

@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from extractor.rendezvous import LoopbackStore
-from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec
+from extractor.types import CaptureActivity, CapturedBatch, EngineInfo, EngineSpec, LoadStage, unreported
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ class ActivityClock:
 class TensorParallelEngine:
     """The whole TP group behind one ``capture`` call; owned by the extractor actor."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, stage: LoadStage = unreported) -> None:
+        """``stage``: told what rank 0's load does now."""
         _set_rank_environment(spec)
         self._store = LoopbackStore(spec.tp_size)  # before the followers spawn: they inherit where it is
         nccl_port = self._store.port
@@ -154,7 +155,9 @@ class TensorParallelEngine:
 
         from extractor.engine import CaptureEngine
 
-        self._engine = CaptureEngine(spec, 0, nccl_port)
+        self._engine = CaptureEngine(spec, 0, nccl_port, stage)
+        if self._followers:
+            stage(f"waiting for TP ranks 1-{len(self._followers)}")
         self._wait_for_followers()
 
     @property

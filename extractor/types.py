@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
+
+LoadStage = Callable[[str], None]
+"""Told what an engine's load does now (``importing SGLang``, ...): the driver shows it while the model loads."""
+
+
+def unreported(stage: str) -> None:
+    """A ``LoadStage`` nobody listens to."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from jobs.config import absolute_paths, parse_command
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
+from jobs.driver.stages import StageLine
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.rundir.lock import OutputLock
 
@@ -60,7 +61,17 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
 
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
-    """Read and check everything, then write under output.dir's lock; returns the side record."""
+    """Read and check everything, then write under output.dir's lock; returns the side record. What it does is
+    shown from the start: each stage until the first bar (``jobs.driver.stages``), then the bar."""
+    stages = StageLine(config.progress.interval_s)
+    stages.show("reading the inputs")
+    try:
+        return _prepare_showing(config, stages)
+    finally:  # before the command's last lines and any error: the live line is erased
+        stages.close()
+
+
+def _prepare_showing(config: PrepareConfig, stages: StageLine) -> dict[str, Any]:
     if config.is_demo:
         from jobs.conversations.demo import demo_config
 
@@ -76,7 +87,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
         if existing.complete:
             return {**existing.record, "nothing_to_do": True}  # type: ignore[dict-item]
-        return tokenize_and_publish(inputs)
+        return tokenize_and_publish(inputs, stages)
 
 
 def final_message(record: dict[str, Any]) -> str:

@@ -3,7 +3,9 @@
 ``ExtractorHost`` is the driver's side of it: it starts the actor, waits for its
 model, and starts it again when it dies (its process, or a tensor-parallel rank
 whose loss its watchdog turns into the end of its process), at most
-``extract.max_restarts`` times per run.
+``extract.max_restarts`` times per run. While it loads, the actor posts what its load does now (importing
+SGLang, loading the weights, ...) to Ray's key-value store, where the host reads it for the driver's progress
+line: the actor answers no call before its constructor returns.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 import ray
+from ray.experimental import internal_kv
 
 from extractor.actor import Extractor
 from extractor.types import (
@@ -22,7 +26,9 @@ from extractor.types import (
     CapturedBatch,
     EngineInfo,
     EngineSpec,
+    LoadStage,
     TokenBatch,
+    unreported,
 )
 from jobs.errors import RERUN, JobFault
 
@@ -32,9 +38,35 @@ EXTRACTOR_CPUS = 1
 STOP_TIMEOUT_S = 60.0
 REASON_CHARS = 400
 """Of Ray's many-line report of an actor's death, what a log line and the stop's message keep."""
+LOAD_STAGE_NAMESPACE = "eagle3-extractor-load"
+"""Where in Ray's key-value store (its GCS) loading extractors post their stage."""
+
+
+def _post_load_stage(key: str) -> LoadStage:
+    if not key:
+        return unreported
+
+    def post(stage: str) -> None:
+        with contextlib.suppress(Exception):  # a note for the progress line: the load goes on without it
+            internal_kv._internal_kv_put(key, stage, namespace=LOAD_STAGE_NAMESPACE)
+
+    return post
+
+
+def read_load_stage(key: str) -> str:
+    """What the extractor posting under ``key`` is loading now; empty if it posted nothing (yet)."""
+    try:
+        stage = internal_kv._internal_kv_get(key, namespace=LOAD_STAGE_NAMESPACE)
+    except Exception:  # noqa: BLE001 - a note for the progress line, never a reason to stop
+        return ""
+    return stage.decode() if stage else ""
 
 
 class ExtractorActor(Extractor):
+    def __init__(self, spec: EngineSpec, load_stage_key: str = "") -> None:
+        """``load_stage_key``: where the load posts its stage (``read_load_stage``); empty: nowhere."""
+        super().__init__(spec, _post_load_stage(load_stage_key))
+
     def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
         """One batch's states, put in the object store straight from the host buffer (one copy)."""
         return self.capture(tokens.samples(), ray.put)
@@ -60,8 +92,9 @@ class ExtractorActor(Extractor):
         return time.perf_counter() - started
 
 
-def start_extractor(spec: EngineSpec, **options: Any) -> ray.actor.ActorHandle:
-    """The extractor actor: all ``tp_size`` GPUs of one node on CUDA (it runs the TP ranks itself)."""
+def start_extractor(spec: EngineSpec, load_stage_key: str = "", **options: Any) -> ray.actor.ActorHandle:
+    """The extractor actor: all ``tp_size`` GPUs of one node on CUDA (it runs the TP ranks itself); its load posts
+    its stage under ``load_stage_key`` (none if empty)."""
     return (
         ray.remote(ExtractorActor)
         .options(
@@ -70,7 +103,7 @@ def start_extractor(spec: EngineSpec, **options: Any) -> ray.actor.ActorHandle:
             max_concurrency=spec.host_buffers,
             **options,
         )
-        .remote(spec)
+        .remote(spec, load_stage_key)
     )
 
 
@@ -90,12 +123,20 @@ class ExtractorHost:
         """The node it runs on, for log lines."""
         self.generation = 0
         self.actor: Any = None
+        self.is_loaded = False
         self._started = 0.0
+        self._load_stage_key = ""
 
     def launch(self) -> None:
         """Start the actor; ``ready`` waits for its model."""
         self._started = time.perf_counter()
-        self.actor = start_extractor(self.spec, **self.placement)
+        self.is_loaded = False
+        self._load_stage_key = f"{self.where}/{uuid.uuid4().hex}"
+        self.actor = start_extractor(self.spec, self._load_stage_key, **self.placement)
+
+    def load_stage(self) -> str:
+        """What its model's load does now (``importing SGLang``, ...); empty once loaded or before it says."""
+        return "" if self.is_loaded else read_load_stage(self._load_stage_key)
 
     def ready(self) -> EngineInfo:
         """Wait for the model to load; an extractor that dies while it loads is started again like one that
@@ -111,6 +152,9 @@ class ExtractorHost:
 
     def loaded(self, engine: EngineInfo) -> EngineInfo:
         """Log what the started extractor captures."""
+        self.is_loaded = True
+        with contextlib.suppress(Exception):
+            internal_kv._internal_kv_del(self._load_stage_key, namespace=LOAD_STAGE_NAMESPACE)
         logger.info(
             "extractor on %s ready after %.1f s: %s captures layers_to_capture %s for canonical ids %s "
             "(drafter ids %s)",

@@ -121,7 +121,8 @@ class GenerationConfig:
 @dataclasses.dataclass
 class PrepareProgressConfig:
     interval_s: float = 10.0
-    """Without a terminal, a progress line (conversations, rate, ETA) this often; with one, a tqdm bar."""
+    """Without a terminal, a progress line (conversations, rate, ETA) this often, and before the first pass the
+    stage (also at each new stage); with one, a live line with the stage, then a tqdm bar."""
 
     def __post_init__(self) -> None:
         check_seconds("progress.interval_s", self.interval_s, positive=True)

@@ -114,8 +114,9 @@ class ProgressConfig:
     interval_s: float = 10.0
     """How often the driver rewrites the progress in .summary.json (what jobs.status shows) and, when its log is
     not a terminal (e.g. under `ray job submit`, a pipe), logs one progress line (shards, samples, tokens, tok/s,
-    ETA, disk against the budget). On a terminal that line is redrawn in place every second (or this often if
-    shorter). Ray metrics are re-set every few seconds regardless."""
+    ETA, disk against the budget), or, before the first batch, the stage it is in (also at each new stage). On a
+    terminal that line is redrawn in place every second (or this often if shorter). Ray metrics are re-set every
+    few seconds regardless."""
 
     def __post_init__(self) -> None:
         check_seconds("progress.interval_s", self.interval_s, positive=True)

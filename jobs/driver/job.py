@@ -31,6 +31,7 @@ from jobs.config import JobConfig
 from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
+from jobs.driver.stages import StageLine
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAULT,
@@ -81,25 +82,36 @@ logger = logging.getLogger("jobs.extract")
 
 
 def run(config: JobConfig) -> dict:
-    """Plan, extract and write; returns the run summary (also saved as .summary.json)."""
+    """Plan, extract and write; returns the run summary (also saved as .summary.json). What it does is shown
+    from the start: each stage until the first batch, then the run's progress."""
+    stages = StageLine(config.progress.interval_s)
+    try:
+        return _run(config, stages)
+    finally:  # before the command's last lines and any error: the live line is erased
+        stages.close()
+
+
+def _run(config: JobConfig, stages: StageLine) -> dict:
+    stages.show("reading the inputs")
     inputs = read_inputs(config)
     config = inputs.config
     check_output_dir(inputs.output_dir, config.data.path)
     check_resumable(inputs)
     if config.model.engine == "sglang":
+        stages.show("checking the layers SGLang captures")
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options, inputs.output_dir, config.output.node_dir)
     try:
         with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
             refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
-            return _run_locked(inputs, lock)
+            return _run_locked(inputs, lock, stages)
     except OSError as error:  # a full disk under the job's own files (manifest, claims, lock): exit 3, not a fault
         if not is_disk_full(error):
             raise
         raise _disk_full(inputs.output_dir, error) from error
 
 
-def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
+def _run_locked(inputs: RunInputs, lock: OutputLock, stages: StageLine) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
     budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
     plan = plan_shards(
@@ -127,11 +139,12 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
     shard_tokens = {s.index: s.tokens for s in plan}
     summary = RunSummary(config, output_dir, shard_tokens, sorted(selected), inputs.dataset.invalid)
     before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+    stages.show("starting Ray")
     try:
         with ray_session(config.ray.address):
             try:
                 with ClusterWatch(ray.get_runtime_context().gcs_address):
-                    return _extract(inputs, plan, ranges, budget, checked_node, summary, before)
+                    return _extract(inputs, plan, ranges, budget, checked_node, summary, before, stages)
             finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
                 with signals_deferred(reraise=False):
                     lock.release()
@@ -142,7 +155,7 @@ def _run_locked(inputs: RunInputs, lock: OutputLock) -> dict:
 
 def _extract(
     inputs: RunInputs, plan: list[Shard], ranges: list[tuple[int, int, int]], budget: DiskBudget,
-    checked_node: Optional[str], summary: RunSummary, before: Manifest,
+    checked_node: Optional[str], summary: RunSummary, before: Manifest, stages: StageLine,
 ) -> dict:
     """The run on Ray: the directories of every node, the actors, the summary. ``before`` is what output.dir
     held before (a stop before this run's own manifest is open is recorded against it)."""
@@ -160,7 +173,8 @@ def _extract(
         )
         manifest = Manifest.open(output_dir, inputs.content(device), ranges, RECORDED_SINCE)
         try:
-            final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary)
+            stages.show("checking the run's directories")
+            final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary, stages)
         finally:
             with signals_deferred(reraise=False):
                 manifest.close()
@@ -173,7 +187,7 @@ def _extract(
 
 def _extract_shards(
     inputs: RunInputs, plan: list[Shard], spec: EngineSpec, groups: list[NodeGroup], manifest: Manifest,
-    budget: DiskBudget, checked_node: Optional[str], summary: RunSummary,
+    budget: DiskBudget, checked_node: Optional[str], summary: RunSummary, stages: StageLine,
 ) -> dict:
     """Prepare every node's directory, run the shards, record how the run ended; returns the final summary."""
     config, output_dir = inputs.config, inputs.output_dir
@@ -187,7 +201,7 @@ def _extract_shards(
     summary.select(indices)
     summary.start(manifest)
     progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
-                           interval_s=config.progress.interval_s, sink=summary)
+                           interval_s=config.progress.interval_s, sink=summary, stages=stages)
     extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
                                manifest, budget, groups, progress)
     try:

@@ -1,13 +1,14 @@
 """The run's progress, told three ways: Ray metrics, ``.summary.json``, and a line on the terminal or in the log.
 
-The driver tells ``RunProgress`` what happens (tokens written, a shard settled, a wait for disk
+Before the first batch the job's stages (``jobs.driver.stages``) hold the line; from the first batch the
+driver tells ``RunProgress`` what happens (tokens written, batch by batch; a shard settled; a wait for disk
 budget) and calls ``tick()`` from its loops. A tick reads the manifest and the disk budget (the
 truth, owned by the driver) into a ``ProgressSnapshot`` and reports it: Ray metrics every
 ``METRICS_REFRESH_S`` (or ``progress.interval_s`` if shorter) from set-up to the end (every series
 from the start, every gauge set again each time: Ray drops one not set for 20-30 s), the ``progress``
 block of ``.summary.json`` every ``progress.interval_s`` (what ``jobs.status`` reads), and a log line,
-or one live line redrawn every ``LIVE_REFRESH_S`` on a terminal. The metrics, the line and why Ray's
-Jobs API cannot carry it: docs/operations.md.
+or one live line with a bar redrawn every ``LIVE_REFRESH_S`` on a terminal. The rate and the ETA follow
+``RateMeter``. The metrics, the line and why Ray's Jobs API cannot carry it: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import sys
 import threading
 import time
-from typing import Any, Optional, Protocol, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
 from common.terminal import terminal_columns
 from jobs.driver.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
+
+if TYPE_CHECKING:  # jobs.driver.stages draws in this module's LiveLine
+    from jobs.driver.stages import StageLine
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,12 @@ METRICS_REFRESH_S = 5.0
 """How often gauges are set again: Ray 2.60 exports a gauge every 10 s and forgets one not set for 20-30 s."""
 LIVE_REFRESH_S = 1.0
 """How often the live line on a terminal is redrawn."""
+RATE_WINDOW_S = 30.0
+"""The time constant of the rate shown (and of the ETA): long against a batch (a second or so on a GPU) and a
+shard's publication, so that neither moves it much; short enough that a lasting change of speed shows within a
+minute."""
+BAR_CHARS = 20
+"""The live line's bar, in characters."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +69,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("eagle3_tokens_done", "Tokens in done shards and written into shards being written", "tokens_done"),
     MetricSpec("eagle3_tokens_planned", "Tokens in the plan", "tokens_planned"),
     MetricSpec("eagle3_bytes_written", "Bytes of the done shard files (local or in the sink)", "bytes_written"),
-    MetricSpec("eagle3_tokens_per_second", "This run's tokens written per second since its first batch",
+    MetricSpec("eagle3_tokens_per_second", "This run's tokens written per second, over about the last 30 s",
                "tokens_per_second"),
     MetricSpec("eagle3_eta_seconds", "Seconds until this run's shards are written at this run's rate (-1: unknown)",
                "eta_seconds"),
@@ -87,7 +98,8 @@ class ProgressSnapshot:
     tokens_to_go: int
     """This run's shards' tokens not written yet (a failed shard's are no longer to go)."""
     tokens_per_second: float
-    """This run's tokens over this run's time since its first batch (earlier runs' shards excluded)."""
+    """This run's tokens a second, over about the last ``RATE_WINDOW_S`` (``RateMeter``; earlier runs' shards
+    excluded)."""
     eta_seconds: float
     """This run's tokens still to write at that rate; -1 until the rate is known."""
     disk_used: int
@@ -101,21 +113,41 @@ class ProgressSnapshot:
         """``shards 12/50, samples 2.4k/10k, tokens 1.2M/5.0M (24%), 31k tok/s, ETA 2m10s, disk 40.0 GB/1.3 TB``
         (``disk 40.0 GB/75.0 GB (free space; budget 1.3 TB)`` where the disk holds less than the budget)."""
         share = 100 * self.tokens_done / self.tokens_planned if self.tokens_planned else 100.0
-        room = self.disk_room or self.disk_budget
         parts = [
             f"shards {self.shards_done}/{self.shards_total}",
             f"samples {format_count(self.samples_done)}/{format_count(self.samples_planned)}",
             f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)} ({share:.0f}%)",
             f"{format_count(self.tokens_per_second)} tok/s",
             f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
-            f"disk {format_bytes(self.disk_used)}/{format_bytes(room)}"
-            + (f" (free space; budget {format_bytes(self.disk_budget)})" if room < self.disk_budget else ""),
+            self._disk(),
         ]
-        if self.waiting_for_disk:
-            parts.append("waiting for disk budget")
-        if self.shards_failed:
-            parts.append(f"{self.shards_failed} failed")
-        return ", ".join(parts)
+        return ", ".join(parts + self._notes())
+
+    def live(self) -> str:
+        """The live line on a terminal: a bar and what it takes to judge it first (tokens, rate, ETA), as in
+        ``[####----------------]  24% tokens 1.2M/5.0M, 31k tok/s, ETA 2m10s, samples 2.4k/10k, shards 12/50, disk
+        40.0 GB/1.3 TB``, so that a narrow terminal cuts the least of it."""
+        share = self.tokens_done / self.tokens_planned if self.tokens_planned else 1.0
+        filled = min(BAR_CHARS, int(share * BAR_CHARS))
+        parts = [
+            f"[{'#' * filled}{'-' * (BAR_CHARS - filled)}] {100 * share:3.0f}% "
+            f"tokens {format_count(self.tokens_done)}/{format_count(self.tokens_planned)}",
+            f"{format_count(self.tokens_per_second)} tok/s",
+            f"ETA {format_duration(self.eta_seconds) if self.eta_seconds >= 0 else '?'}",
+            f"samples {format_count(self.samples_done)}/{format_count(self.samples_planned)}",
+            f"shards {self.shards_done}/{self.shards_total}",
+            self._disk(),
+        ]
+        return ", ".join(parts + self._notes())
+
+    def _disk(self) -> str:
+        room = self.disk_room or self.disk_budget
+        return (f"disk {format_bytes(self.disk_used)}/{format_bytes(room)}"
+                + (f" (free space; budget {format_bytes(self.disk_budget)})" if room < self.disk_budget else ""))
+
+    def _notes(self) -> list[str]:
+        notes = ["waiting for disk budget"] if self.waiting_for_disk else []
+        return notes + ([f"{self.shards_failed} failed"] if self.shards_failed else [])
 
 
 def format_count(count: float) -> str:
@@ -135,6 +167,44 @@ def format_duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class RateMeter:
+    """Tokens a second: an exponential moving average over time with the time constant ``window_s``.
+
+    The first batch's wait (the pipeline filling, the first forward's set-up) is no measure of the pace: until a
+    second batch comes the rate is the first batch's tokens over the time since ``started``, and from then on it
+    is measured from the first batch's arrival. Both the tokens and the time since then are weighted by
+    exp(-age / window_s): while that time is shorter than the window this is the plain average, later mostly the
+    last ``window_s`` or so. A batch moves the rate by its share of the window, not by its own instant rate: under
+    steady work the rate stays within a batch's share of it (one batch a second in a window of 30 s: about 3%).
+    """
+
+    def __init__(self, window_s: float, started: float) -> None:
+        self.window_s = window_s
+        self.started = started
+        self._first: Optional[tuple[float, int]] = None
+        """When the first batch came, and its tokens."""
+        self._weighted = 0.0
+        """The later batches' tokens, each weighted by exp(-its age / window_s), as of ``_at``."""
+        self._at = started
+
+    def add(self, tokens: int, now: float) -> None:
+        if self._first is None:
+            self._first = (now, tokens)
+        else:
+            self._weighted = self._weighted * math.exp(-(now - self._at) / self.window_s) + tokens
+        self._at = now
+
+    def rate(self, now: float) -> float:
+        """Tokens a second as of ``now``; 0 before the first batch."""
+        if self._first is None:
+            return 0.0
+        since, tokens = self._first
+        if not self._weighted:
+            return tokens / max(now - self.started, 1e-9)
+        weighted_time = self.window_s * -math.expm1(-(now - since) / self.window_s)  # the integral of the weights
+        return self._weighted * math.exp(-(now - self._at) / self.window_s) / weighted_time
 
 
 class ProgressSink(Protocol):
@@ -207,24 +277,37 @@ class LiveLine:
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._shown = False
+        self._lock = threading.Lock()
+        """A thread of the driver redraws the line while the main thread sits in a Ray call and may log."""
         self._filter = _EraseBefore(self)
         self._handlers = list(logging.getLogger().handlers)
         for handler in self._handlers:
             handler.addFilter(self._filter)
 
     def show(self, text: str) -> None:
-        self._write("\r" + _fit(text, self._stream) + "\x1b[K\r")
-        self._shown = True
+        with self._lock:
+            self._write("\r" + _fit(text, self._stream) + "\x1b[K\r")
+            self._shown = True
 
     def erase(self) -> None:
-        if self._shown:
-            self._write("\r\x1b[K")
-            self._shown = False
+        with self._lock:
+            if self._shown:
+                self._write("\r\x1b[K")
+                self._shown = False
 
     def end(self, text: str) -> None:
         """The last redraw, kept: the cursor goes to the next line."""
-        self._write("\r" + text + "\x1b[K\n")
-        self._shown = False
+        with self._lock:
+            self._write("\r" + _fit(text, self._stream) + "\x1b[K\n")
+            self._shown = False
+        self._remove_filter()
+
+    def close(self) -> None:
+        """Erased, leaving the screen as it was before the line."""
+        self.erase()
+        self._remove_filter()
+
+    def _remove_filter(self) -> None:
         for handler in self._handlers:
             handler.removeFilter(self._filter)
 
@@ -248,8 +331,13 @@ class _EraseBefore(logging.Filter):
 
 def _fit(text: str, stream: TextIO) -> str:
     """``text`` cut to the terminal's width, 80 columns where it reports none (a wrapped line could not be
-    redrawn in place); whole on a stream that is no terminal."""
-    return text[: terminal_columns(stream) - 1] if stream.isatty() else text
+    redrawn in place), after its last whole ``, ``-separated part that fits; whole on a stream that is no
+    terminal."""
+    width = terminal_columns(stream) - 1
+    if not stream.isatty() or len(text) <= width:
+        return text
+    cut = text.rfind(", ", 0, width + 1)
+    return text[:cut] if cut > 0 else text[:width]
 
 
 class RunProgress:
@@ -262,10 +350,10 @@ class RunProgress:
     def __init__(
         self, manifest: Manifest, budget: DiskBudget, shard_tokens: dict[int, int], to_run: list[int],
         run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
-        stream: Optional[TextIO] = None,
+        stream: Optional[TextIO] = None, stages: Optional[StageLine] = None,
     ) -> None:
         """``interactive``: a live line on ``stream`` (default stderr) rather than log lines; default: whether
-        stderr is a terminal."""
+        stderr is a terminal. ``stages``: the job's stages, shown until the first batch (``stage``)."""
         self.manifest = manifest
         self.budgets = [budget]
         """Budgets whose bytes the run reports: output.dir's, then every node directory's (``begin``)."""
@@ -276,19 +364,24 @@ class RunProgress:
         self.interactive = self.stream.isatty() if interactive is None else interactive
         self.refresh_s = min(interval_s, METRICS_REFRESH_S, *((LIVE_REFRESH_S,) if self.interactive else ()))
         self.sink = sink
-        self.written = 0
-        """Tokens this run wrote, failed shards' included: the rate."""
+        self.stages = stages
+        self.meter: Optional[RateMeter] = None
+        """This run's rate, from its first batch on."""
         self.open_tokens: dict[int, int] = {}
         """Tokens written into shards not yet settled (done or failed)."""
         self.settled: set[int] = set()
         """Shards of this run that are done or failed (a rerun shard may be either in the manifest until opened)."""
         self.waiting = False
-        self.started: Optional[float] = None
         self.last_metrics: Optional[float] = None
         self.last_report: Optional[float] = None
         self.live: Optional[LiveLine] = None
         self.metrics = _RunMetrics(run)
         self.metrics.start(self.snapshot())
+
+    def stage(self, stage: str, detail: Optional[Callable[[], str]] = None) -> None:
+        """What the run does before its first batch (``StageLine.show``)."""
+        if self.stages is not None:
+            self.stages.show(stage, detail)
 
     def begin(self, budgets: Sequence[DiskBudget] = ()) -> None:
         """The first batch is about to go out: the rate's clock starts; the live line on a terminal.
@@ -298,13 +391,17 @@ class RunProgress:
         if budgets:
             self.budgets = list(budgets)
         self.metrics.stop_holding()
-        self.started = time.monotonic()
+        if self.stages is not None:
+            self.stages.close()
+        self.meter = RateMeter(RATE_WINDOW_S, time.monotonic())
         if self.interactive:
             self.live = LiveLine(self.stream)
         self.tick(force=True)
 
     def tokens_written(self, shard: int, tokens: int) -> None:
-        self.written += tokens
+        """A batch of ``shard`` was written: ``tokens`` more (failed shards' count in the rate too)."""
+        if self.meter is not None:
+            self.meter.add(tokens, time.monotonic())
         # A batch's completion may reach the driver after its shard's publication did (Ray reports the
         # writer's two results independently): the manifest's record already counts those tokens.
         if shard not in self.settled:
@@ -346,7 +443,7 @@ class RunProgress:
         self.metrics.report(snapshot)
         self.last_metrics = now
         if self.live is not None:
-            self.live.show(snapshot.describe())
+            self.live.show(snapshot.live())
         if not report:
             return snapshot
         self.last_report = now
@@ -355,24 +452,25 @@ class RunProgress:
                 self.sink.update(self.manifest, dataclasses.asdict(snapshot))
             except OSError as error:  # a full disk must not stop the run over its progress report
                 logger.warning("could not write the progress to .summary.json: %s", error)
-        if not self.interactive and self.started is not None:
+        if not self.interactive and self.meter is not None:
             logger.info("%s", snapshot.describe())
         return snapshot
 
     def close(self) -> None:
         """The last report of this run; the live line stays on the screen with it."""
         self.metrics.stop_holding()
+        if self.stages is not None:
+            self.stages.close()
         last = self.tick(force=True)
         if self.live is not None and last is not None:
-            self.live.end(last.describe())
+            self.live.end(last.live())
             self.live = None
 
     def snapshot(self) -> ProgressSnapshot:
         records = self.manifest.shards
         done = [record for record in records.values() if record.state == DONE]
         in_flight = sum(self.open_tokens.values())
-        seconds = time.monotonic() - self.started if self.started is not None else 0.0
-        rate = self.written / seconds if seconds > 0 else 0.0
+        rate = self.meter.rate(time.monotonic()) if self.meter is not None else 0.0
         remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in self.settled) - in_flight)
         return ProgressSnapshot(
             updated_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -114,7 +114,7 @@ class ExtractionRun:
         measured once the ``with`` block has stopped the actors."""
         self._clock["start"] = time.perf_counter()
         self._started = start_lanes(
-            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir
+            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir, self._progress.stage
         )
         lanes = self._started.lanes
         self._uploaders = start_uploaders(self._output, lanes)

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -52,10 +52,11 @@ class StartedLanes:
 
 def start_lanes(
     spec: EngineSpec, groups: list[NodeGroup], extract: ExtractConfig, output: OutputConfig, budget: DiskBudget,
-    output_dir: Path,
+    output_dir: Path, stage: Callable[[str, Optional[Callable[[], str]]], None],
 ) -> StartedLanes:
     """Extractors and writers of every group, ready; if the start fails half-way (or a signal stops it),
-    the actors already started are stopped before the error goes on."""
+    the actors already started are stopped before the error goes on. ``stage`` is told what the start does
+    (``RunProgress.stage``)."""
     extractors = [
         ExtractorHost(spec, extract.max_restarts, group.placement(), f"node {group.name}") for group in groups
     ]
@@ -63,7 +64,9 @@ def start_lanes(
     try:
         for extractor in extractors:  # every node loads its model at the same time
             extractor.launch()
+        stage("loading the model", lambda: _loading(extractors))
         engine = [extractor.ready() for extractor in extractors][0]
+        stage("starting the writers", None)
         metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
         budgets: dict[Path, DiskBudget] = {}
         for group, extractor in zip(groups, extractors):
@@ -81,6 +84,14 @@ def start_lanes(
             extractor.stop(collect_stats=False)
         raise
     return StartedLanes(Lanes(lanes, output_dir), engine, bytes_per_token)
+
+
+def _loading(extractors: list[ExtractorHost]) -> str:
+    """``1 of 2 extractors ready (node b: loading the weights)``."""
+    loads = [f"{e.where}: {stage}" for e in extractors if not e.is_loaded for stage in [e.load_stage()] if stage]
+    shown = "; ".join(loads[:2]) + (f"; {len(loads) - 2} more" if len(loads) > 2 else "")
+    ready = sum(e.is_loaded for e in extractors)
+    return f"{ready} of {len(extractors)} extractors ready" + (f" ({shown})" if shown else "")
 
 
 def _writer_settings(spec: EngineSpec, groups: list[NodeGroup], group: NodeGroup, extract: ExtractConfig,

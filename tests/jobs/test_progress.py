@@ -1,5 +1,6 @@
-"""Progress reporting: the snapshot the driver reports, its log line, the live line on a terminal (a real
-run under a pseudo-terminal), and the Grafana dashboard's queries.
+"""Progress reporting: the snapshot the driver reports, its log line, the rate and its ETA, the job's stages
+before the first batch, the live line on a terminal (a real run under a pseudo-terminal, and the export's bar
+on its output), and the Grafana dashboard's queries.
 
 The metrics endpoint itself is read in tests/jobs/test_entry.py, while a submitted job runs; so are the
 progress lines of a piped run and of `ray job logs`.
@@ -25,7 +26,17 @@ import pytest
 
 from common.checks import format_bytes
 from jobs.driver.budget import DiskBudget
-from jobs.driver.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
+from jobs.driver.progress import (
+    METRICS,
+    RATE_WINDOW_S,
+    LiveLine,
+    ProgressSnapshot,
+    RateMeter,
+    RunProgress,
+    format_count,
+    format_duration,
+)
+from jobs.driver.stages import StageLine
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, PENDING, Manifest
@@ -203,18 +214,111 @@ def test_live_line_on_a_terminal(tmp_path):
     finally:
         logging.getLogger().removeHandler(handler)
     text = screen.getvalue()
-    first = "shards 0/2, samples 0/8, tokens 0/100 (0%), 0 tok/s, ETA ?, disk 0 B/1.0 MB"
+    first = "[--------------------]   0% tokens 0/100, 0 tok/s, ETA ?, samples 0/8, shards 0/2, disk 0 B/1.0 MB"
     assert text.startswith(f"\r{first}\x1b[K\r")  # drawn, the cursor back at its start
     assert f"\r\x1b[Ka record while the line shows\n" in text  # erased first: the record prints whole
     # kept, the cursor on the next line
-    assert re.search(r"\rshards 1/2, samples 4/8, tokens 60/100 \(60%\), \S+ tok/s, ETA 0s, disk 0 B/1.0 MB\x1b\[K\n$", text)
+    assert re.search(r"\r\[#{12}-{8}\]  60% tokens 60/100, \S+ tok/s, ETA 0s, samples 4/8, shards 1/2, disk 0 B/1.0 MB"
+                     r"\x1b\[K\n$", text)
+
+
+@pytest.mark.parametrize("columns", [0, 120])
+def test_the_bar_fits_any_terminal(tmp_path, columns):
+    """The live line on a real pseudo-terminal of 0 columns (drawn in 80) and of 120: cut after its last whole
+    part that fits, the bar, the tokens, the rate and the ETA in it either way."""
+    main, child = os.openpty()
+    if columns:
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    stream = os.fdopen(child, "w")
+    try:
+        snapshot = ProgressSnapshot(
+            updated_at="", shards_done=12, shards_failed=1, shards_total=50, samples_done=2400, samples_planned=10000,
+            tokens_done=1_200_000, tokens_planned=5_000_000, bytes_written=0, tokens_to_go=3_800_000,
+            tokens_per_second=31_000, eta_seconds=130, disk_used=40 * 10**9, disk_budget=13 * 10**11,
+            waiting_for_disk=1, disk_room=75 * 10**9)
+        LiveLine(stream).show(snapshot.live())
+        drawn = os.read(main, 4096).decode()
+    finally:
+        stream.close()
+        os.close(main)
+    whole = snapshot.live()
+    frame = drawn.removeprefix("\r").removesuffix("\x1b[K\r")
+    assert len(frame) <= (columns or 80) - 1 and whole.startswith(frame), (frame, whole)
+    assert frame.startswith("[####----------------]  24% tokens 1.2M/5.0M, 31k tok/s, ETA 2m10s"), frame
+    assert whole[len(frame):].startswith(", ") or frame == whole  # whole parts only
+    assert frame.endswith("shards 12/50" if columns == 120 else "ETA 2m10s"), frame
+
+
+def test_the_rate_follows_steady_batches_without_swinging():
+    """RateMeter on a simulated run (its own clock, no waiting): 2,000-token batches every 0.5 s after a first
+    batch 3 s in, 10 minutes of work, the line redrawn every second. The ETA is known from the first batch on; once
+    10 s of batches are in, the end it predicts (now + ETA) stays within 5% of the true end (the first batch's
+    wait is not taken for the pace) and never rises by more than 5% from one redraw to the next (a batch moves the
+    rate by its share of the window). Then the speed halves: within three windows the rate is within 10% of
+    the new one. Then nothing comes for a minute: the rate falls, so the ETA grows instead of standing still."""
+    planned, batch, period = 2_400_000, 2000, 0.5
+    meter = RateMeter(RATE_WINDOW_S, started=0.0)
+    done, arrivals = 0, [3.0 + period * i for i in range(planned // batch)]
+    true_end, ends, etas = arrivals[-1], [], []
+    for second in range(1, 301):
+        while arrivals and arrivals[0] <= second:
+            meter.add(batch, arrivals.pop(0))
+            done += batch
+        rate = meter.rate(second)
+        if second >= 3:
+            assert rate > 0, second
+            etas.append((planned - done) / rate)
+            if second >= 13:
+                ends.append(second + etas[-1])
+    assert all(abs(end - true_end) / true_end < 0.05 for end in ends), (min(ends), max(ends), true_end)
+    assert all(later <= earlier * 1.05 for earlier, later in zip(etas[10:], etas[11:]))
+    clock = 300.0
+    for _ in range(90):  # half the speed: 2,000 tokens a second
+        clock += 1
+        meter.add(batch, clock)
+    assert meter.rate(clock) == pytest.approx(2000, rel=0.1)
+    assert meter.rate(clock + 60) < 0.5 * meter.rate(clock)
+
+
+def test_stages_show_from_the_start_then_hand_over_to_the_runs_line(tmp_path, caplog):
+    """Before the first batch: without a terminal, each stage is logged as it begins, with its detail; on a
+    terminal it is the live line, which the run's own line (the bar) replaces at the first batch; a log record
+    meanwhile prints whole; nothing is shown once the stages are closed."""
+    with caplog.at_level(logging.INFO, logger="jobs.driver.stages"):
+        stages = StageLine(interval_s=3600, interactive=False)
+        stages.show("starting Ray")
+        stages.show("loading the model", lambda: "0 of 2 extractors ready (node a: importing SGLang)")
+        stages.close()
+        stages.show("too late")
+    assert [r.getMessage() for r in caplog.records if r.name == "jobs.driver.stages"] == [
+        "starting Ray (0s)", "loading the model (0s): 0 of 2 extractors ready (node a: importing SGLang)"]
+
+    screen = io.StringIO()
+    handler = logging.StreamHandler(screen)
+    logging.getLogger().addHandler(handler)
+    try:
+        stages = StageLine(interval_s=3600, stream=screen, interactive=True)
+        stages.show("starting Ray")
+        logging.getLogger("jobs.cluster.session").warning("a record while the stage shows")
+        manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
+        progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 60}, [0], run="r", interval_s=3600,
+                               interactive=True, stream=screen, stages=stages)
+        progress.stage("loading the model", lambda: "1 of 1 extractors ready")
+        progress.begin()
+        progress.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = screen.getvalue()
+    assert text.startswith("\rstarting Ray (0s)\x1b[K\r\r\x1b[Ka record while the stage shows\n"), text
+    loading = text.index("\rloading the model (0s): 1 of 1 extractors ready\x1b[K\r\r\x1b[K")  # shown, then erased
+    assert text.index("\r[--------------------]   0% tokens 0/60, 0 tok/s, ETA ?") > loading
 
 
 # -- a real run on a terminal ------------------------------------------------------------------------
 
-PROGRESS_TEXT = re.compile(
-    r"shards (\d+)/(\d+), samples \S+/\S+, tokens \S+/\S+ \(\d+%\), \S+ tok/s, ETA \S+, disk [\d.]+ [KMGT]?B/[\d.]+ [KMGT]?B"
-    r"(?: \(free space; budget [\d.]+ [KMGT]?B\))?")
+BAR = re.compile(
+    r"\[[#-]{20}\] +(\d+)% tokens (\S+)/(\S+), \S+ tok/s, ETA (\S+), samples \S+/\S+, shards (\d+)/(\d+)")
+"""The run's live line on a terminal, as far as any width that shows the shards has it."""
 
 
 def run_under_a_terminal(args: list[str], cwd, timeout: float = 600, columns: int = 0) -> tuple[int, str]:
@@ -249,28 +353,75 @@ def run_under_a_terminal(args: list[str], cwd, timeout: float = 600, columns: in
         os.close(main)
 
 
-def test_extract_shows_live_progress_on_a_terminal(tmp_path):
-    """`python -m jobs.extract` on the demo under a pseudo-terminal: between its start line and `N of N shards
-    done`, a live progress line (shards, samples, tokens/s, ETA, disk budget) redrawn in place, the last one
-    kept; no progress log lines on the terminal."""
+def live_frames(screen: str) -> list[str]:
+    """Each drawing of the live line: ``\\r<text>\\x1b[K`` then ``\\r`` (redrawn) or a line end (kept)."""
+    return [frame for frame in re.findall(r"\r([^\r\n]*)\x1b\[K(?=\r)", screen) if frame]
+
+
+def seconds_of(duration: str) -> float:
+    """``2m10s`` -> 130 (``format_duration``'s forms)."""
+    parts = dict((unit, int(value)) for value, unit in re.findall(r"(\d+)([hms])", duration))
+    return parts.get("h", 0) * 3600 + parts.get("m", 0) * 60 + parts.get("s", 0)
+
+
+def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
+    """`python -m jobs.extract` on the demo (batches of at most 512 tokens: shards of several batches) under a
+    pseudo-terminal of 120 columns, as docs/operations.md shows it: from the start a live line says the stage
+    (reading the inputs, starting Ray, loading the model with what the extractor's load does), then a bar with
+    tokens counted batch by batch (seen between 0 and the total while the first shard is still open), the ETA
+    known from the first batch on and never twice the one before (the rate averages since the first batch, over 30 s
+    windows). Every frame fits the 120 columns; the last one stays; no progress log lines. The same command again
+    under a terminal that reports no size: its stage within 80 columns, nothing to do. Then `jobs.export` of that
+    run under a terminal that reports no size (80 columns), and one of 120: its bar, within the width."""
     code, screen = run_under_a_terminal(
-        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2"], tmp_path)
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
+         "extract.max_tokens_per_batch=512"], tmp_path, columns=120)
     assert code == 0, screen[-3000:]
-    start = screen.index("this run extracts 3 of them")
-    end = screen.index("3 of 3 shards done in")
-    between = screen[start:end]
-    drawn = [match.groups() for match in PROGRESS_TEXT.finditer(between)]
-    assert drawn and drawn[-1] == ("3", "3"), between[-3000:]
-    assert "\rshards " in between  # redrawn in place, not logged
-    assert not re.search(r"INFO jobs\.driver\.progress: shards", screen)
-    last = list(PROGRESS_TEXT.finditer(between))[-1]
-    assert between[last.end():].startswith("\x1b[K\r\n")  # the last line stays (the pty turns \n into \r\n)
+    stages = ("reading the inputs (", "checking the layers SGLang captures (", "starting Ray (",
+              "checking the run's directories (", "loading the model (", "starting the writers (")
+    # Ray prints its workers' lines from a thread of its own, between the line's redraws: only the line's own frames
+    drawn = [frame for frame in live_frames(screen[:screen.index("3 of 3 shards done in")])
+             if frame.startswith(stages) or BAR.match(frame)]
+    assert all(len(frame) <= 119 for frame in drawn), max(drawn, key=len)
+    bars = [(frame, BAR.match(frame)) for frame in drawn if BAR.match(frame)]
+    assert bars and bars[-1][1].group(1, 5, 6) == ("100", "3", "3"), screen[-3000:]
+    first_tokens = next(i for i, frame in enumerate(drawn) if (m := BAR.match(frame)) and m.group(2) != "0")
+    before = "\n".join(drawn[:first_tokens])
+    for stage in (*stages, "0 of 1 extractors ready (node ", ": importing SGLang)"):
+        assert stage in before, (stage, before[-3000:])
+    assert any(m.group(5) == "0" and m.group(2) != "0" for _, m in bars), bars  # within the first shard
+    etas = [m.group(4) for frame, m in bars if m.group(2) != "0"]
+    assert "?" not in etas, etas
+    assert all(seconds_of(later) <= 2 * seconds_of(earlier) + 1 for earlier, later in zip(etas, etas[1:])), etas
+    assert screen.index(bars[-1][0]) < screen.index("3 of 3 shards done in")
+    assert re.search(re.escape(bars[-1][0]) + r"\x1b\[K\r\n", screen)  # the last line stays (the pty: \n -> \r\n)
+    assert not re.search(r"INFO jobs\.driver\.(progress|stages): ", screen)
+    # The same command again, on a terminal that reports no size: its stage in 80 columns, then nothing to do.
+    code, screen = run_under_a_terminal(
+        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
+         "extract.max_tokens_per_batch=512"], tmp_path, columns=0)
+    assert code == 0 and "nothing to do: all 3 shards" in screen, screen[-3000:]
+    drawn = [frame for frame in live_frames(screen) if frame.startswith(stages)]
+    assert drawn and drawn[0].startswith("reading the inputs (") and max(map(len, drawn)) <= 79, drawn
+
+    run = next((tmp_path / "demo").glob("hidden_states-*"))
+    for columns in (0, 120):
+        dest = tmp_path / f"specforge-{columns}"
+        code, screen = run_under_a_terminal(
+            [sys.executable, "-m", "jobs.export", f"output.dir={run}", "to=specforge", f"dest={dest}"], tmp_path,
+            columns=columns)
+        assert code == 0, screen[-3000:]
+        bars = [frame for line in screen.split("\n") for frame in line.split("\r") if frame.startswith("export: ")]
+        assert bars and "100%" in bars[-1] and "48/48" in bars[-1], screen[-3000:]
+        widths = {len(frame.rstrip()) for frame in bars}
+        assert max(widths) <= (columns or 80) and (columns or max(widths) == 80), widths
 
 
 @pytest.mark.parametrize("columns", [0, 120])
 def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
-    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: a tqdm bar
-    each time, drawn to the whole of 80 columns where the terminal reports none, within the width it reports."""
+    """`python -m jobs.prepare` (the demo) under a pseudo-terminal that reports 0 columns, and one of 120: from the
+    start a live line with the stage (reading the inputs, its seconds), then a tqdm bar each time, drawn to the
+    whole of 80 columns where the terminal reports none, within the width it reports."""
     code, screen = run_under_a_terminal(
         [sys.executable, "-m", "jobs.prepare", f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=40"], tmp_path,
         columns=columns)
@@ -279,3 +430,6 @@ def test_prepare_draws_its_bar_on_any_terminal(tmp_path, columns):
     assert bars and "100%" in bars[-1] and "40/40" in bars[-1], screen[-3000:]
     widths = {len(frame.rstrip()) for frame in bars}
     assert max(widths) <= (columns or 80) and (columns or max(widths) == 80), widths
+    stage = [frame for frame in live_frames(screen) if frame.startswith("reading the inputs (")]
+    assert stage and screen.index(stage[0]) < screen.index(bars[0]), screen[:3000]
+    assert all(len(frame) < (columns or 80) for frame in stage), stage
