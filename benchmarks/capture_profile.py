@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks.throughput import benchmark_job_args, build_model
+from benchmarks.workdir import work_dir, write_results
 from extractor.actor import Extractor
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids
@@ -194,47 +192,45 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    work = Path(tempfile.mkdtemp(prefix="eagle3-profile-"))
-    try:
+    with work_dir("", "eagle3-profile-") as work:
         spec, batches = engine_spec(args, work)
         extractor = Extractor(spec)
-        tokens = sum(int(sum(len(ids) for ids in batch)) for batch in batches)
-        hand_on = HandOn(extractor.max_batch_bytes())
-        ways = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle", "overlapped-locked"]
-        for way in ways:  # warm-up: kernels, allocator, pinned buffers
-            run_way(extractor, way, batches[:2], hand_on, spec.host_buffers)
-        results: dict[str, Any] = {"shape": args.shape, "tokens": tokens, "batches": len(batches),
-                                   "host_buffers": spec.host_buffers, "layer_ids": list(spec.layer_ids),
-                                   "last_hidden_state": spec.last_hidden_state, "rounds": {}}
-        for round_index in range(args.rounds):
-            for way in ways:
-                results["rounds"].setdefault(way, []).append(
-                    timed(extractor, way, batches, hand_on, spec.host_buffers, tokens))
-        if not args.profile_batches:
+        try:
+            results = measure(extractor, spec, batches, args)
+        finally:
             extractor.close()
-            print_report(results)
-            if args.out:
-                Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-            return
-        few = batches[: args.profile_batches]
-        trace_dir = Path(args.trace_dir) if args.trace_dir else None
-        if trace_dir is not None:
-            trace_dir.mkdir(parents=True, exist_ok=True)
-        profiles = {way: profiled(lambda way=way: run_way(extractor, way, few, hand_on, spec.host_buffers),
-                                  trace_dir / f"{args.shape}-{way}.json" if trace_dir else None)
-                    for way in ("bare", "forward-only", "overlapped")}
-        results["kernel_differences"] = {
-            way: differences(profiles["bare"]["kernels"], profiles[way]["kernels"], 25) for way in ("forward-only", "overlapped")}
-        results["runtime_differences"] = differences(profiles["bare"]["runtime"], profiles["overlapped"]["runtime"], 15)
-        results["kernel_totals_us"] = {way: round(sum(k["us"] for k in p["kernels"].values()), 1)
-                                       for way, p in profiles.items()}
-        extractor.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print_report(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
 
+
+def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarray]], args: argparse.Namespace) -> dict:
+    """Every way over every batch, ``args.rounds`` times interleaved; then the profiles of a few batches."""
+    tokens = sum(int(sum(len(ids) for ids in batch)) for batch in batches)
+    hand_on = HandOn(extractor.max_batch_bytes())
+    ways = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle", "overlapped-locked"]
+    for way in ways:  # warm-up: kernels, allocator, pinned buffers
+        run_way(extractor, way, batches[:2], hand_on, spec.host_buffers)
+    results: dict[str, Any] = {"shape": args.shape, "tokens": tokens, "batches": len(batches),
+                               "host_buffers": spec.host_buffers, "layer_ids": list(spec.layer_ids),
+                               "last_hidden_state": spec.last_hidden_state, "rounds": {}}
+    for _ in range(args.rounds):
+        for way in ways:
+            results["rounds"].setdefault(way, []).append(timed(extractor, way, batches, hand_on, spec.host_buffers, tokens))
+    if not args.profile_batches:
+        return results
+    few = batches[: args.profile_batches]
+    trace_dir = Path(args.trace_dir) if args.trace_dir else None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    profiles = {way: profiled(lambda way=way: run_way(extractor, way, few, hand_on, spec.host_buffers),
+                              trace_dir / f"{args.shape}-{way}.json" if trace_dir else None)
+                for way in ("bare", "forward-only", "overlapped")}
+    results["kernel_differences"] = {
+        way: differences(profiles["bare"]["kernels"], profiles[way]["kernels"], 25) for way in ("forward-only", "overlapped")}
+    results["runtime_differences"] = differences(profiles["bare"]["runtime"], profiles["overlapped"]["runtime"], 15)
+    results["kernel_totals_us"] = {way: round(sum(k["us"] for k in p["kernels"].values()), 1)
+                                   for way, p in profiles.items()}
+    return results
 
 def print_report(results: dict) -> None:
     print(f"shape {results['shape']}: {results['tokens']:,} tokens in {results['batches']} batches a way, "

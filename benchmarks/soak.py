@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from benchmarks.soak_consumer import sample_digests
 from benchmarks.throughput import WarmExtractor, benchmark_job_args, build_model, jobs_on, measure_extractor
+from benchmarks.workdir import work_dir, write_results
 from common.checks import format_bytes, parse_bytes
 from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.nodes import NODE_LABEL
@@ -542,16 +543,10 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-soak-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+    with work_dir(args.work_dir, "eagle3-soak-") as work:
         results = measure(args, work)
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
     passed = (results["samples_consumed_once"] == results["samples"]
               and results["reference_samples_differing"] == 0 and results["budget_peak_bytes"] <= results["budget_bytes"])
     sys.exit(0 if passed else 1)

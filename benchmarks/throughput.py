@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import ray
 
+from benchmarks.workdir import work_dir, write_results
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.types import CaptureActivity, EngineSpec, TokenBatch
@@ -302,15 +303,10 @@ def main() -> None:
         args.samples = -(-ROW_TOKENS_ON_CUDA // args.tokens_per_sample) if args.device == "cuda" else 32
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
-    try:
+    with work_dir(args.work_dir, "eagle3-bench-") as work:
         results = measure(args, rows, work)
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
 
 
 class ShardConsumer(threading.Thread):
