@@ -40,7 +40,8 @@ class OutputConfig:
     """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
     for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
     disk_budget: str = "1.3TB"
-    """Most bytes of shard files kept under output.dir at once (committed + being written), per node; 500GB, 1.3TB or bytes."""
+    """Most bytes kept under output.dir at once, per node: shard files (committed + being written) and the job's own
+    files (manifest, summary and its reserve, ...: at most a bound fixed before Ray starts); 500GB, 1.3TB or bytes."""
     min_free: str = "10GB"
     """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it; 10GB, 500MB or bytes."""
     budget_wait_s: float = 600.0
