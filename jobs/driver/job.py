@@ -28,7 +28,6 @@ from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
 from jobs.errors import (
@@ -47,6 +46,7 @@ from jobs.errors import (
     stop_in,
 )
 from jobs.interrupts import signals_deferred
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import check_capture
 from jobs.planning.content import RECORDED_SINCE, resumed_device
 from jobs.planning.engine import build_engine_spec

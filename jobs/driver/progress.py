@@ -22,7 +22,7 @@ from typing import Any, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
 from common.terminal import terminal_columns
-from jobs.driver.budget import DiskBudget
+from jobs.outdir.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from common.checks import format_bytes
 from jobs.cluster.nodes import plan_groups, this_host
 from jobs.cluster.session import starts_private_cluster, this_host_cpus
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import ProbeFailed, capture_plan
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files

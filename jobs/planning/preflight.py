@@ -26,10 +26,10 @@ from common.checks import format_bytes
 from extractor.checkpoint import CheckpointInfo
 from extractor.config import ModelConfig
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.errors import BudgetExhausted, ConfigError
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.content import recorded_model_path
 from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE

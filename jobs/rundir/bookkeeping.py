@@ -12,7 +12,7 @@ files has a bound known from the plan before anything is written, and counted in
   per vocabulary id);
 - the version-1 manifest a migrated run keeps beside the new one (as found).
 
-A shard's consumption record (``storage.consumed``) is counted with the shard (``jobs.driver.budget``).
+A shard's consumption record (``storage.consumed``) is counted with the shard (``jobs.outdir.budget``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.config import JobConfig, config_keys, load_config, resolve_paths
 from jobs.actors.cpus import format_cores
-from jobs.driver.config import OutputConfig
 from jobs.errors import ConfigError
+from jobs.outdir.config import OutputConfig
 from jobs.planning.preflight import refuse_pickled_weights
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env

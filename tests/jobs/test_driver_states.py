@@ -23,7 +23,6 @@ import ray
 
 from jobs.actors.writer import ExtractorLost, ShardFailed
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
 from jobs.driver.completions import Completions
 from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane, Lanes
@@ -35,6 +34,7 @@ from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
 from jobs.errors import BudgetExhausted, JobFault
 from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import plan_shards
 from storage import ShardFileInfo, checksum, shard_file_name
 from storage.consumed import consume_shard

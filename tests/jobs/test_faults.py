@@ -24,10 +24,10 @@ import psutil
 import pytest
 
 from jobs.config import load_config
-from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
 from jobs.extract import main
 from jobs.inputs.demo import build_synthetic_dataset
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.inputs import read_inputs
 from jobs.planning.preflight import planned_metadata
 from jobs.planning.shards import plan_shards

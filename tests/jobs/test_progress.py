@@ -24,8 +24,8 @@ import time
 import pytest
 
 from common.checks import format_bytes
-from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import METRICS, ProgressSnapshot, RunProgress, format_count, format_duration
+from jobs.outdir.budget import DiskBudget
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, PENDING, Manifest
