@@ -36,8 +36,8 @@ import pyarrow.parquet as pq
 from jobs.config import load_config
 from jobs.extract import run
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import Shard, plan_shards
-from jobs.driver.budget import DiskBudget
 from jobs.status import status_report
 from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE, Manifest
 

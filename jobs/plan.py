@@ -59,8 +59,9 @@ def format_report(report: DryRun) -> str:
         *(f"{'exports' if i == 0 else '':<8} {trainer}: {how}" for i, (trainer, how) in enumerate(report.exports.items())),
         f"disk     {format_bytes(report.predicted_bytes)} predicted for the {report.shards - report.done_shards:,} "
         f"shards to write (largest: shard {report.largest_shard}, {format_bytes(report.largest_shard_bytes)}), "
-        f"{(report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of output.disk_budget "
-        f"{format_bytes(report.disk_budget)}; "
+        f"{(report.own_files_bytes + report.done_local_bytes + report.predicted_bytes) / report.disk_budget:.0%} of "
+        f"output.disk_budget {format_bytes(report.disk_budget)} with the job's own files (up to "
+        f"{format_bytes(report.own_files_bytes)}); "
         + (f"sink {report.sink}" if report.sink else "no sink"),
         f"         {report.output_dir}: {format_bytes(report.free_bytes)} free on its filesystem, "
         f"output.min_free {format_bytes(report.min_free_bytes)}",

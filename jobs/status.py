@@ -21,9 +21,9 @@ from common.checks import format_bytes, parse_bytes
 from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import parse_command
-from jobs.driver.config import OutputConfig
 from jobs.driver.progress import ProgressSnapshot
 from jobs.errors import EXIT_OK, ConfigError
+from jobs.outdir.config import OutputConfig
 from jobs.rundir.lock import LOCK_FILE, read_owner
 from jobs.rundir.summary import (
     DRAFTER_CONFIG_FILE,

@@ -6,16 +6,22 @@ a process that survives a crash) sees the old file or the new one, never a part,
 loss. No write follows a symbolic link (``create_new``; the rename replaces a link at the final name
 without following it), so a link planted where the job writes cannot send its bytes anywhere else.
 A write that fails (a full disk) removes its temp file; ``reserve_space`` sets blocks aside for a
-file that must be written even then.
+file that must be written even then, and ``swap_in`` rewrites such a file through them again and again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 from pathlib import Path
 from typing import IO, Any
 
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+"""Linux's renameat2 (glibc 2.28+), which swaps two names in one step; None where the C library lacks it."""
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 """A new regular file, never through a symbolic link (O_EXCL alone already refuses one at the name)."""
 FILE_MODE = 0o644
@@ -104,6 +110,13 @@ def replace_atomically(
     fsync_path(path.parent)
 
 
+def _write_at(fd: int, data: bytes) -> None:
+    """``data`` from the start of the file, over the blocks it has."""
+    view, offset = memoryview(data), 0
+    while offset < len(view):
+        offset += os.pwrite(fd, view[offset:], offset)
+
+
 def _write_reserved(reserve: Path, data: bytes) -> Path | None:
     """``data`` written over the reserved file's blocks, fsynced; None when there is no reserve (used already)."""
     try:
@@ -111,9 +124,7 @@ def _write_reserved(reserve: Path, data: bytes) -> Path | None:
     except OSError:  # gone (used), or a link planted in its place (ELOOP): not ours to write
         return None
     try:
-        view, offset = memoryview(data), 0
-        while offset < len(view):
-            offset += os.pwrite(fd, view[offset:], offset)
+        _write_at(fd, data)
         os.ftruncate(fd, len(data))
         os.fsync(fd)
     except BaseException:
@@ -122,6 +133,36 @@ def _write_reserved(reserve: Path, data: bytes) -> Path | None:
     finally:
         os.close(fd)
     return reserve
+
+
+def swap_in(reserve: Path, path: Path, data: bytes, final: bool) -> bool:
+    """``data`` written over the blocks of ``reserve`` (``reserve_space``'s file), fsynced, then swapped with ``path``
+    in one step (``renameat2`` with ``RENAME_EXCHANGE``): ``path`` holds ``data`` whole, and ``reserve`` what ``path``
+    held, whose blocks stay set aside for the next swap, so that no swap ever needs a block the disk may not have.
+    ``final``: the last write, whose file is cut to ``data`` and whose reserve is removed. False, with nothing
+    changed, where there is no reserve (gone, or a link planted there) or the filesystem cannot swap two names."""
+    if not path.exists() or _renameat2 is None:
+        return False
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        _write_at(fd, data)
+        if final:
+            os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if _renameat2(AT_FDCWD, os.fsencode(reserve), AT_FDCWD, os.fsencode(path), RENAME_EXCHANGE) != 0:
+        error = ctypes.get_errno()
+        if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the filesystem does not swap names
+            return False
+        raise OSError(error, os.strerror(error), str(path))
+    if final:
+        os.unlink(reserve)
+    fsync_path(path.parent)
+    return True
 
 
 def reserve_space(path: Path, nbytes: int) -> None:

@@ -26,6 +26,11 @@ CONSUMED_SUFFIX = ".consumed"
 RECORD_GLOB = ".shard-*.parquet" + CONSUMED_SUFFIX
 RECORD_BYTES_MAX = 64 * 1024
 """A record is a few hundred bytes; anything larger at its name is not one."""
+INTO_BYTES = 1024
+"""The most bytes ``into`` takes in JSON."""
+RECORD_BYTES = 2048
+"""The most bytes a record ``consume_shard`` writes takes: ``into`` and the file's name, size, checksum, host
+(<= 255 characters), pid and time."""
 _SHARD_FILE = re.compile(r"shard-(\d{5,})\.parquet")
 
 
@@ -55,6 +60,9 @@ def consume_shard(path: str | os.PathLike, into: str) -> None:
         raise ValueError(f"{path}: not a shard file of a run (shard-NNNNN.parquet)")
     if not into or not into.strip():
         raise ValueError("into: say where the shard's samples went (or who took them); the manifest records it")
+    if len(json.dumps(into)) > INTO_BYTES:
+        raise ValueError(f"into: {len(json.dumps(into))} bytes in JSON; say where the shard's samples went in at most "
+                         f"{INTO_BYTES} (the run's disk budget counts a record of at most {RECORD_BYTES} bytes)")
     record = path.with_name(record_name(path.name))
     try:
         size = os.stat(path, follow_symlinks=False).st_size

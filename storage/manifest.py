@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Optional
 
 from storage.atomic import replace_atomically
+from storage.sink import sink_url_for
+from storage.writer import shard_file_name
 
 MANIFEST_FILE = ".manifest.json"
 MANIFEST_JOURNAL_FILE = ".manifest.journal"
@@ -28,8 +30,12 @@ V1_FIELDS = {"sha256": "checksum", "exported_files_sha256": "exported_files_chec
 as version 2's (``_from_v1``); the first run that opens such a manifest writes it as version 2, keeping the
 version-1 files beside it (``V1_BACKUP_SUFFIX``)."""
 V1_BACKUP_SUFFIX = ".v1"
-COMPACT_MIN_UPDATES = 1000
-"""The journal is folded into the snapshot after max(this, number of shards) updates: amortised O(1)."""
+TEXT_LIMITS = {"error": 2048, "consumed_into": 4352, "node": 256}
+"""The most bytes each free-text field of a record takes in JSON (an error, where a consumed shard's samples went, a
+node's name): longer text is cut to fit (``clip_text``), so that the manifest has a size bound (``size_bound``)."""
+LONGEST_CHECKSUM = "sha256:" + "0" * 64
+LONGEST_NUMBER = 10**19
+"""Wider than any count a record holds (rows, tokens, bytes, attempts, sample ids: 64-bit)."""
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +79,10 @@ class Manifest:
     """A run's manifest, open for updates.
 
     An update appends one JSON line to the journal (``MANIFEST_JOURNAL_FILE``) and fsyncs it, so its
-    cost does not grow with the number of shards. Every ``max(COMPACT_MIN_UPDATES, shards)`` updates,
-    at open and at close, the state is compacted into the snapshot (``MANIFEST_FILE``: temp file,
-    fsync, rename) and the journal starts over. Each journal line carries a sequence number and the
+    cost does not grow with the number of shards. Once the journal holds as many bytes as the snapshot
+    (amortised O(1) per update; the journal never outgrows the snapshot by more than a line), at open and
+    at close, the state is compacted into the snapshot (``MANIFEST_FILE``: temp file, fsync, rename) and
+    the journal starts over. Each journal line carries a sequence number and the
     snapshot the last one it holds, so lines already in the snapshot are never applied twice, even
     after a crash between the rename and the journal's reset. A crash mid-append leaves a torn last
     line, which is ignored: that update never returned (and a failed write is never continued: the
@@ -92,10 +99,12 @@ class Manifest:
         self.content = content
         self.shards = shards
         self._sequence = sequence
-        """Updates made over the manifest's life; the snapshot holds the first `_compacted`."""
-        self._compacted = sequence
+        """Updates made over the manifest's life."""
         self._journal: Optional[int] = None
         self._torn = False
+        self._snapshot_bytes = 0
+        """The snapshot's size as last written; the journal is compacted once it holds as many bytes."""
+        self._journal_bytes = 0
 
     @classmethod
     def open(
@@ -133,13 +142,15 @@ class Manifest:
         if unknown:
             raise TypeError(f"ShardRecord has no fields {sorted(unknown)}")
         record = self.shards[index]
+        fields = {name: clip_text(value, TEXT_LIMITS[name]) if name in TEXT_LIMITS else value
+                  for name, value in fields.items()}
         line = json.dumps({"seq": self._sequence + 1, "index": index, "fields": fields}, separators=(",", ":"))
         # The number is spent even if the write fails: a later line never reuses it.
         self._sequence += 1
         self._append(line.encode() + b"\n")
         for name, value in fields.items():
             setattr(record, name, value)
-        if self._sequence - self._compacted >= max(COMPACT_MIN_UPDATES, len(self.shards)):
+        if self._journal_bytes >= self._snapshot_bytes:
             self.save()
         return record
 
@@ -152,12 +163,14 @@ class Manifest:
             "content": self.content,
             "shards": [dataclasses.asdict(self.shards[i]) for i in sorted(self.shards)],
         }
+        snapshot = json.dumps(payload, indent=1).encode()
         # A failure here (a full disk) leaves the snapshot and the journal as they were: together still every change.
-        replace_atomically(self.path, json.dumps(payload, indent=1))
-        self._compacted = self._sequence
+        replace_atomically(self.path, snapshot)
+        self._snapshot_bytes = len(snapshot)
         self._close_journal()
         # Lines left by a crash (or a failure) right here carry sequence numbers the snapshot already holds.
         replace_atomically(self.journal_path, b"")
+        self._journal_bytes = 0
         self._torn = False
 
     def start_over(self, shards: Iterable[int]) -> None:
@@ -198,13 +211,54 @@ class Manifest:
             os.fsync(self._journal)
         except OSError:
             self._torn = True
+            self._journal_bytes += len(data) - len(view)
             raise
+        self._journal_bytes += len(data)
         self._torn = False
 
     def _close_journal(self) -> None:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
+
+
+def clip_text(text: Any, limit: int) -> Any:
+    """``text`` cut to take at most ``limit`` bytes in JSON (an ellipsis ends what was cut); not text: as it is."""
+    if not isinstance(text, str) or len(json.dumps(text)) <= limit:
+        return text
+    keep = limit  # JSON takes at least one byte a character: cut until it fits
+    while keep and len(json.dumps(text[:keep] + "...")) > limit:
+        keep = keep * limit // len(json.dumps(text[:keep] + "...")) if keep > 64 else keep - 1
+    return text[:keep] + "..."
+
+
+def size_bound(
+    content: dict[str, Any], plan: Iterable[tuple[int, int, int]], sink: str, nonfinite_reason: str,
+) -> tuple[int, int]:
+    """The most bytes the snapshot of a run's manifest takes, whatever happens to its shards, and the most one
+    journal line takes: every record at its widest (numbers of 20 digits, the text fields at ``TEXT_LIMITS``, the
+    longest checksum, a sink URL, every sample of the shard flagged non-finite with ``nonfinite_reason``)."""
+    records = []
+    for index, start, stop in plan:
+        record = _widest_record(index, start, stop, sink, nonfinite_reason)
+        records.append(dataclasses.asdict(record))
+    payload = {"version": MANIFEST_VERSION, "sequence": LONGEST_NUMBER, "run_id": uuid.uuid4().hex,
+               "content": content, "shards": records}
+    widest = max(records, key=lambda record: len(json.dumps(record)), default={})
+    line = {"seq": LONGEST_NUMBER, "index": LONGEST_NUMBER, "fields": widest}
+    return len(json.dumps(payload, indent=1).encode()), len(json.dumps(line, separators=(",", ":")).encode()) + 2
+
+
+def _widest_record(index: int, start: int, stop: int, sink: str, nonfinite_reason: str) -> ShardRecord:
+    file = shard_file_name(index)
+    wide = {name: "x" * (limit - 2) for name, limit in TEXT_LIMITS.items()}
+    sample = {"sample_id": LONGEST_NUMBER, "action": "skipped", "reason": nonfinite_reason}
+    return ShardRecord(
+        index, start, stop, state=PENDING, attempts=LONGEST_NUMBER, file=file, rows=LONGEST_NUMBER,
+        tokens=LONGEST_NUMBER, bytes=LONGEST_NUMBER, checksum=LONGEST_CHECKSUM, location=CONSUMED,
+        sink_url=sink_url_for(sink, file) if sink else "", nonfinite=[sample] * (stop - start),
+        exported_files_checksum=LONGEST_CHECKSUM, **wide,
+    )
 
 
 def content_differences(

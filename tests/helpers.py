@@ -237,6 +237,28 @@ def job_config(model, data, out, *extra):
     )
 
 
+def own_files_bytes(config) -> int:
+    """The most the job's own files take in output.dir for a run of ``config``, as the job fixes it before Ray
+    (``jobs.rundir.bookkeeping``): what a budget needs besides room for its shards."""
+    from jobs.planning.inputs import read_inputs
+    from jobs.planning.own_files import own_files
+    from jobs.planning.preflight import planned_metadata
+    from jobs.planning.shards import plan_shards
+    from jobs.rundir.summary import RunSummary
+    from storage.manifest import MANIFEST_FILE, Manifest, ShardRecord
+
+    inputs = read_inputs(config)
+    config = inputs.config
+    plan = plan_shards(inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+                       config.extract.max_samples_per_batch)
+    ranges = [(shard.index, shard.start, shard.stop) for shard in plan]
+    summary = RunSummary(config, inputs.output_dir, {s.index: s.tokens for s in plan}, [s.index for s in plan],
+                         inputs.dataset.invalid)
+    before = Manifest(inputs.output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+    metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
+    return own_files(inputs, ranges, metadata, summary.room(before)).total
+
+
 def read_all(out_dir):
     """Every sample of the shard files in ``out_dir`` by sample id (none may be there twice)."""
     samples = {}

@@ -132,6 +132,16 @@ def test_no_import_circles():
     assert _circles(graph) == []
 
 
+def test_planning_and_the_actors_import_nothing_of_the_driver():
+    """What plans a run and the actors sit below the driver; the output directory's budget and config sit below
+    all three (``jobs.outdir``)."""
+    below = ("jobs.planning", "jobs.actors", "jobs.outdir")
+    assert _violations(lambda name, imported: any(_within(name, p) for p in below) and _within(imported, "jobs.driver")
+                       ) == []
+    assert _violations(lambda name, imported: _within(name, "jobs.outdir") and any(
+        _within(imported, p) for p in ("jobs.planning", "jobs.actors"))) == []
+
+
 def test_storage_modules_import_submodules_not_the_package():
     assert _violations(lambda name, imported: name.startswith("storage.") and imported == "storage") == []
 
@@ -166,7 +176,8 @@ def test_the_rules_see_real_imports():
     modules = _modules()
     assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"]))
     assert "extractor.config" in _imports(modules["jobs.config"])
-    assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.driver.config"])
+    assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.outdir.config"])
+    assert "jobs.outdir.budget" in _imports(modules["jobs.planning.preflight"])
     around = _modules(AROUND)
     assert "testbeds.smollm2" in _imports(around["tests.helpers"])
     assert "storage.atomic" in _imports(around["testbeds.smollm2"])

@@ -20,7 +20,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jobs.driver.config import AUTO, parse_cpu_list
+from jobs.outdir.config import AUTO, parse_cpu_list
 
 ENGINE_CORES_PER_GPU = 2
 """Per GPU of an extractor: its rank's forward thread, and room for its CUDA, NCCL and Ray threads."""

@@ -28,7 +28,6 @@ from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
 from jobs.driver.stages import StageLine
@@ -48,10 +47,12 @@ from jobs.errors import (
     stop_in,
 )
 from jobs.interrupts import signals_deferred
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import check_capture
 from jobs.planning.content import RECORDED_SINCE, resumed_device
 from jobs.planning.engine import build_engine_spec, planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
+from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
@@ -113,7 +114,6 @@ def _run(config: JobConfig, stages: StageLine) -> dict:
 
 def _run_locked(inputs: RunInputs, lock: OutputLock, stages: StageLine) -> dict:
     config, output_dir = inputs.config, inputs.output_dir
-    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
     plan = plan_shards(
         inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
         config.extract.max_samples_per_batch,
@@ -130,15 +130,19 @@ def _run_locked(inputs: RunInputs, lock: OutputLock, stages: StageLine) -> dict:
             manifest.close()
             return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
         reclaimable = sum(r.bytes for r in manifest.in_state(DONE) if r.location == LOCAL and r.node == checked_node)
-        check_shards_fit([s for s in plan if s.index in selected], budget, metadata, reclaimable)
         manifest.close()
     else:
         selected = set(select_planned(config.shards, len(plan)))
-        check_shards_fit([s for s in plan if s.index in selected], budget, metadata)
-    write_invalid_rows(output_dir, inputs.dataset.invalid)
+        reclaimable = 0
     shard_tokens = {s.index: s.tokens for s in plan}
     summary = RunSummary(config, output_dir, shard_tokens, sorted(selected), inputs.dataset.invalid)
     before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+    own = own_files(inputs, ranges, metadata, summary.room(before))
+    summary.own_files = own.total
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes, own=own)
+    check_shards_fit([s for s in plan if s.index in selected], budget.where_shards_go(config.output.node_dir), metadata,
+                     reclaimable)
+    write_invalid_rows(output_dir, inputs.dataset.invalid)
     stages.show("starting Ray")
     try:
         with ray_session(config.ray.address):

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 from jobs.actors.extractor import ExtractorHost
 from jobs.actors.writer import WriterPool
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
+from jobs.outdir.budget import DiskBudget
 from storage.manifest import ShardRecord
 
 

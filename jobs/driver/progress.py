@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, T
 
 from common.checks import format_bytes
 from common.terminal import terminal_columns
-from jobs.driver.budget import DiskBudget
+from jobs.outdir.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
 if TYPE_CHECKING:  # jobs.driver.stages draws in this module's LiveLine

@@ -25,9 +25,7 @@ from common.checks import format_bytes
 from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineSpec
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
 from jobs.driver.completions import Completions
-from jobs.driver.config import OutputConfig
 from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane
 from jobs.driver.loop import DriverLoop
@@ -49,6 +47,8 @@ from jobs.driver.work import PendingWork
 from jobs.errors import ClusterLost, stop_in
 from jobs.inputs.dataset import TokenizedDataset
 from jobs.interrupts import signals_deferred
+from jobs.outdir.budget import DiskBudget
+from jobs.outdir.config import OutputConfig
 from jobs.planning.shards import Shard
 from storage.manifest import DONE, Manifest, ShardRecord
 

@@ -23,10 +23,10 @@ from jobs.actors.extractor import ExtractorHost
 from jobs.actors.cpus import writer_cpus
 from jobs.actors.writer import WriterPool, WriterSettings
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
-from jobs.driver.config import OutputConfig
 from jobs.driver.lanes import Lane, Lanes, ShardAttempt
 from jobs.errors import JobFault
+from jobs.outdir.budget import DiskBudget
+from jobs.outdir.config import OutputConfig
 from jobs.planning.engine import shard_metadata
 from storage.writer import state_bytes_per_token
 

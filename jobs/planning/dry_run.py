@@ -19,16 +19,18 @@ from common.checks import format_bytes
 from jobs.cluster.nodes import plan_groups, this_host
 from jobs.cluster.session import starts_private_cluster, this_host_cpus
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
 from jobs.inputs.dataset import EXCEEDS_CONTEXT
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import ProbeFailed, capture_plan
 from jobs.planning.engine import planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
+from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes
 from jobs.planning.shards import Shard, plan_shards
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
+from jobs.rundir.summary import RunSummary
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
 from storage.writer import state_bytes_per_token
 from training.final_state import served_exports
@@ -92,6 +94,8 @@ class DryRun:
     done_shards: int
     """Shards an earlier run in output.dir finished (the job resumes: it writes the others)."""
     done_local_bytes: int
+    own_files_bytes: int
+    """The most the job's own files (manifest, summary, ...) take in output.dir: the budget counts them first."""
     disk_budget: int
     sink: str
     output_dir: str
@@ -137,7 +141,12 @@ def dry_run(config: JobConfig) -> DryRun:
         selected, done = set(select_planned(config.shards, len(plan))), {}
     metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
     bytes_per_token = state_bytes_per_token(metadata)
-    budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes)
+    ranges = [(shard.index, shard.start, shard.stop) for shard in plan]
+    before = manifest or Manifest(inputs.output_dir / MANIFEST_FILE, {}, {r[0]: ShardRecord(*r) for r in ranges})
+    summary = RunSummary(config, inputs.output_dir, {s.index: s.tokens for s in plan}, sorted(selected),
+                         dataset.invalid)
+    own = own_files(inputs, ranges, metadata, summary.room(before))
+    budget = DiskBudget(inputs.output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes, own=own)
     to_write = [shard for shard in plan if shard.index in selected]
     sizes = {shard.index: budget.predict(shard.tokens, bytes_per_token, len(shard.batches)) for shard in to_write}
     largest = max(sizes, key=sizes.__getitem__, default=0)
@@ -159,12 +168,14 @@ def dry_run(config: JobConfig) -> DryRun:
         exports=served_exports(metadata.last_hidden_state, checkpoint.language_model_architecture, config.model.path),
         state_bytes_per_token=bytes_per_token,
         predicted_bytes=sum(sizes.values()), largest_shard=largest, largest_shard_bytes=sizes.get(largest, 0),
-        done_shards=len(done), done_local_bytes=sum(done.values()), disk_budget=budget.limit,
+        done_shards=len(done), done_local_bytes=sum(done.values()), own_files_bytes=own.total,
+        disk_budget=budget.limit,
         sink=config.output.sink, output_dir=str(inputs.output_dir), free_bytes=free_bytes(inputs.output_dir),
         min_free_bytes=config.output.min_free_bytes, layers=layers, problems=[],
         serving=inputs.serving.describe() if inputs.serving else [],
     )
-    report.problems = _problems(report, to_write, budget, metadata, _cluster_refusal(inputs))
+    report.problems = _problems(report, to_write, budget.where_shards_go(config.output.node_dir), metadata,
+                                _cluster_refusal(inputs))
     return report
 
 
@@ -244,16 +255,16 @@ def _problems(
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, str(error)))
     if cluster_refusal:
         problems.append(Problem(EXIT_BAD_INPUT, cluster_refusal))
-    needed = report.done_local_bytes + report.predicted_bytes
+    needed = report.own_files_bytes + report.done_local_bytes + report.predicted_bytes
     if not report.sink and needed > report.disk_budget:
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (
-            f"the run needs about {format_bytes(needed)} on local disk but output.disk_budget is "
+            f"the run needs about {format_bytes(needed)} on local disk (its own files included) but output.disk_budget is "
             f"{format_bytes(report.disk_budget)} and output.sink is empty: once the budget is full the job waits "
             "output.budget_wait_s for something to delete shard files, then stops (exit 3). Raise "
             "output.disk_budget, set output.sink, or consume shards while it runs"
         )))
     # The most the job adds to the disk at once: the whole rest of the run, up to the budget.
-    adds = min(report.predicted_bytes, max(0, report.disk_budget - report.done_local_bytes))
+    adds = min(report.own_files_bytes + report.predicted_bytes, max(0, report.disk_budget - report.done_local_bytes))
     usable = report.free_bytes - report.min_free_bytes
     if adds > usable:
         problems.append(Problem(EXIT_BUDGET_EXHAUSTED, (

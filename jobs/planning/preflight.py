@@ -25,10 +25,10 @@ from fsspec.implementations.local import LocalFileSystem
 from common.checks import format_bytes
 from extractor.config import ModelConfig
 from jobs.config import JobConfig
-from jobs.driver.budget import DiskBudget
 from jobs.errors import BudgetExhausted, ConfigError
 from jobs.inputs.demo import prepare_demo
 from jobs.inputs.files import GLOB_CHARS
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.content import recorded_model_path
 from jobs.planning.shards import Shard
 from jobs.rundir.lock import LOCK_FILE
@@ -117,11 +117,14 @@ def check_shards_fit(
     for shard in shards:
         need = budget.predict(shard.tokens, bytes_per_token, len(shard.batches))
         largest = max(largest, need)
-        if need > budget.limit:
+        if need > budget.shard_limit:
+            own = (f", of which the job's own files in output.dir take up to {format_bytes(budget.own_files)} "
+                   f"({budget.own.describe()}), which leaves {format_bytes(budget.shard_limit)} for shard files"
+                   if budget.own_files else "")
             raise ConfigError(
                 f"shard {shard.index} needs about {format_bytes(need)} but output.disk_budget is "
-                f"{format_bytes(budget.limit)}: a shard must fit the budget whole. Lower data.shard_size or "
-                "raise output.disk_budget"
+                f"{format_bytes(budget.limit)}{own}: a shard must fit the budget whole. Raise output.disk_budget to "
+                f"at least {budget.own_files + need} bytes, or lower data.shard_size"
             )
     free = free_bytes(budget.output_dir)
     if largest and free + reclaimable - budget.min_free_bytes < largest:

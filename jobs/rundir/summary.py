@@ -8,7 +8,11 @@ shards failed, budget exhausted, a fault or a signal. Totals cover every done sh
 ``this_run`` block and ``tokens_per_second`` only what this run extracted, over this
 run's time. Both names start with a dot, so that Parquet dataset readers skip them. Room
 for the final summary is set aside when the run starts (``.summary.json.reserve``), so
-that a run stopped by a full disk still writes how it ended.
+that a run stopped by a full disk still writes how it ended. While the run goes on, each summary
+is padded with spaces to the size of that room (JSON allows them) and written into the room, which
+then swaps names with the summary (``storage.atomic.swap_in``): the old summary becomes the room.
+The summary and its room are all it ever takes on disk, twice the room (what the disk budget counts:
+``room``), and no write needs a block the disk may no longer have.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from jobs.config import JobConfig
 from jobs.inputs.dataset import InvalidRow
-from storage.atomic import replace_atomically, reserve_space
+from storage.atomic import remove_quietly, replace_atomically, reserve_space, swap_in
 from storage.manifest import DONE, FAILED, SINK, Manifest
 from storage.nonfinite import KEPT, SKIPPED
 
@@ -35,7 +39,8 @@ NONFINITE_IN_SUMMARY = 5
 DRAFTER_CONFIG_FILE = ".drafter_config.json"
 SUMMARY_RESERVE_FILE = ".summary.json.reserve"
 SUMMARY_RESERVE_BYTES = 256 * 1024
-"""Room for the final summary beyond twice the size of the first (what a finished run adds: timings, nodes)."""
+"""Room for the final summary beyond twice the size of the first (what a finished run adds: timings, nodes): the
+most bytes a summary takes."""
 
 RUNNING = "running"
 COMPLETE = "complete"
@@ -101,7 +106,12 @@ def write_invalid_rows(output_dir: Path, invalid: Sequence[InvalidRow]) -> None:
     """Every row left out under data.on_invalid=skip (file, file_row, sample_id, reason), atomically."""
     if not invalid:
         return
-    replace_atomically(output_dir / INVALID_ROWS_FILE, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid))
+    replace_atomically(output_dir / INVALID_ROWS_FILE, invalid_rows_bytes(invalid))
+
+
+def invalid_rows_bytes(invalid: Sequence[InvalidRow]) -> bytes:
+    """What ``write_invalid_rows`` writes."""
+    return "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in invalid).encode()
 
 
 class RunSummary:
@@ -124,6 +134,17 @@ class RunSummary:
         self.progress: Optional[dict[str, Any]] = None
         """The last progress report (``jobs.driver.progress.ProgressSnapshot``), kept in the final summary too."""
         self._ended = False
+        self._room: Optional[int] = None
+        self.own_files = 0
+        """The most the job's own files take in output.dir: what the disk budget counts before any shard."""
+
+    def room(self, manifest: Manifest) -> int:
+        """The bytes set aside for the summary (``reserve``), fixed the first time they are asked for: room for the
+        final summary beyond twice the size of the first. The summary and its room together take twice this."""
+        if self._room is None:
+            first = self._build(manifest, RUNNING, None, "", None)
+            self._room = SUMMARY_RESERVE_BYTES + 2 * len(json.dumps(first, indent=2))
+        return self._room
 
     @property
     def ended(self) -> bool:
@@ -140,17 +161,24 @@ class RunSummary:
 
     def start(self, manifest: Manifest) -> None:
         """The summary of a run that starts; and room set aside for its final summary (``reserve``)."""
-        summary = self._build(manifest, RUNNING, None, "", None)
-        write_json(self.path, summary)
-        reserve_space(self.reserve, SUMMARY_RESERVE_BYTES + 2 * len(json.dumps(summary, indent=2)))
+        remove_quietly(self.reserve)  # a stopped run's room: this run sets its own aside
+        replace_atomically(self.path, self._running(manifest))
+        reserve_space(self.reserve, self.room(manifest))
 
     def update(self, manifest: Manifest, progress: dict[str, Any]) -> None:
-        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval);
-        once the run has ended (``finish``), a late report changes nothing."""
+        """The running summary with the latest progress (``jobs.driver.progress`` calls this every interval),
+        swapped in through the room set aside; once the run has ended (``finish``), a late report changes nothing."""
         self.progress = progress
         if self._ended:
             return
-        write_json(self.path, self._build(manifest, RUNNING, None, "", None))
+        data = self._running(manifest)
+        if not swap_in(self.reserve, self.path, data, final=False):
+            replace_atomically(self.path, data)
+
+    def _running(self, manifest: Manifest) -> bytes:
+        """The running summary, padded with spaces to the room's size."""
+        return (json.dumps(self._build(manifest, RUNNING, None, "", None), indent=2) + "\n").encode() \
+            .ljust(self.room(manifest))
 
     def finish(self, manifest: Manifest, outcome: str, exit_code: int, message: str, result: Any = None) -> dict:
         """Write and return the final summary; ``result`` is the pipeline's RunResult when it got that far.
@@ -158,7 +186,8 @@ class RunSummary:
         then once its open shards are wound down, with the final counts."""
         self._ended = True
         summary = self._build(manifest, outcome, exit_code, message, result)
-        write_json(self.path, summary, reserve=self.reserve)
+        if not swap_in(self.reserve, self.path, (json.dumps(summary, indent=2) + "\n").encode(), final=True):
+            write_json(self.path, summary, reserve=self.reserve)
         return summary
 
     def _build(self, manifest: Manifest, outcome: str, exit_code: Optional[int], message: str, result: Any) -> dict:
@@ -204,6 +233,7 @@ class RunSummary:
             "disk_budget": {
                 "limit": self.config.output.disk_budget_bytes,
                 "min_free_bytes": self.config.output.min_free_bytes,
+                "own_files": self.own_files,
             },
         }
         if result is not None:

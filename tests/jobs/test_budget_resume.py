@@ -27,7 +27,7 @@ from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT
-from tests.helpers import DiskSampler, checksum_of, job_config, python_env, read_all
+from tests.helpers import DiskSampler, checksum_of, job_config, own_files_bytes, python_env, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
@@ -55,6 +55,11 @@ def budget_config(model, data, out, budget, *extra):
     )
 
 
+def budget_of(model, data, out, shard_files_bytes, *extra) -> int:
+    """A budget that holds ``shard_files_bytes`` of shard files beside the job's own files."""
+    return own_files_bytes(budget_config(model, data, out, "1TB", *extra)) + shard_files_bytes
+
+
 def assert_sample_ids_complete(samples, count=NUM_SAMPLES):
     """``samples`` (ids) are 0..count-1, each once."""
     assert sorted(samples) == list(range(count))
@@ -62,7 +67,6 @@ def assert_sample_ids_complete(samples, count=NUM_SAMPLES):
 
 @pytest.mark.parametrize("sink_kind", ["file", "s3"])
 def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path, sink_kind, request):
-    budget = 3 * shard_bytes
     if sink_kind == "file":
         sink_dir = tmp_path / "sink"
         sink, options = f"file://{sink_dir}", {}
@@ -71,6 +75,7 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
         sink = "s3://eagle3-test/run1"
     options_arg = [f"output.sink_options={json.dumps(options)}"] if options else []
     out = tmp_path / "out"
+    budget = budget_of(llama_fp32, dataset, out, 3 * shard_bytes, f"output.sink={sink}", *options_arg)
     with DiskSampler(out) as sampler:
         summary = run(budget_config(llama_fp32, dataset, out, str(budget), f"output.sink={sink}", *options_arg))
     print(f"{sink_kind} sink: budget {budget} B, sampled peak {sampler.peak} B over {sampler.samples} samples, "
@@ -98,7 +103,7 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
 
 def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
     out = tmp_path / "out"
-    budget = 3 * shard_bytes
+    budget = budget_of(llama_fp32, dataset, out, 3 * shard_bytes)
     with pytest.raises(BudgetExhausted, match=r"shards remain.*Raise output.disk_budget, set output.sink"):
         with DiskSampler(out) as sampler:
             run(budget_config(llama_fp32, dataset, out, str(budget), "output.budget_wait_s=1"))
@@ -152,7 +157,8 @@ def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, data
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     try:
-        summary = run(budget_config(llama_fp32, dataset, out, str(2 * shard_bytes), "output.budget_wait_s=20"))
+        budget = budget_of(llama_fp32, dataset, out, 2 * shard_bytes)
+        summary = run(budget_config(llama_fp32, dataset, out, str(budget), "output.budget_wait_s=20"))
     finally:
         stop.set()
         consumer.join()

@@ -16,8 +16,8 @@ from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission
 from jobs.config import JobConfig, config_keys, load_config, resolve_paths
 from jobs.conversations.config import PrepareConfig
 from jobs.actors.cpus import format_cores
-from jobs.driver.config import OutputConfig
 from jobs.errors import ConfigError
+from jobs.outdir.config import OutputConfig
 from jobs.planning.preflight import refuse_pickled_weights
 from jobs.prepare import load_config as load_prepare_config
 from tests.conftest import REPO_ROOT

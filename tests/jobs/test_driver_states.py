@@ -23,7 +23,6 @@ import ray
 
 from jobs.actors.writer import ExtractorLost, ShardFailed
 from jobs.cluster.nodes import NodeGroup
-from jobs.driver.budget import DiskBudget
 from jobs.driver.completions import Completions
 from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane, Lanes
@@ -35,6 +34,7 @@ from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
 from jobs.errors import BudgetExhausted, JobFault
 from jobs.inputs.dataset import open_tokenized_dataset
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import plan_shards
 from storage import ShardFileInfo, checksum, shard_file_name
 from storage.consumed import consume_shard
@@ -414,7 +414,7 @@ def test_a_writer_error_fails_its_shard_and_the_others_are_written(tmp_path, dat
     run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"fail_shards": {2}}, writers=2)
     run.loop.run()
     assert [r.state for r in run.manifest.shards.values()] == [DONE, DONE, FAILED, DONE]
-    assert run.budget.used == sum(r.bytes for r in run.manifest.in_state(DONE))
+    assert run.budget.used == sum(DiskBudget.taken(r.bytes) for r in run.manifest.in_state(DONE))
 
 
 def deleter(run: Run, shards: set[int], times: int = 1) -> Callable[[], None]:
@@ -446,7 +446,7 @@ def test_a_done_file_deleted_without_a_declaration_is_extracted_again_in_the_sam
     assert consumed and all(r.consumed_into == "a test trainer" for r in consumed)
     local = [r for r in records.values() if r.location == LOCAL]
     assert run.shard_files() == sorted(r.file for r in local)
-    assert run.budget.used == sum(r.bytes for r in local)
+    assert run.budget.used == sum(DiskBudget.taken(r.bytes) for r in local)
     assert not list(run.world.directory.glob(".shard-*.consumed")), "declarations left after they were recorded"
 
 

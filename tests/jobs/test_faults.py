@@ -24,10 +24,10 @@ import psutil
 import pytest
 
 from jobs.config import load_config
-from jobs.driver.budget import DiskBudget
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
 from jobs.extract import main
 from jobs.inputs.demo import build_synthetic_dataset
+from jobs.outdir.budget import DiskBudget
 from jobs.planning.inputs import read_inputs
 from jobs.planning.engine import planned_metadata
 from jobs.planning.shards import plan_shards
@@ -35,7 +35,7 @@ from jobs.rundir.summary import read_summary
 from storage.consumed import consume_shard
 from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
-from tests.helpers import assert_every_sample_once, assert_run_verifies, checksum_of
+from tests.helpers import assert_every_sample_once, assert_run_verifies, checksum_of, own_files_bytes
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
@@ -258,12 +258,13 @@ class Consumer(threading.Thread):
 
 @pytest.mark.parametrize("kill", ["extractor", "writer"])
 def test_a_fault_while_waiting_for_disk_loses_no_shard(ray_cluster, llama_fp32, dataset, tmp_path, kill):
-    """With the budget at 1.5 shards and a trainer consuming, the run waits for disk before most shards;
-    a fault then must not send a shard back as the next one is opened (one shard never written, the run
-    saying complete, exit 0): every shard is written exactly once, in the same run."""
+    """With the budget at 1.5 shards beside the job's own files and a trainer consuming, the run waits for disk
+    before most shards; a fault then must not send a shard back as the next one is opened (one shard never
+    written, the run saying complete, exit 0): every shard is written exactly once, in the same run."""
     out, consumed = tmp_path / "out", tmp_path / "consumed"
     tight = ("output.num_writers=1", "progress.interval_s=0.2")
-    budget = int(1.5 * predicted_shard_bytes(llama_fp32, dataset, out, *tight))
+    own = own_files_bytes(load_config(job_args(llama_fp32, dataset, out, *tight)))
+    budget = own + int(1.5 * predicted_shard_bytes(llama_fp32, dataset, out, *tight))
     find = extractor_after_first_shard(out) if kill == "extractor" else writer_writing(out)
     with Consumer(out, consumed), When(find, sigkill) as killer:
         code = main(job_args(llama_fp32, dataset, out, *tight, f"output.disk_budget={budget}"))

@@ -78,7 +78,8 @@ def test_a_shard_larger_than_the_budget_is_refused_as_the_job_refuses_it(capsys,
 
 def test_a_run_larger_than_the_budget_fits_only_with_a_sink(capsys, synthetic_model, demo_dataset, tmp_path):
     code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "out")
-    budget = (plan["predicted_bytes"] + plan["largest_shard_bytes"]) // 2  # every shard fits, the run does not
+    # every shard fits beside the job's own files, the run does not
+    budget = plan["own_files_bytes"] + (plan["predicted_bytes"] + plan["largest_shard_bytes"]) // 2
     code, plan = dry_run(capsys, synthetic_model, demo_dataset, tmp_path / "out", f"output.disk_budget={budget}")
     assert code == EXIT_BUDGET_EXHAUSTED
     assert [p["exit_code"] for p in plan["problems"]] == [EXIT_BUDGET_EXHAUSTED]

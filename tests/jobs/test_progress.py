@@ -25,7 +25,6 @@ import time
 import pytest
 
 from common.checks import format_bytes
-from jobs.driver.budget import DiskBudget
 from jobs.driver.progress import (
     METRICS,
     RATE_WINDOW_S,
@@ -37,6 +36,7 @@ from jobs.driver.progress import (
     format_duration,
 )
 from jobs.driver.stages import StageLine
+from jobs.outdir.budget import DiskBudget
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, PENDING, Manifest

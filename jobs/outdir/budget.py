@@ -1,9 +1,11 @@
-"""Disk budget for shard files under output.dir: reservations, commits, and the policies that gate a shard.
+"""Disk budget for everything the job keeps under output.dir: reservations, commits, and the policies that gate a shard.
 
+The job's own files (manifest, summary, lock, ...) take at most a bound fixed before Ray starts
+(``jobs.rundir.bookkeeping``): the budget counts it as used from the start, and shard files get the rest.
 Before a shard's first batch goes to the extractor the driver reserves the
-bytes the whole shard file will take on disk. Committed files + reservations never exceed the
-budget; a commit turns the shard's reservation into the file's real size, a
-failure releases it, an upload to the sink or a deletion by someone else
+bytes the whole shard file will take on disk (with the consumption record a consumer may leave beside it, in whole
+blocks). Own files + committed files + reservations never exceed the budget; a commit turns the shard's
+reservation into the file's real size, a failure releases it, an upload to the sink or a deletion by someone else
 frees the file's bytes. Each policy answers one question, and any "no"
 holds the shard back.
 """
@@ -16,7 +18,8 @@ from typing import Any, Iterable, Protocol
 
 from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
-from storage.consumed import record_name
+from jobs.rundir.bookkeeping import OwnFiles, on_disk
+from storage.consumed import RECORD_BYTES, record_name
 
 # Token ids (4 B), loss mask (1 B) and Parquet page headers, per token, until a committed
 # file shows the real figure.
@@ -35,7 +38,7 @@ class AdmissionPolicy(Protocol):
 
 @dataclasses.dataclass
 class BudgetPolicy:
-    """Committed local files + reservations stay within ``output.disk_budget``."""
+    """The job's own files + committed local files + reservations stay within ``output.disk_budget``."""
 
     limit: int
 
@@ -43,7 +46,8 @@ class BudgetPolicy:
         return budget.used + nbytes <= self.limit
 
     def describe(self, budget: "DiskBudget") -> str:
-        return f"used {format_bytes(budget.used)} of output.disk_budget {format_bytes(self.limit)}"
+        return (f"used {format_bytes(budget.used)} of output.disk_budget {format_bytes(self.limit)} (the job's own "
+                f"files up to {format_bytes(budget.own_files)} of it)")
 
 
 @dataclasses.dataclass
@@ -61,11 +65,17 @@ class FreeSpacePolicy:
 
 
 class DiskBudget:
-    """Bytes of shard files under one directory: committed files and reservations (the wait for room is
+    """Bytes under one directory: the job's own files, committed shard files and reservations (the wait for room is
     ``jobs.driver.disk_wait``)."""
 
-    def __init__(self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None) -> None:
+    def __init__(
+        self, output_dir: Path, limit: int, min_free_bytes: int, disk: LocalDisk | None = None,
+        own: OwnFiles = OwnFiles(),
+    ) -> None:
+        """``own``: the most the job's own files take in output.dir (``jobs.rundir.bookkeeping``)."""
         self.output_dir = output_dir
+        self.own = own
+        self.own_files = own.total
         self.disk = disk or LocalDisk(output_dir)
         """Where the files are: looks at free space and files run on their node."""
         self.limit = limit
@@ -88,16 +98,34 @@ class DiskBudget:
 
     def for_disk(self, disk: LocalDisk) -> "DiskBudget":
         """The same limits for a node's directory (each node has its own budget)."""
-        return DiskBudget(disk.directory, self.limit, self.min_free_bytes, disk)
+        own = self.own if disk.directory == self.output_dir else self.own.on_other_node()
+        return DiskBudget(disk.directory, self.limit, self.min_free_bytes, disk, own)
+
+    def where_shards_go(self, node_dir: str) -> "DiskBudget":
+        """The budget every shard must fit: this one, or with ``output.node_dir`` a node directory's, which holds
+        only its claim of the job's own files."""
+        return DiskBudget(self.output_dir, self.limit, self.min_free_bytes, self.disk, self.own.on_other_node()) \
+            if node_dir else self
 
     @property
     def used(self) -> int:
-        return self._committed_total + self._reserved_total
+        return self.own_files + self._committed_total + self._reserved_total
+
+    @property
+    def shard_limit(self) -> int:
+        """What the budget leaves for shard files."""
+        return self.limit - self.own_files
 
     def predict(self, tokens: int, state_bytes_per_token: int, batches: int) -> int:
-        """Bytes of a shard file holding ``tokens`` tokens written in ``batches`` batches."""
+        """Bytes a shard holding ``tokens`` tokens written in ``batches`` batches takes under output.dir."""
         fixed = FILE_OVERHEAD_BYTES + batches * BATCH_OVERHEAD_BYTES
-        return tokens * (state_bytes_per_token + self.overhead_per_token) + fixed
+        return self.taken(tokens * (state_bytes_per_token + self.overhead_per_token) + fixed)
+
+    @staticmethod
+    def taken(file_bytes: int) -> int:
+        """What a shard file of ``file_bytes`` takes under output.dir: its blocks, and those of the consumption
+        record a consumer may write beside it (gone together with the file's bytes: ``rescan``)."""
+        return on_disk(file_bytes) + on_disk(RECORD_BYTES)
 
     def blocking_policy(self, nbytes: int) -> AdmissionPolicy | None:
         return next((policy for policy in self.policies if not policy.admits(self, nbytes)), None)
@@ -117,7 +145,7 @@ class DiskBudget:
     def commit(self, shard: int, file_bytes: int, tokens: int, state_bytes_per_token: int) -> None:
         """The shard's file is published: its real size replaces its reservation."""
         self._set(self._reserved, shard, None)
-        self._set(self._committed, shard, file_bytes)
+        self._set(self._committed, shard, self.taken(file_bytes))
         self.overshoot = max(self.overshoot, self.used - self.limit)
         # Whatever the file holds beyond its states, spread per token: future predictions cover it.
         measured = -(-(file_bytes - tokens * state_bytes_per_token) // max(1, tokens))
@@ -152,7 +180,7 @@ class DiskBudget:
         existing = self.disk.existing(name for _, name, _ in local_files)
         for shard, name, nbytes in local_files:
             if name in existing:
-                self._set(self._committed, shard, nbytes)
+                self._set(self._committed, shard, self.taken(nbytes))
             else:
                 gone.append(shard)
                 self.forget(shard)
