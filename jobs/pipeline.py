@@ -35,7 +35,7 @@ from jobs.conversations.config import (
     PrepareOutputConfig,
     PrepareProgressConfig,
 )
-from jobs.driver.config import OutputConfig, ProgressConfig
+from jobs.driver.config import ProgressConfig
 from jobs.driver.job import run as extract
 from jobs.errors import (
     EXIT_BAD_INPUT,
@@ -49,6 +49,7 @@ from jobs.errors import (
 from jobs.export import export
 from jobs.extract import final_message as extract_message
 from jobs.inputs.config import DataConfig
+from jobs.outdir.config import OutputConfig
 from jobs.prepare import prepare
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 from training.export import ExportConfig

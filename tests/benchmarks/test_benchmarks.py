@@ -146,7 +146,7 @@ def test_soak_benchmark_smoke(tmp_path):
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--shape", "tiny", "--device", "cpu", "--tokens-per-sample", "96",
-         "--max-tokens-per-batch", "256", "--target-bytes", "8MB", "--shard-size", "4", "--budget", "1MB",
+         "--max-tokens-per-batch", "256", "--target-bytes", "8MB", "--shard-size", "4", "--budget", "3MB",
          "--consumers", "2", "--num-cpus", "4", "--keep-output", "--work-dir", str(tmp_path / "work"),
          "--output-root", str(tmp_path), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,  # three model loads, two Ray heads
@@ -165,7 +165,7 @@ def test_soak_benchmark_smoke(tmp_path):
     assert results["reference_samples_differing"] == 0
     assert results["consumed_tokens"] == samples * 96
     # sampled every second over the run, never above the budget, and the budget was at work (files came and went)
-    assert results["budget_samples"] >= 5 and 0 < results["budget_peak_bytes"] <= 1_000_000
+    assert results["budget_samples"] >= 5 and 0 < results["budget_peak_bytes"] <= 3_000_000
     # the last files may be consumed after the job's last rescan: declared, recorded by the next run
     states = results["shard_states"]
     assert states.get("done/consumed", 0) + results["declarations_not_yet_recorded"] == results["shards"], states
