@@ -63,6 +63,7 @@ def _export(argv: Sequence[str]) -> int:
 def export(config: ExportConfig) -> dict[str, Any]:
     """The export, under the run's lock with ``consume``; returns its report. A ValueError before anything is
     written is a refusal (exit 2); once writing, an error is a fault (exit 4: a rerun resumes)."""
+    logger.info("export to=%s: reading the run's shard footers and checking %s", config.to, config.dest or "dest")
     run_directory = config.run_directory() if config.consume else None
     with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
         job = prepare(config)
