@@ -15,9 +15,10 @@ elif [ $# -gt 0 ]; then
   exec "$python" -m pytest "$@"
 fi
 # Two processes (pytest-xdist), each with its own Ray cluster, a test file per process at a time
-# (module fixtures stay shared). Most of a test is an actor's start-up (SGLang's import alone is
-# 12-15 s of one core); a third process only makes the two cores take turns.
-parallel=(-n 2 --dist loadfile)
+# (module fixtures stay shared), the longest files first (tests/conftest.py orders them; xdist's own
+# reorder, by the number of tests in a file, would undo that). Most of a test is an actor's start-up
+# (SGLang's import alone is 12-15 s of one core); a third process only makes the two cores take turns.
+parallel=(-n 2 --dist loadfile --no-loadscope-reorder)
 EAGLE3_EXPECT_SGLANG=0.5.23 "$python" -m pytest "${parallel[@]}" "${select[@]}"
 python_0517=$(bash scripts/setup.sh sglang-0.5.17)
 # On 0.5.17, only the parts where the releases differ: the capture and final-state taps (parity

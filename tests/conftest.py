@@ -42,6 +42,38 @@ def ray_temp_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+LONGEST_FILES = (
+    "tests/jobs/test_entry.py",
+    "tests/jobs/test_outcomes.py",
+    "tests/jobs/test_faults.py",
+    "tests/jobs/test_prepare.py",
+    "tests/test_readme.py",
+    "tests/jobs/test_multinode.py",
+    "tests/jobs/test_job.py",
+    "tests/benchmarks/test_benchmarks.py",
+    "tests/jobs/test_lost_session.py",
+    "tests/jobs/test_budget_resume.py",
+    "tests/jobs/test_integrity.py",
+    "tests/extractor/test_kimi.py",
+    "tests/jobs/test_progress.py",
+    "tests/training/test_training_data.py",
+    "tests/extractor/test_real_weights.py",
+    "tests/jobs/test_nonfinite.py",
+    "tests/extractor/test_deepseek.py",
+    "tests/extractor/test_serving.py",
+    "tests/jobs/test_start_faults.py",
+)
+"""The test files that take longest (a CI run's ``--durations``), longest first."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first, the rest as collected: scripts/test.sh's workers (``--dist loadfile
+    --no-loadscope-reorder``) take files in this order, so the short ones come last and both workers end
+    together, not one idle while the other runs a long file it took late."""
+    rank = {path: position for position, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FILES)))
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -132,7 +132,7 @@ RUN_AS_PRINTED = {
 NOT_RUNNABLE_HERE = {
     "bash scripts/test.sh": "it is the suite itself (CI runs it: .ci/run)",
     "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.dir=/data/tokens":
-        "a checkpoint at /models/target; tests/jobs/test_prepare_extract.py runs prepare -> extract -> verify on a tiny one",
+        "a checkpoint at /models/target; tests/jobs/test_prepare.py runs prepare -> extract on a tiny one",
     "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
         "the same placeholder checkpoint",
     "python -m jobs.verify output.dir=/data/states": "the run of the line before",

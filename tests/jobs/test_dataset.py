@@ -1,4 +1,5 @@
-"""The input at scale: many files, globs, HF save_to_disk, URLs, true row numbers, skip mode, rows on demand."""
+"""The input: Parquet and JSONL read alike, each bad row named with its file and row, at scale (many files, globs,
+HF save_to_disk, URLs, true row numbers), skip mode, rows on demand."""
 
 from __future__ import annotations
 
@@ -330,3 +331,58 @@ def test_a_conversations_file_is_named_as_such_with_the_command_that_tokenizes_i
             f"{path} is a conversations file ('{field}', no 'input_ids'): jobs.extract reads token ids. Tokenize it "
             "first with python -m jobs.prepare model.path=MODEL data.path=FILE output.dir=DIR, then give jobs.extract "
             "data.path=DIR (docs/conversations.md)")
+
+
+def test_parquet_and_jsonl_read_the_same(tmp_path):
+    rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5], "loss_mask": [1, 1]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    for name in ("d.parquet", "d.jsonl"):
+        data = open_tokenized_dataset(str(tmp_path / name), vocab_size=10, max_length=100)
+        input_ids, loss_masks = data.rows(0, len(data))
+        assert [ids.tolist() for ids in input_ids] == [[1, 2, 3], [4, 5]]
+        assert [m.tolist() for m in loss_masks] == [[0, 1, 1], [1, 1]]
+        assert data.lengths.tolist() == [3, 2]
+
+
+def test_missing_loss_mask_means_all_ones(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}])
+    assert open_tokenized_dataset(str(path), 10, 100).rows(0, 1)[1][0].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        ({"input_ids": []}, "input_ids must be a non-empty list"),
+        ({"input_ids": [1, 99]}, "token id 99 is outside the model's vocabulary"),
+        ({"input_ids": [1, -3]}, "token id -3 is outside"),
+        ({"input_ids": [1, None]}, "input_ids holds a null at position 1"),
+        ({"input_ids": "1 2"}, "input_ids must be a list of integers, got str"),
+        ({"input_ids": [1, True]}, "input_ids holds bool True at position 1"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "loss_mask has 1 entries, input_ids has 2"),
+        ({"input_ids": [1, 2], "loss_mask": [1, 5]}, "loss_mask must hold only 0 and 1"),
+        ({"input_ids": [1, 2], "loss_mask": [1, 1.0]}, "loss_mask holds the float 1.0 at position 1"),
+        ({"input_ids": list(range(9))}, "9 tokens exceed the context length 8"),
+    ],
+)
+def test_bad_rows_are_named(tmp_path, bad_row, message):
+    good = {"input_ids": [1, 2], "loss_mask": [1, 1]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, {"loss_mask": None, **bad_row}, good])
+    with pytest.raises(ValueError, match=rf"{path} row 1 \(line 2, sample id 1\): {message}"):
+        open_tokenized_dataset(str(path), vocab_size=10, max_length=8)
+    parquet = tmp_path / "d.parquet"
+    if all(isinstance(v, list) and all(type(x) is int for x in v) for v in bad_row.values()):
+        pq.write_table(pa.Table.from_pylist([good, {"loss_mask": None, **bad_row}, good]), parquet)
+        with pytest.raises(ValueError, match=rf"{parquet} row 1 \(sample id 1\): {message}"):
+            open_tokenized_dataset(str(parquet), vocab_size=10, max_length=8)
+
+
+def test_missing_column_and_file(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"tokens": [1]}])
+    with pytest.raises(ValueError, match="input_ids is missing"):
+        open_tokenized_dataset(str(path), 10, 10)
+    pq.write_table(pa.table({"tokens": [[1]]}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match="d.parquet: no 'input_ids' column"):
+        open_tokenized_dataset(str(tmp_path / "d.parquet"), 10, 10)
+    with pytest.raises(ValueError, match="no such file"):
+        open_tokenized_dataset(str(tmp_path / "nope.parquet"), 10, 10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -26,11 +27,19 @@ from tests.helpers import (
     split_tokens,
 )
 
+BF16_PRE_NORM = ("model.dtype=bfloat16", "extract.last_hidden_state=pre_norm")
+"""The model in bfloat16, the pre-norm final state (the default, named: the fp8 run below must match it)."""
 
-def test_job_writes_every_sample_bit_exact(ray_cluster, llama_fp32, demo_dataset, tmp_path):
-    out = tmp_path / "out"
-    config = job_config(llama_fp32, demo_dataset, out, "model.dtype=bfloat16")
-    summary = run(config)
+
+@pytest.fixture(scope="module")
+def bf16_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> tuple[Path, dict]:
+    """The demo run in bfloat16 and its summary, made once: the tests only read it."""
+    out = tmp_path_factory.mktemp("bf16") / "out"
+    return out, run(job_config(llama_fp32, demo_dataset, out, *BF16_PRE_NORM))
+
+
+def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
+    out, summary = bf16_run
     dataset = open_tokenized_dataset(str(demo_dataset), vocab_size=512, max_length=4096)
     input_ids, loss_masks = dataset.rows(0, len(dataset))
 
@@ -103,13 +112,13 @@ def test_tp2_job_equals_tp1(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     assert worst_last <= 1e-6 * largest_last, (worst_last, largest_last)
 
 
-def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo_dataset, bf16_run, tmp_path):
     """output.state_dtype=float8_e4m3fn with the pre-norm final state: the stored fp8 values and
     scales are exactly the quantization of what the bf16 run of the same batches stored, at about
     half the bytes; a resume with another state dtype is refused."""
-    common = ("model.dtype=bfloat16", "extract.last_hidden_state=pre_norm")
-    bf16 = run(job_config(llama_fp32, demo_dataset, tmp_path / "bf16", *common))
-    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common, "output.state_dtype=float8_e4m3fn"))
+    bf16_dir, bf16 = bf16_run
+    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *BF16_PRE_NORM,
+                         "output.state_dtype=float8_e4m3fn"))
     assert fp8["shards_failed"] == {} and fp8["tokens"] == bf16["tokens"]
     metadata = ShardReader(next((tmp_path / "fp8").glob("shard-*.parquet"))).metadata
     assert (metadata.state_dtype, metadata.dtype, metadata.last_hidden_state) == ("float8_e4m3fn", "bfloat16", "pre_norm")
@@ -119,7 +128,7 @@ def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo
     overhead = bf16["bytes"] / bf16["tokens"] - states_bf16
     assert fp8["bytes"] / fp8["tokens"] == pytest.approx(states_fp8 + overhead, rel=0.02)
 
-    reference, raw = read_all(tmp_path / "bf16"), {}
+    reference, raw = read_all(bf16_dir), {}
     for path in sorted((tmp_path / "fp8").glob("shard-*.parquet")):
         raw.update((sample.sample_id, sample) for sample in ShardReader(path, raw_fp8=True))
     dequantized = read_all(tmp_path / "fp8")
@@ -140,7 +149,7 @@ def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo
     assert all(0.005 < error < 0.05 for error in errors), errors
 
     with pytest.raises(ValueError, match="output.state_dtype: was 'float8_e4m3fn', now 'model'"):
-        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *common))
+        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *BF16_PRE_NORM))
 
 
 def test_bad_input_fails_before_any_work(ray_cluster, llama_fp32, tmp_path):

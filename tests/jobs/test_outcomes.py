@@ -32,9 +32,17 @@ from storage.checksum import of_bytes
 from storage.consumed import consume_shard, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once, assert_run_verifies, job_config, python_env
+from tests.helpers import (
+    assert_every_sample_once,
+    assert_run_verifies,
+    job_config,
+    python_env,
+    session_ray_address,
+)
 
 RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
+FIVE_SHARDS = ("data.shard_size=4", "output.min_free=0")
+"""The demo dataset's 20 samples in five shards."""
 
 
 def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -45,6 +53,21 @@ def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def base_args(model: Path, data: Path, out: Path) -> list[str]:
     return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
             "output.min_free=0", "data.shard_size=8"]
+
+
+@pytest.fixture(scope="module")
+def done_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> Path:
+    """A complete run of five shards (``FIVE_SHARDS``), made once: each test that starts from it damages a copy."""
+    out = tmp_path_factory.mktemp("done-run") / "out"
+    assert run(job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS))["shards_done"] == 5
+    return out
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a run's output.dir, as a user's ``cp -a`` makes it: the run there is resumed, never redone."""
+    out = tmp_path / "out"
+    shutil.copytree(run_dir, out, symlinks=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +153,14 @@ def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp
 
 
 def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
-    ray_cluster, llama_fp32, demo_dataset, tmp_path,
+    ray_cluster, llama_fp32, demo_dataset, done_run, tmp_path,
 ):
     """Truncated, replaced or deleted files: the rerun looks before it says "nothing to do", and never takes a
     deleted file for consumed (exit 0, its samples gone, jobs.verify OK). A file is consumed only when its consumer
     declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
     (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
-    out = tmp_path / "out"
-    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0")
-    first = run(config)
-    assert first["shards_done"] == 5
+    out = copy_of(done_run, tmp_path)
+    config = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS)
     files = sorted(out.glob("shard-*.parquet"))
     untouched = {files[4].name: files[4].stat().st_mtime_ns}
     with open(files[0], "r+b") as handle:  # truncated
@@ -166,7 +187,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert not list(out.glob(".shard-*.consumed")), "the declaration is removed once the manifest records it"
 
     # with checksums: shard 2 too, written again with sha256 beside the others' xxh3_128, each checked with its own
-    checksum = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0",
+    checksum = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS,
                           "output.resume_check=checksum", "output.checksum=sha256")
     again = run(checksum)
     assert again["this_run"]["shards_selected"] == 1
@@ -175,7 +196,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert records[4]["checksum"].startswith("xxh3_128:")
     assert {files[4].name: files[4].stat().st_mtime_ns} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
-    assert run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0",
+    assert run(job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS,
                           "shards=[3]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
     assert_every_sample_once(out, demo_dataset)
 
@@ -202,11 +223,14 @@ def test_an_input_file_changed_in_place_is_noticed(tmp_path):
         dataset.rows(4, 8)
 
 
-def test_sigterm_during_the_model_load_ends_interrupted(llama_fp32, demo_dataset, tmp_path):
+def test_sigterm_during_the_model_load_ends_interrupted(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     """The driver waits inside a Ray call while the extractor loads: the signal ends the run as interrupted,
-    not as ``SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set``, exit 4."""
+    not as ``SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set``, exit 4. The
+    driver joins the session's cluster: where the cluster comes from is not the point (a signal while a private
+    one starts: tests/jobs/test_start_faults.py)."""
     out = tmp_path / "out"
-    job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *base_args(llama_fp32, demo_dataset, out)],
+    args = [*base_args(llama_fp32, demo_dataset, out), f"ray.address={session_ray_address()}"]
+    job = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args],
                            cwd=REPO_ROOT, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and read_summary(out) is None:  # written once Ray runs, before the load
@@ -262,14 +286,14 @@ def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(ray_cluster
     assert_every_sample_once(out, demo_dataset)
 
 
-def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, done_run,
+                                                                tmp_path):
     """A ``.shard-N.parquet.consumed`` record is trusted only when it names the size and checksum the run recorded
     for that file: one left beside a file of another content (or written by hand) is dropped with a warning, at the
     next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
     jobs.verify calls such a file missing. A consumer's own declaration still counts."""
-    out = tmp_path / "out"
-    config = job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0")
-    assert run(config)["shards_done"] == 5
+    out = copy_of(done_run, tmp_path)
+    config = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS)
     files = sorted(out.glob("shard-*.parquet"))
     samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
 

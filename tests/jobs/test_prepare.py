@@ -1,29 +1,39 @@
 """jobs.prepare as users run it, on real files: formats, the Parquet the extraction job reads, every bad-row
 case with its message and exit code, max_length, the output directory's rules (refusals, resume, nothing
-half-written). The command's own main() runs in this process (one real subprocess checks the exit code);
-the model is the demo's tiny Llama with a ChatML tokenizer trained here (jobs.conversations.demo)."""
+half-written). The command's own main() runs in this process (real subprocesses check the exit code and the
+memory of one huge row); the model is the demo's tiny Llama with a ChatML tokenizer trained here
+(jobs.conversations.demo), built once for the module.
+
+Then what follows jobs.prepare: the extraction job (SGLang's ModelRunner) reads what it wrote, conversation_id
+column included; and regeneration through the real engine (sglang.Engine in a Ray actor, on CPU) answers the
+prompts again, a prepare killed after its first published shard resuming from the shards it had answered (the
+tiny model's answers are noise, the mechanics are real; benchmarks.regenerate shows SmolLM2's)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 from jobs.conversations.demo import build_chat_model, write_conversations
-from jobs.inputs.demo_chat import CHATML, demo_conversations
-from jobs.conversations.output import RECORD_FILE, SKIPPED_FILE
-from jobs.errors import EXIT_BAD_INPUT, EXIT_OK
+from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
+from jobs.driver.job import run as extract
+from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model, prepare_demo
+from jobs.inputs.demo_chat import CHATML, demo_conversations
 from jobs.prepare import main
 from tests.conftest import REPO_ROOT
-from tests.helpers import python_env
+from tests.helpers import job_config, python_env, read_all
 
 SKIP_HINT = "-- data.on_invalid=skip leaves such rows out and lists them in"
 
@@ -366,3 +376,151 @@ def test_an_input_edited_in_place_at_the_same_size_is_another_input(model, tmp_p
     data.write_bytes(original)
     again = prepare_process()
     assert again.returncode == EXIT_OK and "nothing to do" in again.stdout, again.stdout + again.stderr[-3000:]
+
+
+def test_prepared_conversations_extract_to_states(ray_cluster, capsys, model, tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl", 20, seed=5)
+    tokens = tmp_path / "tokens"
+    code, errors = prepare(capsys, model, data, tokens, "output.shard_size=8")
+    assert code == EXIT_OK, errors[-2000:]
+    summary = extract(job_config(model, tokens, tmp_path / "states", "model.dtype=float32"))
+    assert summary["samples"] == 20
+    prepared = parts_table(tokens)
+    samples = read_all(tmp_path / "states")
+    assert sorted(samples) == list(range(20))  # sample id = row across the parts = conversation_id here
+    for sample_id, sample in samples.items():
+        assert sample.input_ids.tolist() == prepared.column("input_ids")[sample_id].as_py()
+        assert sample.loss_mask.tolist() == prepared.column("loss_mask")[sample_id].as_py()
+        assert sample.aux_hidden_states.shape[0] == len(sample.input_ids)
+
+
+HUGE_CHARS = 10_000_000
+ROOM = 300 * 2**20
+"""What the huge row may add to the peak: a fraction of what tokenizing it took (1.2 GB)."""
+PEAK_OF_CHILDREN = (
+    "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+)
+
+
+def prepare_peak(*args: str) -> tuple[int, int, str]:
+    """``python -m jobs.prepare ARGS``: its exit code, its peak RSS in bytes, what it printed on stderr."""
+    result = subprocess.run([sys.executable, "-c", PEAK_OF_CHILDREN, sys.executable, "-m", "jobs.prepare", *args],
+                            cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600)
+    return result.returncode, int(result.stdout.split()[-1]) * 1024, result.stderr
+
+
+def test_a_huge_conversation_is_refused_naming_its_size_and_costs_no_memory(capsys, model, tmp_path):
+    rows = demo_conversations(8, seed=1)  # ShareGPT rows with their own ids: demo-0 .. demo-7
+    answer = ("The capital of France is Paris. " * (HUGE_CHARS // 32 + 1))[:HUGE_CHARS]
+    huge = {"id": "huge-1", "conversations": [{"from": "human", "value": "Tell me."}, {"from": "gpt", "value": answer}]}
+    small = write_jsonl(tmp_path / "small.jsonl", rows)
+    with_huge = write_jsonl(tmp_path / "with-huge.jsonl", [*rows[:4], huge, *rows[4:]])
+
+    code, base, errors = prepare_peak(f"model.path={model}", f"data.path={small}", f"output.dir={tmp_path / 'a'}")
+    assert code == EXIT_OK, errors[-2000:]
+    code, peak, errors = prepare_peak(f"model.path={model}", f"data.path={with_huge}", f"output.dir={tmp_path / 'b'}",
+                                      "data.on_invalid=skip")
+    assert code == EXIT_OK, errors[-2000:]
+    print(f"peak RSS: {base / 2**20:.0f} MiB for the small rows, {peak / 2**20:.0f} MiB with the huge one")
+    assert peak - base < ROOM, f"{(peak - base) / 2**20:.0f} MiB more for one row"
+    skipped = [json.loads(line) for line in (tmp_path / "b" / SKIPPED_FILE).read_text().splitlines()]
+    assert [(s["conversation_id"], s["kind"]) for s in skipped] == [(4, "invalid")]
+    assert f"its turns hold {HUGE_CHARS + len('Tell me.'):,} characters, more than 65,536" in skipped[0]["reason"]
+    assert "data.max_length=4,096" in skipped[0]["reason"]
+    table = pa.concat_tables(pq.read_table(path) for path in sorted((tmp_path / "b").glob("part-*.parquet")))
+    assert table.column("id").to_pylist() == [row["id"] for row in rows]  # each kept row's own ShareGPT id
+    assert table.column("conversation_id").to_pylist() == [0, 1, 2, 3, 5, 6, 7, 8]
+
+    # By default (data.on_invalid=fail) the row stops the command, named with its size
+    assert main([f"model.path={model}", f"data.path={with_huge}", f"output.dir={tmp_path / 'c'}"]) == EXIT_BAD_INPUT
+    assert f"with-huge.jsonl row 4 (line 5) (conversation_id 4): its turns hold {HUGE_CHARS + 8:,} characters" in \
+        capsys.readouterr().err
+
+
+ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def start_prepare(model: Path, data: Path, out: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled")
+    with open(log, "a") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}",
+             f"ray.address={ray.get_runtime_context().gcs_address}", *overrides],
+            cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
+
+
+def test_regeneration_resumes_after_a_kill(ray_cluster, model, tokenizer, tmp_path):
+    rows = demo_conversations(12, seed=7)
+    rows[5]["conversations"][-1]["from"] = "narrator"  # invalid before any answer: listed, never sent to SGLang
+    # The regenerator answers every shard at once: the last shard's twelve exchanges (answered one after the other)
+    # keep it going well after the first shard is published, so the run is stopped with a shard left to answer.
+    rows[10]["conversations"] = [turn for _ in range(12) for turn in rows[10]["conversations"][-2:]]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out, log = tmp_path / "out", tmp_path / "prepare.log"
+    # The engine runs the server's settings: its dtype, and an override of the model's config
+    serving = """--dtype float32 --json-model-override-args='{"rms_norm_eps":0.001}' --port 30001"""
+    args = ("regenerate=true", "output.shard_size=4", "generation.max_new_tokens=8", "data.on_invalid=skip",
+            f"model.serving={serving}")
+
+    first = start_prepare(model, data, out, log, *args)
+    answered = out / REGENERATED_DIR / "part-00000.jsonl"
+    deadline = time.monotonic() + 400
+    while not answered.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert answered.exists(), log.read_text()[-3000:]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == EXIT_SIGNAL_BASE + signal.SIGTERM, log.read_text()[-3000:]
+    before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in (out / REGENERATED_DIR).glob("*.jsonl")}
+    assert 1 <= len(before) < 3, sorted(before)  # stopped with a shard left to answer
+    assert not list(out.glob("part-*.parquet"))  # no tokens are published before the run completes
+    assert json.loads((out / RECORD_FILE).read_text())["state"] == "running"
+
+    second = start_prepare(model, data, out, log, *args)
+    assert second.wait(timeout=600) == EXIT_OK, log.read_text()[-3000:]
+    text = log.read_text()
+    assert f"{len(before)} of 3 shards were regenerated by an earlier run: resuming" in text
+    files = sorted((out / REGENERATED_DIR).glob("*.jsonl"))
+    assert [f.name for f in files] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    for name, (content, mtime) in before.items():  # answered shards are not answered again
+        path = out / REGENERATED_DIR / name
+        assert path.read_bytes() == content and path.stat().st_mtime_ns == mtime
+
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    assert [r["conversation_id"] for r in records] == list(range(12))
+    assert records[5]["invalid"].startswith("conversations[") and "unknown role 'narrator'" in records[5]["invalid"]
+    table = parts_table(out)
+    kept = {cid: i for i, cid in enumerate(table.column("conversation_id").to_pylist())}
+    for record, row in zip(records, rows):
+        if "invalid" in record:
+            continue
+        original = [{"role": ROLES[t["from"]], "content": t["value"]} for t in row["conversations"]]
+        messages = record["messages"]
+        # the same prompts, in the same places; every answer the target's own, at most max_new_tokens long
+        assert [m["role"] for m in messages] == [m["role"] for m in original]
+        assert [m for m in messages if m["role"] != "assistant"] == [m for m in original if m["role"] != "assistant"]
+        assert len(record["answers"]) == sum(m["role"] == "assistant" for m in original)
+        assert all(a["tokens"] <= 8 and a["finish_reason"] in ("stop", "length") for a in record["answers"])
+        if record["conversation_id"] not in kept:
+            continue  # an answer step 1 refused (e.g. one holding the end token's text): skipped and listed
+        index = kept[record["conversation_id"]]
+        ids, mask = table.column("input_ids")[index].as_py(), table.column("loss_mask")[index].as_py()
+        assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        runs, current = [], []
+        for token, bit in zip(ids, mask):
+            if bit:
+                current.append(token)
+            elif current:
+                runs.append(current)
+                current = []
+        runs += [current] if current else []
+        assert [tokenizer.decode(run) for run in runs] == [m["content"] + "<|im_end|>" for m in messages
+                                                           if m["role"] == "assistant"]
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["state"] == "complete" and record["regeneration_stats"]["shards"] == 3 - len(before)
+    assert record["regeneration"]["model.dtype"] == "float32"
+    assert record["regeneration"]["model.serving"] == {"json_model_override_args": '{"rms_norm_eps":0.001}'}
+    assert "applied: --json-model-override-args '{\"rms_norm_eps\":0.001}'" in text
+    counts = record["counts"]
+    assert counts["conversations"] == 12 == counts["kept"] + counts["skipped"]

@@ -1,7 +1,10 @@
-"""``python -m jobs.plan``, the dry run: the job's numbers and refusals before anything starts.
+"""``python -m jobs.plan``, the dry run: the job's numbers before anything starts, and its refusals, which end as
+the job's: for each refusal jobs.extract makes before it extracts anything, jobs.plan exits with the same code and
+the same message. Under them, the shard plan and the batch packing (jobs.planning.shards).
 
-The synthetic states source (``model.engine=synthetic``) needs config.json alone, so these runs
-build no model; ``tests/extractor/test_kimi.py`` checks the dry run's SGLang layers against a real run.
+Both commands run through their own ``main`` on real files (the job on the session's Ray cluster). The synthetic
+states source (``model.engine=synthetic``) needs config.json alone, so these runs build no model;
+``tests/extractor/test_kimi.py`` checks the dry run's SGLang layers against a real run.
 """
 
 from __future__ import annotations
@@ -9,20 +12,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, ConfigError
+from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, ConfigError
+from jobs.extract import main as extract
 from jobs.extract import run
 from jobs.plan import main
+from jobs.planning.inputs import read_inputs
+from jobs.planning.shards import pack_batches, plan_shards
 from storage import ShardReader
-from storage.manifest import read_manifest
+from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 from storage.writer import state_bytes_per_token
 from tests.conftest import REPO_ROOT
-from tests.helpers import job_config, python_env
+from tests.helpers import LOCK_HOLDER, job_config, python_env
 
 SETTINGS = ("model.engine=synthetic", "data.shard_size=8", "extract.max_tokens_per_batch=300", "model.device=cpu",
             "output.min_free=1GB")
+REFUSAL_SETTINGS = (*SETTINGS[:-1], "output.min_free=0")
+"""The refusals' runs ask for no free space: what this disk has left never adds a refusal of its own."""
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +213,142 @@ def test_the_dry_run_prints_only_its_answer_and_asks_sglang_once(monkeypatch, ca
     assert main(args) == EXIT_OK
     layers = [line for line in first.stdout.splitlines() if line.startswith("layers ")]
     assert layers == [line for line in capsys.readouterr().out.splitlines() if line.startswith("layers ")]
+
+
+def ended(capsys, command, args: list[str]) -> tuple[int, str]:
+    """A command's exit code and the message of its refusal: the job's ``error:`` line, or the dry run's first
+    ``WILL NOT FIT (exit N):`` line (a problem it reports beside its numbers) or ``error:`` line."""
+    capsys.readouterr()
+    code = command(args)
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    refusal = next((line.split(": ", 1)[1] for line in lines if line.startswith(("error: ", "WILL NOT FIT"))), "")
+    return code, refusal
+
+
+def resumable_manifest(model: Path, data: Path, out: Path) -> None:
+    """output.dir as a run of this config left it (its manifest, no shard done), without running it."""
+    config = job_config(model, data, out, *REFUSAL_SETTINGS)
+    inputs = read_inputs(config)
+    shards = plan_shards(inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
+                         config.extract.max_samples_per_batch)
+    out.mkdir(parents=True)
+    Manifest.open(out, inputs.content("cpu"), [(s.index, s.start, s.stop) for s in shards]).close()
+
+
+def test_every_refusal_of_the_job_is_the_dry_runs(ray_cluster, capsys, synthetic_model, demo_dataset, tmp_path):
+    cases: dict[str, tuple[list[str], str]] = {}  # name -> (overrides, a phrase of the message)
+
+    data_dir = tmp_path / "inputs"
+    data_dir.mkdir()
+    data_file = data_dir / "tokens.parquet"
+    data_file.write_bytes(demo_dataset.read_bytes())
+    cases["a shard the plan does not have"] = (["shards=[999]", f"output.dir={tmp_path / 'new'}"],
+                                               "shards=[999]: the plan has shards 0..2, not [999]")
+    cases["output.dir holding the data.path file"] = (
+        [f"data.path={data_file}", f"output.dir={data_dir}"], "is the directory that holds data.path")
+    (tmp_path / "tokens-a").mkdir()
+    (tmp_path / "tokens-a" / "part.parquet").write_bytes(demo_dataset.read_bytes())
+    cases["output.dir a data.path glob matches"] = (
+        [f"data.path={tmp_path}/tokens-*/*.parquet", f"output.dir={tmp_path / 'tokens-states'}"],
+        "is matched by the glob data.path")
+    (tmp_path / "a-file").write_text("")
+    cases["output.dir not writable"] = ([f"output.dir={tmp_path / 'a-file' / 'out'}"], "cannot write there")
+    cases["a sink that takes no test write"] = (
+        [f"output.sink=file://{tmp_path}/a-file/sink", f"output.dir={tmp_path / 'sunk'}"], "output.sink=")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "shard-00000.parquet").write_bytes(b"someone else's")
+    cases["shard files without a manifest"] = ([f"output.dir={foreign}"], "are not from a run of this job")
+    resumed = tmp_path / "resumed"
+    resumable_manifest(synthetic_model, demo_dataset, resumed)
+    cases["a shard the resumed plan does not have"] = (["shards=[3]", f"output.dir={resumed}"],
+                                                       "shards=[3]: the plan has shards 0..2, not [3]")
+    cases["a manifest of other content"] = (["data.shard_size=4", f"output.dir={resumed}"],
+                                            "a run with different content (data.shard_size: was 8, now 4")
+    cases["more writers than the cluster's CPUs (once Ray is up)"] = (
+        ["output.num_writers=64", f"output.dir={tmp_path / 'writers'}"],
+        "output.num_writers=64, but node 127.0.0.1 has")
+
+    base = [f"model.path={synthetic_model}", f"data.path={demo_dataset}", *REFUSAL_SETTINGS]
+    for name, (overrides, phrase) in cases.items():
+        args = base + overrides
+        planned, job = ended(capsys, main, args), ended(capsys, extract, args)
+        print(f"{name}: plan {planned[0]}, job {job[0]}: {job[1][:120]}")
+        assert planned[0] == job[0] == EXIT_BAD_INPUT, (name, planned, job)
+        assert phrase in planned[1] and phrase in job[1], (name, planned, job)
+        if "once Ray is up" not in name:  # the cluster's CPUs (the session's) are not this host's (the plan's)
+            assert planned[1] == job[1], name
+    assert not read_manifest(resumed)["shards"][0]["attempts"], "a refused run touched the resumed run"
+
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(root=str(REPO_ROOT)), str(resumed)],
+                              env=python_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = base + [f"output.dir={resumed}"]
+        planned, job = ended(capsys, main, args), ended(capsys, extract, args)
+        assert planned[0] == job[0] == EXIT_LOCKED and planned[1] == job[1], (planned, job)
+        assert "Ray job raysubmit_holder" in job[1]
+    finally:
+        holder.kill()
+        holder.wait()
+    # And nothing refused: the plan's exit 0 is the job's
+    assert ended(capsys, main, base + [f"output.dir={resumed}"]) == (EXIT_OK, "")
+    assert not (tmp_path / "new" / MANIFEST_FILE).exists() and not (data_dir / MANIFEST_FILE).exists()
+
+
+def test_the_plan_exits_as_the_job_for_a_shard_it_does_not_have(synthetic_model, demo_dataset, tmp_path):
+    """The issue's own case, as a user types it: `jobs.plan 'shards=[999]'` on a 3-shard plan."""
+    args = [f"model.path={synthetic_model}", f"data.path={demo_dataset}", f"output.dir={tmp_path / 'out'}", *REFUSAL_SETTINGS,
+            "shards=[999]"]
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "jobs.plan", *args], cwd=REPO_ROOT, env=python_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == ["error: shards=[999]: the plan has shards 0..2, not [999]"]
+    assert not (tmp_path / "out").exists()
+    print(f"jobs.plan refused it in {time.monotonic() - started:.1f} s")
+
+
+def test_plan_shards_covers_every_row_once():
+    lengths = np.array([3, 4, 2, 10, 1, 1, 1, 5, 6, 7])
+    shards = plan_shards(lengths, 4, max_tokens_per_batch=8, max_samples_per_batch=2)
+    assert [(s.index, s.start, s.stop, s.tokens) for s in shards] == [(0, 0, 4, 19), (1, 4, 8, 8), (2, 8, 10, 13)]
+    assert [s.batches for s in shards] == [((0, 2), (2, 3), (3, 4)), ((0, 2), (2, 4)), ((0, 1), (1, 2))]
+    with pytest.raises(ValueError, match="shard_size"):
+        plan_shards(lengths, 0, 8, 2)
+
+
+def greedy_reference(lengths, max_tokens, max_samples):
+    """The packing rule, one sample at a time."""
+    batches, start, tokens = [], 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        if i > start and (tokens + length > max_tokens or i - start >= max_samples):
+            batches.append((start, i))
+            start, tokens = i, 0
+        tokens += length
+    return batches + ([(start, len(lengths))] if len(lengths) else [])
+
+
+def test_plan_packs_like_the_greedy_rule():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 60, int(rng.integers(0, 80)))
+        max_tokens, max_samples, shard_size = int(rng.integers(1, 200)), int(rng.integers(1, 9)), int(rng.integers(1, 30))
+        shards = plan_shards(lengths, shard_size, max_tokens, max_samples)
+        assert [(s.start, s.stop) for s in shards] == [
+            (start, min(start + shard_size, len(lengths))) for start in range(0, len(lengths), shard_size)]
+        for shard in shards:
+            assert list(shard.batches) == greedy_reference(lengths[shard.start : shard.stop], max_tokens, max_samples)
+            assert shard.tokens == int(lengths[shard.start : shard.stop].sum())
+
+
+def test_pack_batches_keeps_order_and_budget():
+    lengths = np.array([3, 4, 2, 10, 1, 1, 1])
+    batches = pack_batches(lengths, max_tokens=8, max_samples=2)
+    assert batches == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    # every sample exactly once, in order; the 10-token sample runs alone
+    assert [i for start, stop in batches for i in range(start, stop)] == list(range(7))
+    for start, stop in batches:
+        assert lengths[start:stop].sum() <= 8 or stop - start == 1
+    assert pack_batches(np.array([5, 5, 5]), max_tokens=100, max_samples=100) == [(0, 3)]
