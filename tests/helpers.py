@@ -242,7 +242,7 @@ def own_files_bytes(config) -> int:
     (``jobs.rundir.bookkeeping``): what a budget needs besides room for its shards."""
     from jobs.planning.inputs import read_inputs
     from jobs.planning.own_files import own_files
-    from jobs.planning.preflight import planned_metadata
+    from jobs.planning.engine import planned_metadata
     from jobs.planning.shards import plan_shards
     from jobs.rundir.summary import RunSummary
     from storage.manifest import MANIFEST_FILE, Manifest, ShardRecord

@@ -20,17 +20,23 @@ import math
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TextIO
+from typing import Any, Callable, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
 from common.terminal import terminal_columns
 from jobs.outdir.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
-if TYPE_CHECKING:  # jobs.driver.stages draws in this module's LiveLine
-    from jobs.driver.stages import StageLine
-
 logger = logging.getLogger(__name__)
+
+
+class Stages(Protocol):
+    """What the progress needs of the job's stage line (``jobs.driver.stages.StageLine``, which draws in this
+    module's LiveLine: hence a protocol here, not an import)."""
+
+    def show(self, stage: str, detail: Optional[Callable[[], str]] = None) -> None: ...
+
+    def close(self) -> None: ...
 
 EXPORTED_PREFIX = "ray_"
 """What Ray's Prometheus exporter puts before every metric name (its namespace, checked on Ray 2.60)."""
@@ -350,7 +356,7 @@ class RunProgress:
     def __init__(
         self, manifest: Manifest, budget: DiskBudget, shard_tokens: dict[int, int], to_run: list[int],
         run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
-        stream: Optional[TextIO] = None, stages: Optional[StageLine] = None,
+        stream: Optional[TextIO] = None, stages: Optional[Stages] = None,
     ) -> None:
         """``interactive``: a live line on ``stream`` (default stderr) rather than log lines; default: whether
         stderr is a terminal. ``stages``: the job's stages, shown until the first batch (``stage``)."""
