@@ -11,6 +11,8 @@ launch to its end on the compute stream, as the throughput table reports it):
   overlapped-idle   as overlapped, the hand-on doing nothing (the copy's effect without the host memcpy's)
   overlapped-locked as overlapped, each batch's requests built under the forward lock (not while the previous
                     batch's forward launches its kernels)
+  overlapped-switch as overlapped, the interpreter's thread switch interval at 0.5 ms (from 5): a thread that
+                    wants the GIL back after a device synchronization waits at most that long
   forward-only the capture forward alone, its states dropped on the device (nothing checked or copied)
 
 Then torch.profiler over a few batches of ``bare`` and ``overlapped``: device time per kernel name and CUDA runtime
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -83,6 +86,9 @@ class HandOn:
         return states.size
 
 
+WAYS = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle", "overlapped-locked", "overlapped-switch"]
+
+
 def run_way(extractor: Extractor, way: str, batches: list[list[np.ndarray]], hand_on: HandOn, in_flight: int) -> None:
     engine = extractor._engine._engine  # benchmark: the rank-0 CaptureEngine itself, for the ways the job never runs
     if way == "bare":
@@ -95,8 +101,10 @@ def run_way(extractor: Extractor, way: str, batches: list[list[np.ndarray]], han
     elif way == "capture":
         for batch in batches:
             extractor.capture(batch, hand_on)
-    elif way in ("overlapped", "overlapped-idle", "overlapped-locked"):
-        build_requests = engine.requests
+    elif way in ("overlapped", "overlapped-idle", "overlapped-locked", "overlapped-switch"):
+        build_requests, switch_interval = engine.requests, sys.getswitchinterval()
+        if way == "overlapped-switch":
+            sys.setswitchinterval(0.0005)
         if way == "overlapped-locked":
             def locked_requests(input_ids: list[np.ndarray]) -> list[Any]:
                 with extractor._engine._forward_lock:
@@ -107,6 +115,7 @@ def run_way(extractor: Extractor, way: str, batches: list[list[np.ndarray]], han
             for future in [pool.submit(extractor.capture, batch, take) for batch in batches]:
                 future.result()
         engine.requests = build_requests
+        sys.setswitchinterval(switch_interval)
     else:
         raise ValueError(way)
 
@@ -188,6 +197,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds of every way, interleaved")
     parser.add_argument("--profile-batches", type=int, default=4)
     parser.add_argument("--trace-dir", default="", help="write a chrome trace of each profiled way here")
+    parser.add_argument("--ways", nargs="*", default=WAYS, choices=WAYS, help="the ways to time (default: all)")
     parser.add_argument("--out", default="", help="write the results as JSON here")
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
     args = parser.parse_args()
@@ -207,7 +217,7 @@ def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarra
     """Every way over every batch, ``args.rounds`` times interleaved; then the profiles of a few batches."""
     tokens = sum(int(sum(len(ids) for ids in batch)) for batch in batches)
     hand_on = HandOn(extractor.max_batch_bytes())
-    ways = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle", "overlapped-locked"]
+    ways = args.ways
     for way in ways:  # warm-up: kernels, allocator, pinned buffers
         run_way(extractor, way, batches[:2], hand_on, spec.host_buffers)
     results: dict[str, Any] = {"shape": args.shape, "tokens": tokens, "batches": len(batches),
