@@ -1,6 +1,6 @@
 """What a captured forward costs on the device beyond the bare one, by kernel: torch.profiler over the same batches.
 
-One engine in this process (TP=1, no Ray), the benchmark's model of ``--shape`` and its synthetic batches; four
+One engine in this process (TP=1, no Ray), the benchmark's model of ``--shape`` and its synthetic batches; five
 ways over the same batches, each timed by the engine's CUDA events (the ``forward`` span: from the forward's
 launch to its end on the compute stream, as the throughput table reports it):
 
@@ -9,15 +9,11 @@ launch to its end on the compute stream, as the throughput table reports it):
   overlapped   the same with ``host_buffers`` batches in flight, as the job runs it: a batch's copy to the host
                and its hand-on (a host memcpy, standing for Ray's object store) overlap the next forward
   overlapped-idle   as overlapped, the hand-on doing nothing (the copy's effect without the host memcpy's)
-  overlapped-locked as overlapped, each batch's requests built under the forward lock (not while the previous
-                    batch's forward launches its kernels)
-  overlapped-switch as overlapped, the interpreter's thread switch interval at 0.5 ms (from 5): a thread that
-                    wants the GIL back after a device synchronization waits at most that long
   forward-only the capture forward alone, its states dropped on the device (nothing checked or copied)
 
-Then torch.profiler over a few batches of ``bare`` and ``overlapped``: device time per kernel name and CUDA runtime
-calls per name, the differences first, and the caching allocator's counters (device allocations, frees, retries)
-per way.
+Each way also records the GPU's SM clock and power draw (nvidia-smi, every 100 ms). Then torch.profiler over a
+few batches of ``bare`` and ``overlapped``: device time per kernel name and CUDA runtime calls per name, the
+differences first, and the caching allocator's counters (device allocations, frees, retries) per way.
 
     python -m benchmarks.capture_profile --shape deepseek_v3_reduced --device cuda --out profile.json \\
         --set extract.last_hidden_state=none
@@ -27,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import logging
-import sys
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -86,7 +83,7 @@ class HandOn:
         return states.size
 
 
-WAYS = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle", "overlapped-locked", "overlapped-switch"]
+WAYS = ["bare", "forward-only", "capture", "overlapped", "overlapped-idle"]
 
 
 def run_way(extractor: Extractor, way: str, batches: list[list[np.ndarray]], hand_on: HandOn, in_flight: int) -> None:
@@ -101,23 +98,26 @@ def run_way(extractor: Extractor, way: str, batches: list[list[np.ndarray]], han
     elif way == "capture":
         for batch in batches:
             extractor.capture(batch, hand_on)
-    elif way in ("overlapped", "overlapped-idle", "overlapped-locked", "overlapped-switch"):
-        build_requests, switch_interval = engine.requests, sys.getswitchinterval()
-        if way == "overlapped-switch":
-            sys.setswitchinterval(0.0005)
-        if way == "overlapped-locked":
-            def locked_requests(input_ids: list[np.ndarray]) -> list[Any]:
-                with extractor._engine._forward_lock:
-                    return build_requests(input_ids)
-            engine.requests = locked_requests
+    elif way in ("overlapped", "overlapped-idle"):
         with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
             take = (lambda batch: 0) if way == "overlapped-idle" else hand_on
             for future in [pool.submit(extractor.capture, batch, take) for batch in batches]:
                 future.result()
-        engine.requests = build_requests
-        sys.setswitchinterval(switch_interval)
     else:
         raise ValueError(way)
+
+
+def states_digests(extractor: Extractor, batches: list[list[np.ndarray]], in_flight: int) -> list[str]:
+    """sha256 of each batch's states as the job would hand them on, ``in_flight`` batches at a time (1: one after
+    another)."""
+    def digest(batch: CapturedBatch) -> str:
+        hashed = hashlib.sha256(batch.aux_hidden_states.view(np.uint8).reshape(-1))
+        if batch.last_hidden_state is not None:
+            hashed.update(batch.last_hidden_state.view(np.uint8).reshape(-1))
+        return hashed.hexdigest()
+
+    with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+        return [future.result() for future in [pool.submit(extractor.capture, batch, digest) for batch in batches]]
 
 
 def _spans(engine: Any) -> Any:
@@ -136,15 +136,51 @@ def _spans(engine: Any) -> Any:
     return Landing()
 
 
+class GpuClocks:
+    """The GPU's SM clock (MHz) and power draw (W) sampled by ``nvidia-smi`` every 100 ms while the block runs: a
+    forward that is slower only while the GPU runs without pause could be a clock held down by its power limit.
+    Empty where there is no ``nvidia-smi``."""
+
+    def __enter__(self) -> "GpuClocks":
+        self.samples: list[tuple[float, float]] = []
+        command = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+        try:
+            self._process: subprocess.Popen | None = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self._process = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        output, _ = self._process.communicate(timeout=10)
+        for line in output.splitlines():
+            try:
+                clock, power = (float(field) for field in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((clock, power))
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, powers = zip(*self.samples)
+        return {"sm_mhz_mean": round(sum(clocks) / len(clocks)), "sm_mhz_min": min(clocks),
+                "power_w_mean": round(sum(powers) / len(powers), 1), "samples": len(self.samples)}
+
+
 def timed(extractor: Extractor, way: str, batches: list[list[np.ndarray]], hand_on: HandOn, in_flight: int,
           tokens: int) -> dict:
-    """One way over every batch: wall, the forward's device seconds per million tokens, the allocator's counters."""
+    """One way over every batch: wall, the forward's device seconds per million tokens, the allocator's counters,
+    the GPU's clock and power."""
     before_times = extractor._engine._engine.times.snapshot()
     before_memory = torch.cuda.memory_stats()
     torch.cuda.synchronize()
     started = time.perf_counter()
-    run_way(extractor, way, batches, hand_on, in_flight)
-    torch.cuda.synchronize()
+    with GpuClocks() as clocks:
+        run_way(extractor, way, batches, hand_on, in_flight)
+        torch.cuda.synchronize()
     wall = time.perf_counter() - started
     after_times = extractor._engine._engine.times.snapshot()
     after_memory = torch.cuda.memory_stats()
@@ -155,6 +191,7 @@ def timed(extractor: Extractor, way: str, batches: list[list[np.ndarray]], hand_
         "device_s_per_mtok": {stage: round(s / tokens * 1e6, 3) for stage, s in device.items() if s > 0},
         "allocator": {name: after_memory.get(name, 0) - before_memory.get(name, 0) for name in ALLOCATOR_COUNTERS},
         "peak_allocated_gb": round(after_memory.get("allocated_bytes.all.peak", 0) / 1e9, 2),
+        "gpu": clocks.summary(),
     }
 
 
@@ -197,6 +234,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds of every way, interleaved")
     parser.add_argument("--profile-batches", type=int, default=4)
     parser.add_argument("--trace-dir", default="", help="write a chrome trace of each profiled way here")
+    parser.add_argument("--check-batches", type=int, default=8,
+                        help="first compare these batches' states, one at a time against overlapped (sha256)")
     parser.add_argument("--ways", nargs="*", default=WAYS, choices=WAYS, help="the ways to time (default: all)")
     parser.add_argument("--out", default="", help="write the results as JSON here")
     parser.add_argument("--set", nargs="*", default=[], help="extra job key=value overrides")
@@ -223,6 +262,13 @@ def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarra
     results: dict[str, Any] = {"shape": args.shape, "tokens": tokens, "batches": len(batches),
                                "host_buffers": spec.host_buffers, "layer_ids": list(spec.layer_ids),
                                "last_hidden_state": spec.last_hidden_state, "rounds": {}}
+    if args.check_batches:
+        checked = batches[: args.check_batches]
+        one_at_a_time = states_digests(extractor, checked, 1)
+        overlapped = states_digests(extractor, checked, spec.host_buffers)
+        results["overlapped_states_equal"] = one_at_a_time == overlapped
+        if one_at_a_time != overlapped:
+            raise SystemExit(f"the states of overlapped batches differ from one-at-a-time's: {one_at_a_time} vs {overlapped}")
     for _ in range(args.rounds):
         for way in ways:
             results["rounds"].setdefault(way, []).append(timed(extractor, way, batches, hand_on, spec.host_buffers, tokens))
@@ -245,12 +291,14 @@ def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarra
 def print_report(results: dict) -> None:
     print(f"shape {results['shape']}: {results['tokens']:,} tokens in {results['batches']} batches a way, "
           f"layers {results['layer_ids']}, final state {results['last_hidden_state']}")
+    if "overlapped_states_equal" in results:
+        print(f"states of overlapped batches equal one-at-a-time's: {results['overlapped_states_equal']}")
     print(f"{'way':<14}{'tok/s':>12}{'forward dev s/Mtok':>20}  allocator (alloc/free/retries/syncs)")
     for way, rounds in results["rounds"].items():
         for r in rounds:
             counters = "/".join(str(r["allocator"][name]) for name in ALLOCATOR_COUNTERS)
             print(f"{way:<14}{r['tokens_per_s']:>12,.0f}{r['device_s_per_mtok'].get('forward', 0):>20.3f}  {counters}"
-                  f"  peak {r['peak_allocated_gb']} GB  {r['device_s_per_mtok']}")
+                  f"  peak {r['peak_allocated_gb']} GB  {r['device_s_per_mtok']}  {r.get('gpu', {})}")
     if "kernel_totals_us" not in results:
         return
     print("kernel device time over the profiled batches (us):", results["kernel_totals_us"])

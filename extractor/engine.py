@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from array import array
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -184,6 +184,13 @@ class CaptureEngine:
                 last = self._final_state.take(output)
         self._check_widths(aux, last, sum(len(ids) for ids in input_ids))
         return aux, last
+
+    def forward_turn(self) -> ContextManager[None]:
+        """Around a caller's wait for its forward and the forward itself (``HostCopier.forward_turn``): the batch
+        before it goes to the copy engine once this forward has launched."""
+        if self._host_copier is None:
+            raise RuntimeError(f"TP rank {self.tp_rank} keeps no states on the host")
+        return self._host_copier.forward_turn()
 
     def start_capture(self, input_ids: list[np.ndarray], reqs: list[Any]) -> PendingCopy:
         """Run the capture forward of ``reqs`` (``requests(input_ids)``) and queue the copy of its states to the host;

@@ -88,7 +88,7 @@ class SyntheticEngine:
         """Like ``TensorParallelEngine.capture``: the forward lock is held for the forward's time."""
         lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
         tokens = int(lengths.sum())
-        with self._forward_lock:
+        with self._copier.forward_turn(), self._forward_lock:
             started = time.perf_counter()
             self._next_free = max(self._next_free, started) + self._pace(tokens)
             time.sleep(max(0.0, self._next_free - started))

@@ -202,7 +202,7 @@ class TensorParallelEngine:
         the next batch's forward runs; the batch's requests are built before its turn.
         """
         reqs = self._engine.requests(input_ids)
-        with self._forward_lock:
+        with self._engine.forward_turn(), self._forward_lock:
             started = time.perf_counter()
             self._broadcast("capture_forward", input_ids)
             try:
