@@ -1,7 +1,7 @@
 """The job config: dataclass defaults < YAML file (``--config``) < ``key=value`` overrides.
 
 Each section sits beside the code it configures (``extractor.config``,
-``jobs.inputs.config``, ``jobs.outdir.config``, ``jobs.driver.config``, ``jobs.cluster.config``) and checks
+``jobs.inputs.config``, ``jobs.outdir.config``, ``jobs.display.config``, ``jobs.cluster.config``) and checks
 its own keys in ``__post_init__`` (with ``common.checks``):
 OmegaConf's structured merge checks every value's type and refuses unknown
 keys, then building the dataclasses runs every section's checks. Whatever is
@@ -31,7 +31,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
-from jobs.driver.config import ProgressConfig
+from jobs.display.config import ProgressConfig
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_BUDGET_EXHAUSTED,

@@ -36,7 +36,7 @@ from jobs.conversations.config import (
     PrepareOutputConfig,
     PrepareProgressConfig,
 )
-from jobs.driver.config import ProgressConfig
+from jobs.display.config import ProgressConfig
 from jobs.driver.job import run as extract
 from jobs.errors import (
     EXIT_BAD_INPUT,
