@@ -29,6 +29,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from common.checks import is_int
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
 from jobs.display.config import ProgressConfig
@@ -58,7 +59,7 @@ def check_selection(selection: Any) -> None:
     if selection in (SELECT_PENDING, SELECT_FAILED):
         return
     if isinstance(selection, list) and selection and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in selection
+        is_int(i) and i >= 0 for i in selection
     ):
         return
     raise ValueError(

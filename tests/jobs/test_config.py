@@ -65,6 +65,8 @@ from training.export_job import ExportConfig
     ("output.budget_wait_s=-1", "output.budget_wait_s=-1.0: must be a number of seconds >= 0"),
     ("progress.interval_s=0", "progress.interval_s=0.0: must be a number of seconds > 0"),
     ("demo.arch=gpt2", "demo.arch='gpt2': use one of llama, qwen3, deepseek_v3"),
+    ("shards=[true]", "shards=[True]: use `pending` (every shard not done yet: resume), `failed`"),
+    ("shards=[1,-2]", "shards=[1, -2]: use `pending`"),
     ("demo.num_samples=0", "demo.num_samples=0: must be an integer >= 1"),
     ("shards=some", "shards='some': use `pending`"),
     ("model.path=/m", "set both model.path and data.path for a real run (did you forget --config?)"),
