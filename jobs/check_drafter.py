@@ -22,23 +22,18 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from common.config import RunDir
 from extractor.checkpoint import local_checkpoint
 from extractor.drafter_check import DrafterCapture, TargetModel
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
-from jobs.config import CommandParser, config_keys, describe, program_name
+from jobs.config import CommandParser, build_config, describe, program_name
 from jobs.errors import EXIT_NOT_PASSED, EXIT_OK
 from jobs.planning.capture import drafter_captures
 from jobs.rundir.summary import SUMMARY_FILE
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")
-
-
-@dataclasses.dataclass
-class CheckDrafterOutput:
-    dir: str = ""
-    """The run whose stored layers the drafter configs must capture (its output.dir). Required."""
 
 
 @dataclasses.dataclass
@@ -52,8 +47,11 @@ class TargetCheckpoint:
 class CheckDrafterConfig:
     """The keys ``jobs.check_drafter`` reads, after the drafter configs (``key=value``; no ``--config`` file)."""
 
-    output: CheckDrafterOutput = dataclasses.field(default_factory=CheckDrafterOutput)
+    output: RunDir = dataclasses.field(default_factory=RunDir)
     model: TargetCheckpoint = dataclasses.field(default_factory=TargetCheckpoint)
+
+    def __post_init__(self) -> None:
+        self.output.require()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,15 +157,11 @@ def parse_args(argv: Sequence[str]) -> tuple[list[Path], Path, Optional[str]]:
     parser.add_argument("items", nargs="+", metavar="DRAFTER_CONFIG|key=value",
                         help="drafter config.json files or directories, then output.dir=RUN [model.path=DIR]")
     items = parser.parse_args(list(argv)).items
-    settings = dict(item.split("=", 1) for item in items if "=" in item)
-    known = config_keys(CheckDrafterConfig)
-    unknown = sorted(set(settings) - set(known))
-    if unknown or "output.dir" not in settings:
-        parser.error(f"name the run with output.dir=RUN (known keys: {', '.join(known)}); got {unknown or items}")
+    config = build_config(CheckDrafterConfig, None, [item for item in items if "=" in item], prog=parser.prog)
     paths = [Path(item) for item in items if "=" not in item]
     if not paths:
         parser.error("name at least one drafter config")
-    return paths, Path(settings["output.dir"]), settings.get("model.path")
+    return paths, Path(config.output.dir), config.model.path or None
 
 
 def main(argv: Sequence[str]) -> int:

@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from common.config import RunDir
 from extractor.checkpoint import read_config, text_config
 from extractor.serving import ServingSettings, classify, parse_serving, refuse_unknown_flags, resolved_dtype
 from jobs.cli import console_entry, run_command
@@ -40,12 +41,6 @@ CHOSEN_BY_SGLANG = ("attention_backend", "device")
 
 
 @dataclasses.dataclass
-class CheckServingOutput:
-    dir: str = ""
-    """The run whose recorded settings the serving command must match (its output.dir). Required."""
-
-
-@dataclasses.dataclass
 class ServedModel:
     serving: Any = None
     """The serving command (as model.serving takes it); or give its flags after `--`."""
@@ -58,8 +53,11 @@ class ServedModel:
 class CheckServingConfig:
     """The keys ``jobs.check_serving`` reads; the serving command's flags may follow a ``--`` instead."""
 
-    output: CheckServingOutput = dataclasses.field(default_factory=CheckServingOutput)
+    output: RunDir = dataclasses.field(default_factory=RunDir)
     model: ServedModel = dataclasses.field(default_factory=ServedModel)
+
+    def __post_init__(self) -> None:
+        self.output.require()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +171,6 @@ def parse_args(argv: Sequence[str]) -> tuple[Path, Any, Optional[str]]:
     config, _ = parse_command("jobs.check_serving", __doc__, CheckServingConfig, keys)
     if flags and config.model.serving:
         raise ConfigError("give the serving command once: after `--` or as model.serving, not both")
-    if not config.output.dir:
-        raise ConfigError("name the run with output.dir=RUN")
     return Path(config.output.dir), flags or config.model.serving, config.model.path or None
 
 

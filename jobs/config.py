@@ -1,7 +1,7 @@
 """The job config: dataclass defaults < YAML file (``--config``) < ``key=value`` overrides.
 
 Each section sits beside the code it configures (``extractor.config``,
-``jobs.inputs.config``, ``jobs.outdir.config``, ``jobs.driver.config``, ``jobs.cluster.config``) and checks
+``jobs.inputs.config``, ``jobs.outdir.config``, ``jobs.display.config``, ``jobs.cluster.config``) and checks
 its own keys in ``__post_init__`` (with ``common.checks``):
 OmegaConf's structured merge checks every value's type and refuses unknown
 keys, then building the dataclasses runs every section's checks. Whatever is
@@ -29,9 +29,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from common.checks import is_int
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.config import RayConfig
-from jobs.driver.config import ProgressConfig
+from jobs.display.config import ProgressConfig
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_BUDGET_EXHAUSTED,
@@ -58,7 +59,7 @@ def check_selection(selection: Any) -> None:
     if selection in (SELECT_PENDING, SELECT_FAILED):
         return
     if isinstance(selection, list) and selection and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in selection
+        is_int(i) and i >= 0 for i in selection
     ):
         return
     raise ValueError(

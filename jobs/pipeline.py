@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from common.config import RunFiles
 from extractor.checkpoint import local_checkpoint, read_checkpoint_info
 from extractor.config import ExtractConfig, ModelConfig, SGLangModelConfig
 from extractor.layers import check_layer_ids, default_layer_ids
@@ -35,7 +36,7 @@ from jobs.conversations.config import (
     PrepareOutputConfig,
     PrepareProgressConfig,
 )
-from jobs.driver.config import ProgressConfig
+from jobs.display.config import ProgressConfig
 from jobs.driver.job import run as extract
 from jobs.errors import (
     EXIT_BAD_INPUT,
@@ -53,7 +54,6 @@ from jobs.outdir.config import OutputConfig
 from jobs.prepare import prepare
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 from training.export import ExportConfig
-from training.export_job import RunSource
 from training.final_state import FINAL_STATE, FORMATS, SPECFORGE, served_exports
 
 logger = logging.getLogger("jobs.pipeline")
@@ -176,7 +176,7 @@ class PipelineConfig:
     def step_export(self, run: str = "", dest: str = "") -> ExportConfig:
         """``jobs.export``'s config: output.dir/states into output.dir/<to>, consuming each shard once exported."""
         return ExportConfig(
-            output=RunSource(dir=run or str(self.out / STATES_DIR)), to=self.to, dest=dest or str(self.out / self.to),
+            output=RunFiles(dir=run or str(self.out / STATES_DIR)), to=self.to, dest=dest or str(self.out / self.to),
             consume=True, fp8=self.export.fp8, exact=self.export.exact, threads=self.export.threads,
             progress_interval_s=self.progress.interval_s,
         )

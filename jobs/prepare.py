@@ -25,7 +25,7 @@ from jobs.config import absolute_paths, parse_command
 from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
-from jobs.driver.stages import StageLine
+from jobs.display.stages import StageLine
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.rundir.lock import OutputLock
 
@@ -62,7 +62,7 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
     """Read and check everything, then write under output.dir's lock; returns the side record. What it does is
-    shown from the start: each stage until the first bar (``jobs.driver.stages``), then the bar."""
+    shown from the start: each stage until the first bar (``jobs.display.stages``), then the bar."""
     stages = StageLine(config.progress.interval_s)
     stages.show("reading the inputs")
     try:

@@ -17,13 +17,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from common.checks import format_bytes, parse_bytes
+from common.checks import format_bytes
+from common.config import RunDir
 from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import parse_command
 from jobs.driver.progress import ProgressSnapshot
-from jobs.errors import EXIT_OK, ConfigError
-from jobs.outdir.config import OutputConfig
+from jobs.errors import EXIT_OK
+from jobs.outdir.config import OutputConfig, parse_disk_budget
 from jobs.rundir.lock import LOCK_FILE, read_owner
 from jobs.rundir.summary import (
     DRAFTER_CONFIG_FILE,
@@ -59,27 +60,27 @@ JOB_FILES = frozenset(
 
 
 @dataclasses.dataclass
-class StatusOutput:
+class StatusOutput(RunDir):
     """The keys of the ``output`` section ``jobs.status`` reads (the job's own has many more)."""
 
-    dir: str = ""
-    """The run's output.dir."""
     disk_budget: str = ""
     """Budget to show the local bytes against (500GB, 1.3TB or bytes). Empty: the run's own, from its .summary.json."""
 
     def __post_init__(self) -> None:
-        if self.disk_budget and self.disk_budget_bytes <= 0:
-            raise ValueError(f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes")
+        self.disk_budget_bytes  # raises naming the key
 
     @functools.cached_property
     def disk_budget_bytes(self) -> Optional[int]:
         """``disk_budget`` in bytes; None when empty (the run's own)."""
-        return parse_bytes(self.disk_budget, "output.disk_budget") if self.disk_budget else None
+        return parse_disk_budget(self.disk_budget) if self.disk_budget else None
 
 
 @dataclasses.dataclass
 class StatusConfig:
     output: StatusOutput = dataclasses.field(default_factory=StatusOutput)
+
+    def __post_init__(self) -> None:
+        self.output.require()
 
 
 def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
@@ -230,8 +231,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _status(argv: Sequence[str]) -> int:
     config, _ = parse_command("jobs.status", "Where an extraction run stands, from its output directory.", StatusConfig, argv)
-    if not config.output.dir:
-        raise ConfigError("name the run's directory: python -m jobs.status output.dir=DIR")
     print(status_report(Path(config.output.dir), config.output.disk_budget_bytes))
     return EXIT_OK
 

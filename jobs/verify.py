@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Dict, Sequence
 
 from common.checks import format_bytes
+from common.config import RunFiles
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED, ConfigError
+from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.planning.content import checkpoint_notes, expected_metadata
 from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
@@ -28,22 +29,14 @@ from storage.verify import Problem, VerifyReport, verify_run
 
 
 @dataclasses.dataclass
-class VerifyOutput:
-    """The keys of the ``output`` section ``jobs.verify`` reads (the job's own has many more)."""
-
-    dir: str = ""
-    """The run's output.dir, where it is now (a copied or moved run is checked there)."""
-    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """fsspec options for the shards in the sink, as the run had them (the manifest records each uploaded file's
-    URL)."""
-
-
-@dataclasses.dataclass
 class VerifyConfig:
-    output: VerifyOutput = dataclasses.field(default_factory=VerifyOutput)
+    output: RunFiles = dataclasses.field(default_factory=RunFiles)
     dest_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """fsspec options for the exports that consumed shards (jobs.export consume=true), as the export had them: their
     files are checked against the sizes and checksums listed when each shard was consumed."""
+
+    def __post_init__(self) -> None:
+        self.output.require()
 
 
 DESCRIPTION = (
@@ -126,8 +119,6 @@ def _verify(argv: Sequence[str]) -> int:
     flags = {"--deep": "also read every state and scan it for NaN/Inf",
              "--details": "name the consumed shards, not only how many went where"}
     config, args = parse_command("jobs.verify", DESCRIPTION, VerifyConfig, argv, flags)
-    if not config.output.dir:
-        raise ConfigError("name the run's directory: python -m jobs.verify output.dir=DIR [--deep] [--details]")
     report = verify(Path(config.output.dir), args.deep, config.output.sink_options, config.dest_options)
     print(format_report(report, args.details))
     return EXIT_OK if report.ok else EXIT_VERIFY_FAILED

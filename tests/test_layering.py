@@ -4,6 +4,8 @@
 - ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``,
   ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs``.
 - ``common/`` (the shared config checks) imports nothing of the project.
+- The driver (``jobs.driver``) is imported, of the rest of the product, only by the commands at the top of
+  ``jobs/`` (``jobs.extract``, ``jobs.pipeline``, ``jobs.status``): all else in ``jobs/`` sits below it.
 - Config modules import no implementation: only other config modules, ``jobs.errors``, the
   shared checks and the format's names (``storage.schema``).
 - No import circles, counting every import: ``if TYPE_CHECKING:`` (a circle of types is still a circle)
@@ -132,12 +134,18 @@ def test_no_import_circles():
     assert _circles(graph) == []
 
 
-def test_planning_and_the_actors_import_nothing_of_the_driver():
-    """What plans a run and the actors sit below the driver; the output directory's budget and config sit below
-    all three (``jobs.outdir``)."""
-    below = ("jobs.planning", "jobs.actors", "jobs.outdir")
-    assert _violations(lambda name, imported: any(_within(name, p) for p in below) and _within(imported, "jobs.driver")
-                       ) == []
+def _is_command(name: str) -> bool:
+    """A command: a module at the top of ``jobs/`` that runs as ``python -m`` (``jobs.extract``, ``jobs.status``)."""
+    path = _modules()[name]
+    return name.count(".") == 1 and _within(name, "jobs") and 'if __name__ == "__main__":' in path.read_text()
+
+
+def test_only_the_commands_import_the_driver():
+    """The driver (``jobs.driver``) runs one extraction: of the rest of the product only the commands above it import
+    it; the config tree, what plans a run, the actors, ``jobs.conversations``, the display (``jobs.display``) and
+    the output directory's budget and config (``jobs.outdir``) all sit below it."""
+    assert _violations(lambda name, imported: _within(imported, "jobs.driver") and not _within(name, "jobs.driver")
+                       and not _is_command(name)) == []
     assert _violations(lambda name, imported: _within(name, "jobs.outdir") and any(
         _within(imported, p) for p in ("jobs.planning", "jobs.actors"))) == []
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from common.checks import check_int, check_seconds
+from common.config import RunFiles
 from storage.manifest import CONSUMED, MANIFEST_FILE
 from storage.reader import Sample
 from storage.run_index import is_local, local_path
@@ -29,17 +30,8 @@ written from them at the end (with consume=true the shards they come from are go
 
 
 @dataclasses.dataclass
-class RunSource:
-    dir: str = ""
-    """The run: its output.dir (the manifest names its shards, those uploaded to the sink too) or a URL holding its
-    shard-*.parquet files."""
-    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """fsspec options for shards read from a URL (the run's sink, or output.dir given as a URL)."""
-
-
-@dataclasses.dataclass
 class ExportConfig:
-    output: RunSource = dataclasses.field(default_factory=RunSource)
+    output: RunFiles = dataclasses.field(default_factory=RunFiles)
     to: str = ""
     """specforge | speculators (any case): the trainer whose layout to write."""
     dest: str = ""
@@ -70,8 +62,7 @@ class ExportConfig:
     """Without a terminal, a progress line this often; with one, a tqdm bar."""
 
     def __post_init__(self) -> None:
-        if not self.output.dir:
-            raise ValueError("name the run: output.dir=DIR (its output.dir) or a URL holding its shard files")
+        self.output.require()
         self.to = self.to.lower() if isinstance(self.to, str) else self.to  # to=SpecForge as the trainer spells it
         if self.to not in peer_formats.FORMATS:
             raise ValueError(f"to={self.to!r}: use {' or '.join(peer_formats.FORMATS)}")

@@ -65,7 +65,7 @@ def _remove(directory: str, names: list[str]) -> None:
         (Path(directory) / name).unlink(missing_ok=True)
 
 
-def _consumed(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
+def _read_declarations(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return read_records(Path(directory), names)
 
 
@@ -160,9 +160,9 @@ class LocalDisk:
     def remove(self, names: Iterable[str]) -> None:
         _remove(str(self.directory), list(names))
 
-    def consumed(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    def read_declarations(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
         """File name -> its consumption record (``storage.consumed``), for those of ``names`` declared consumed."""
-        return _consumed(str(self.directory), list(names))
+        return _read_declarations(str(self.directory), list(names))
 
     def clean(self, keep: set[str]) -> list[str]:
         return _clean(str(self.directory), keep)
@@ -211,8 +211,8 @@ class NodeDisk(LocalDisk):
     def remove(self, names: Iterable[str]) -> None:
         self._on_node(_remove, str(self.directory), list(names))
 
-    def consumed(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-        return self._on_node(_consumed, str(self.directory), list(names))
+    def read_declarations(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        return self._on_node(_read_declarations, str(self.directory), list(names))
 
     def clean(self, keep: set[str]) -> list[str]:
         return self._on_node(_clean, str(self.directory), keep)

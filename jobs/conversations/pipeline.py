@@ -40,7 +40,7 @@ from jobs.conversations.tokenize import (
     resolve_workers,
     tokenize_shards,
 )
-from jobs.driver.stages import StageLine
+from jobs.display.stages import StageLine
 from jobs.inputs.files import InputFile, resolve_files
 from storage import checksum
 

@@ -28,9 +28,9 @@ from jobs.cluster.nodes import NodeGroup, plan_groups
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
+from jobs.display.stages import StageLine
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
-from jobs.driver.stages import StageLine
 from jobs.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAULT,

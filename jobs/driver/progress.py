@@ -1,6 +1,6 @@
 """The run's progress, told three ways: Ray metrics, ``.summary.json``, and a line on the terminal or in the log.
 
-Before the first batch the job's stages (``jobs.driver.stages``) hold the line; from the first batch the
+Before the first batch the job's stages (``jobs.display.stages``) hold the line; from the first batch the
 driver tells ``RunProgress`` what happens (tokens written, batch by batch; a shard settled; a wait for disk
 budget) and calls ``tick()`` from its loops. A tick reads the manifest and the disk budget (the
 truth, owned by the driver) into a ``ProgressSnapshot`` and reports it: Ray metrics every
@@ -23,20 +23,13 @@ import time
 from typing import Any, Callable, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
-from common.terminal import terminal_columns
+from jobs.display.live import LIVE_REFRESH_S, LiveLine, format_duration
+from jobs.display.stages import StageLine
 from jobs.outdir.budget import DiskBudget
 from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)
 
-
-class Stages(Protocol):
-    """What the progress needs of the job's stage line (``jobs.driver.stages.StageLine``, which draws in this
-    module's LiveLine: hence a protocol here, not an import)."""
-
-    def show(self, stage: str, detail: Optional[Callable[[], str]] = None) -> None: ...
-
-    def close(self) -> None: ...
 
 EXPORTED_PREFIX = "ray_"
 """What Ray's Prometheus exporter puts before every metric name (its namespace, checked on Ray 2.60)."""
@@ -44,8 +37,6 @@ RUN_LABEL = "run"
 """The label naming the run: its output.dir."""
 METRICS_REFRESH_S = 5.0
 """How often gauges are set again: Ray 2.60 exports a gauge every 10 s and forgets one not set for 20-30 s."""
-LIVE_REFRESH_S = 1.0
-"""How often the live line on a terminal is redrawn."""
 RATE_WINDOW_S = 30.0
 """The time constant of the rate shown (and of the ETA): long against a batch (a second or so on a GPU) and a
 shard's publication, so that neither moves it much; short enough that a lasting change of speed shows within a
@@ -165,16 +156,6 @@ def format_count(count: float) -> str:
     return f"{count:.0f}"
 
 
-def format_duration(seconds: float) -> str:
-    """130 -> 2m10s, 3900 -> 1h05m, 42 -> 42s."""
-    whole = int(round(seconds))
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 class RateMeter:
     """Tokens a second: an exponential moving average over time with the time constant ``window_s``.
 
@@ -271,81 +252,6 @@ class _RunMetrics:
             counter.inc(value, tags=self.tags)
 
 
-class LiveLine:
-    """One line on a terminal, redrawn in place (``show``) and left on the screen at the end (``end``).
-
-    After each redraw the cursor goes back to the line's start, so that whatever else writes to the
-    terminal (Ray prints its workers' log lines from a thread of its own) overwrites the line rather
-    than continuing it; the next redraw puts it back below. While the line is shown, a log record of
-    this process first erases it (a filter on the root logger's handlers), so records print whole.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-        self._shown = False
-        self._lock = threading.Lock()
-        """A thread of the driver redraws the line while the main thread sits in a Ray call and may log."""
-        self._filter = _EraseBefore(self)
-        self._handlers = list(logging.getLogger().handlers)
-        for handler in self._handlers:
-            handler.addFilter(self._filter)
-
-    def show(self, text: str) -> None:
-        with self._lock:
-            self._write("\r" + _fit(text, self._stream) + "\x1b[K\r")
-            self._shown = True
-
-    def erase(self) -> None:
-        with self._lock:
-            if self._shown:
-                self._write("\r\x1b[K")
-                self._shown = False
-
-    def end(self, text: str) -> None:
-        """The last redraw, kept: the cursor goes to the next line."""
-        with self._lock:
-            self._write("\r" + _fit(text, self._stream) + "\x1b[K\n")
-            self._shown = False
-        self._remove_filter()
-
-    def close(self) -> None:
-        """Erased, leaving the screen as it was before the line."""
-        self.erase()
-        self._remove_filter()
-
-    def _remove_filter(self) -> None:
-        for handler in self._handlers:
-            handler.removeFilter(self._filter)
-
-    def _write(self, text: str) -> None:
-        try:
-            self._stream.write(text)
-            self._stream.flush()
-        except (OSError, ValueError):  # the terminal went away: the run goes on, its summary still says it
-            pass
-
-
-class _EraseBefore(logging.Filter):
-    def __init__(self, line: LiveLine) -> None:
-        super().__init__()
-        self._line = line
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self._line.erase()
-        return True
-
-
-def _fit(text: str, stream: TextIO) -> str:
-    """``text`` cut to the terminal's width, 80 columns where it reports none (a wrapped line could not be
-    redrawn in place), after its last whole ``, ``-separated part that fits; whole on a stream that is no
-    terminal."""
-    width = terminal_columns(stream) - 1
-    if not stream.isatty() or len(text) <= width:
-        return text
-    cut = text.rfind(", ", 0, width + 1)
-    return text[:cut] if cut > 0 else text[:width]
-
-
 class RunProgress:
     """Counts what this run wrote and reports where the run stands every ``interval_s``.
 
@@ -356,7 +262,7 @@ class RunProgress:
     def __init__(
         self, manifest: Manifest, budget: DiskBudget, shard_tokens: dict[int, int], to_run: list[int],
         run: str, interval_s: float, sink: Optional[ProgressSink] = None, interactive: Optional[bool] = None,
-        stream: Optional[TextIO] = None, stages: Optional[Stages] = None,
+        stream: Optional[TextIO] = None, stages: Optional[StageLine] = None,
     ) -> None:
         """``interactive``: a live line on ``stream`` (default stderr) rather than log lines; default: whether
         stderr is a terminal. ``stages``: the job's stages, shown until the first batch (``stage``)."""

@@ -59,7 +59,7 @@ class Rescanner:
 
     def _settle_gone(self, lane: Lane, records: list[ShardRecord]) -> None:
         """Done shards whose files are gone from the lane's directory: consumed if declared, else lost."""
-        declared = lane.budget.consumed(record.file for record in records)
+        declared = lane.budget.read_declarations(record.file for record in records)
         for record in records:
             self._uploads.gone(record.index)
             where = lane.budget.output_dir / record.file
@@ -78,4 +78,4 @@ class Rescanner:
             logger.info("shard %d: %s was consumed into %s; its bytes are free", record.index, where,
                         declaration["into"])
             self._manifest.update(record.index, location=CONSUMED, consumed_into=declaration["into"])
-        lane.budget.drop_declarations(declared)
+        lane.budget.delete_declarations(declared)

@@ -79,7 +79,7 @@ class UploadQueue:
         record = self._manifest.update(shard, location=SINK, sink_url=url, error="")
         lane = self._lanes.home(record)
         if lane is not None:
-            lane.budget.delete(shard, shard_file_name(shard))
+            lane.budget.delete_file(shard, shard_file_name(shard))
 
     def gone(self, shard: int) -> None:
         """The local file is gone (a consumer deleted it): nothing left to upload."""

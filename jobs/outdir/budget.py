@@ -159,17 +159,19 @@ class DiskBudget:
         """The shard's local file is gone (uploaded to the sink or consumed)."""
         self._set(self._committed, shard, None)
 
-    def delete(self, shard: int, file_name: str) -> None:
+    def delete_file(self, shard: int, file_name: str) -> None:
         """Delete the shard's local file (its copy in the sink is verified): its bytes are free."""
         self.disk.remove([file_name])
         self.forget(shard)
 
-    def consumed(self, file_names: Iterable[str]) -> dict[str, dict[str, Any]]:
-        """The files among these that their consumer declared consumed (``storage.consumed``): name -> declaration."""
-        return self.disk.consumed(file_names)
+    def read_declarations(self, file_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Read the consumption records (``storage.consumed``) beside these files: name -> declaration, for those
+        their consumer declared consumed."""
+        return self.disk.read_declarations(file_names)
 
-    def drop_declarations(self, file_names: Iterable[str]) -> None:
-        """The manifest records these files as consumed: their consumers' declarations have served."""
+    def delete_declarations(self, file_names: Iterable[str]) -> None:
+        """Delete these files' consumption records: the manifest records the files as consumed, the declarations
+        have served."""
         self.disk.remove(record_name(name) for name in file_names)
 
     def rescan(self, local_files: Iterable[tuple[int, str, int]]) -> list[int]:

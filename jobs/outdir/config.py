@@ -1,6 +1,8 @@
-"""The ``output`` section: the output directory, its disk budget, the sink and the writers that fill it.
+"""The job's ``output`` section: the output directory (``common.config.OutputDir``), its disk budget, the sink and
+the writers that fill it.
 
-It checks its own keys when built; byte sizes are parsed once, into ``*_bytes``. It sits low in ``jobs/`` with the
+It checks its own keys when built; byte sizes are parsed once, into ``*_bytes`` (``output.disk_budget`` by
+``parse_disk_budget``, which ``jobs.status`` parses its own with too). It sits low in ``jobs/`` with the
 budget (``jobs.outdir.budget``), so that what plans a run and the actors import down to it.
 """
 
@@ -11,6 +13,7 @@ import functools
 from typing import Any, Dict
 
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
+from common.config import OutputDir
 from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, SAME_AS_MODEL, STATE_DTYPES
 
 RESUME_CHECKS = ("size", "checksum")
@@ -33,10 +36,16 @@ def parse_cpu_list(value: str, key: str) -> list[int]:
     return sorted(cores)
 
 
+def parse_disk_budget(value: str) -> int:
+    """``output.disk_budget`` in bytes, more than 0."""
+    budget = parse_bytes(value, "output.disk_budget")
+    if budget <= 0:
+        raise ValueError(f"output.disk_budget={value!r}: must be more than 0 bytes, or no shard could ever be written")
+    return budget
+
+
 @dataclasses.dataclass
-class OutputConfig:
-    dir: str = ""
-    """Where shard files and the job's own files (.manifest.json, .summary.json, ...) go (local NVMe). Empty: <demo.dir>/hidden_states-<arch>-<num_samples>-seed<seed> for the demo."""
+class OutputConfig(OutputDir):
     node_dir: str = ""
     """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
     for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
@@ -79,11 +88,8 @@ class OutputConfig:
 
 
     def __post_init__(self) -> None:
-        if self.disk_budget_bytes <= 0:
-            raise ValueError(
-                f"output.disk_budget={self.disk_budget!r}: must be more than 0 bytes, or no shard could ever be written"
-            )
-        self.min_free_bytes  # raises naming the key
+        self.disk_budget_bytes  # each raises naming its key
+        self.min_free_bytes
         for key in ("budget_wait_s", "rescan_s"):
             check_seconds(f"output.{key}", getattr(self, key))
         if self.rescan_s == 0:
@@ -103,7 +109,7 @@ class OutputConfig:
     @functools.cached_property
     def disk_budget_bytes(self) -> int:
         """``disk_budget`` in bytes."""
-        return parse_bytes(self.disk_budget, "output.disk_budget")
+        return parse_disk_budget(self.disk_budget)
 
     @functools.cached_property
     def min_free_bytes(self) -> int:

@@ -140,7 +140,7 @@ def check_done_files(
     ]
     algorithms = {record.file: algorithm_of(record.checksum) for record in records} if checksum else {}
     facts = disk.file_facts([record.file for record in records], algorithms)
-    declared = disk.consumed(record.file for record in records)
+    declared = disk.read_declarations(record.file for record in records)
     damaged, served = [], []
     for record in records:
         size, found = facts.get(record.file, (None, ""))

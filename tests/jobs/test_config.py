@@ -8,20 +8,27 @@ import shutil
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 
+from common.config import OutputDir, RunDir
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
-from jobs.config import JobConfig, config_keys, load_config, resolve_paths
+from jobs.check_drafter import CheckDrafterConfig
+from jobs.check_serving import CheckServingConfig
+from jobs.config import JobConfig, build_config, config_keys, load_config, resolve_paths
 from jobs.conversations.config import PrepareConfig
 from jobs.actors.cpus import format_cores
 from jobs.errors import ConfigError
-from jobs.outdir.config import OutputConfig
+from jobs.outdir.config import OutputConfig, parse_disk_budget
 from jobs.planning.preflight import refuse_pickled_weights
 from jobs.prepare import load_config as load_prepare_config
+from jobs.status import StatusConfig
+from jobs.verify import VerifyConfig
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
+from training.export_job import ExportConfig
 
 
 @pytest.mark.parametrize("override, message", [
@@ -58,6 +65,8 @@ from tests.helpers import python_env
     ("output.budget_wait_s=-1", "output.budget_wait_s=-1.0: must be a number of seconds >= 0"),
     ("progress.interval_s=0", "progress.interval_s=0.0: must be a number of seconds > 0"),
     ("demo.arch=gpt2", "demo.arch='gpt2': use one of llama, qwen3, deepseek_v3"),
+    ("shards=[true]", "shards=[True]: use `pending` (every shard not done yet: resume), `failed`"),
+    ("shards=[1,-2]", "shards=[1, -2]: use `pending`"),
     ("demo.num_samples=0", "demo.num_samples=0: must be an integer >= 1"),
     ("shards=some", "shards='some': use `pending`"),
     ("model.path=/m", "set both model.path and data.path for a real run (did you forget --config?)"),
@@ -117,6 +126,33 @@ def test_each_command_keeps_its_own_model_keys():
         load_prepare_config(["model.max_total_tokens=-1"])
     with pytest.raises(ConfigError, match="unknown key model.dp_size"):
         load_prepare_config(["model.dp_size=2"])
+
+
+READING_COMMANDS = {
+    "jobs.status": StatusConfig, "jobs.verify": VerifyConfig, "jobs.export": ExportConfig,
+    "jobs.check_drafter": CheckDrafterConfig, "jobs.check_serving": CheckServingConfig,
+}
+"""The commands that read a run, and the config each parses."""
+
+
+def test_output_dir_is_one_section_every_command_extends():
+    """output.dir is declared once (common.config): the job's output section and every reading command's extend it,
+    and each reading command refuses an empty one with the same line; output.disk_budget is parsed by one function
+    for the job and jobs.status (the same refusal)."""
+    declared = [klass for schema in (JobConfig, *READING_COMMANDS.values())
+                for klass in typing.get_type_hints(schema)["output"].__mro__ if "dir" in vars(klass).get("__annotations__", {})]
+    assert set(declared) == {OutputDir}, declared
+    for command, schema in READING_COMMANDS.items():
+        assert issubclass(typing.get_type_hints(schema)["output"], RunDir), command
+        with pytest.raises(ConfigError) as error:
+            build_config(schema, None, ["to=specforge", "dest=/d"] if schema is ExportConfig else [], prog=command)
+        assert str(error.value) == "output.dir is empty: name the run's directory, output.dir=DIR", command
+    for schema in (JobConfig, StatusConfig):
+        with pytest.raises(ConfigError, match=r"^output.disk_budget='0': must be more than 0 bytes, or no shard"):
+            build_config(schema, None, ["output.dir=/run", "output.disk_budget=0"], prog="p")
+    status = build_config(StatusConfig, None, ["output.dir=/run", "output.disk_budget=1.5GB"], prog="p")
+    assert status.output.disk_budget_bytes == parse_disk_budget("1.5GB") == 1_500_000_000
+    assert build_config(StatusConfig, None, ["output.dir=/run"], prog="p").output.disk_budget_bytes is None
 
 
 def test_sections_check_themselves_when_built_in_python():

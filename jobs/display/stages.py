@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Optional, TextIO
 
-from jobs.driver.progress import LIVE_REFRESH_S, LiveLine, format_duration
+from jobs.display.live import LIVE_REFRESH_S, LiveLine, format_duration
 
 logger = logging.getLogger(__name__)
 

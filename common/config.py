@@ -1,0 +1,41 @@
+"""The ``output`` section's directory, which every command that writes or reads a run has: ``output.dir``,
+declared and checked here once. Each command's ``output`` section extends one of these with its own keys
+(``jobs.outdir.config.OutputConfig``, the job's; ``jobs.status``, ``jobs.verify``, ``jobs.export``,
+``jobs.check_drafter``, ``jobs.check_serving``, which read a run). Here, below ``training/`` and ``jobs/``, so that
+both extend it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+
+@dataclasses.dataclass
+class OutputDir:
+    """``output.dir``: the run's directory; empty is allowed (the job's demo picks one)."""
+
+    dir: str = ""
+    """The run's directory: its shard files and the job's own files (.manifest.json, .summary.json, ...).
+    jobs.extract and jobs.plan: where it goes (local NVMe; empty: the demo's
+    <demo.dir>/hidden_states-<arch>-<num_samples>-seed<seed>). The commands that read a run: where it is now
+    (required; a copied or moved run is read there; jobs.export also takes a URL holding its shard-*.parquet files)."""
+
+
+@dataclasses.dataclass
+class RunDir(OutputDir):
+    """``output.dir`` of a command that reads a run: required. The command's config calls ``require`` when built
+    (the section's default is built before the user's keys reach it, so it cannot refuse an empty one itself)."""
+
+    def require(self) -> None:
+        if not self.dir:
+            raise ValueError("output.dir is empty: name the run's directory, output.dir=DIR")
+
+
+@dataclasses.dataclass
+class RunFiles(RunDir):
+    """A run's files wherever they are: its directory, and the options to open those uploaded to its sink."""
+
+    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """fsspec options for the run's shards in its sink, as the run had them (the manifest records each uploaded
+    file's URL), or at output.dir given as a URL."""
