@@ -6,7 +6,8 @@
 Writes ``--prompts`` one-question conversations, runs ``python -m jobs.prepare ... regenerate=true`` on
 them as a user would, then one ``Engine.generate`` over the same prompts with the same chat template,
 sampling, engine and process settings; prints both rates, their ratio, and how many answers are the
-same text. What each rate counts and the check on CPU: docs/benchmarks.md.
+same text. Both run on one private Ray cluster, which ``jobs.prepare`` joins (``ray.address``): one
+cluster's start-up, not two. What each rate counts and the check on CPU: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ class OfflineEngine:
 
 
 def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[float, dict]:
+    """``python -m jobs.prepare`` on this process's Ray cluster (its auth settings are in the environment)."""
     env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     env.pop("RAY_ADDRESS", None)
+    address = ray.get_runtime_context().gcs_address
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys],
+        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys,
+         f"ray.address={address}"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
@@ -77,22 +81,21 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[fl
 
 def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -> dict[str, Any]:
     """SGLang's own rate on the prompts ``jobs.prepare`` answered, with the engine, chat template and sampling it
-    used (its own ``read_inputs`` and ``generator_spec``)."""
+    used (its own ``read_inputs`` and ``generator_spec``), on this process's Ray cluster."""
     inputs = read_inputs(load_config([f"model.path={model}", f"data.path={data}", "output.dir=unused", *keys]))
     config, chat = inputs.config, inputs.chat
     context = read_checkpoint_info(str(model)).max_position_embeddings
     prompts = chat.prompt_ids([[{"role": "user", "content": text}] for text in asked])
     sampling = dict(config.generation.sampling_params(), stop_token_ids=sorted(chat.stop_ids))
     params = [dict(sampling, max_new_tokens=min(config.generation.max_new_tokens, context - len(ids))) for ids in prompts]
-    with ray_session(""):
-        spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
-        actor = ray.remote(OfflineEngine).options(
-            num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
-        try:
-            seconds, outputs = ray.get(actor.generate.remote(prompts, params))
-            ray.get(actor.close.remote(), timeout=60)
-        finally:
-            ray.kill(actor)
+    spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
+    actor = ray.remote(OfflineEngine).options(
+        num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
+    try:
+        seconds, outputs = ray.get(actor.generate.remote(prompts, params))
+        ray.get(actor.close.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
     return {"seconds": seconds, "generated_tokens": sum(len(ids) for ids in outputs),
             "answers": [chat.decode(ids) for ids in outputs]}
 
@@ -121,12 +124,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = [f"model.device={args.device}"] + (["model.dtype=float32"] if args.device == "cpu" else [])
     keys = [*device, "regenerate=true", f"generation.max_new_tokens={args.max_new_tokens}",
             f"output.shard_size={args.shard_size}", *args.set]
-    command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys)
+    with ray_session(""):
+        command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys)
+        own = sglang_offline(keys, model, data, asked)
     out = Path(record["output_path"])
     stats = record["regeneration_stats"]
     regenerated = [json.loads(line) for path in sorted((out / "_regenerated").glob("part-*.jsonl"))
                    for line in path.read_text().splitlines()]
-    own = sglang_offline(keys, model, data, asked)
     own_rate = own["generated_tokens"] / own["seconds"]
     answers = [r["messages"][-1]["content"] if "messages" in r else None for r in regenerated]
     same = sum(a == b for a, b in zip(answers, own["answers"]))

@@ -1,10 +1,11 @@
 """``python -m jobs.pipeline``: conversations to SpecForge's files in one command, as a real process on the demo's
-conversations and tiny chat model (CPU, real SGLang, joining this session's Ray cluster). Its files are the three
-commands' (prepare, extract, export) bit for bit, one copy of the states is left, a rerun has nothing to do, and a
-SIGKILL in the middle of the extraction is resumed by the same command with every sample exported once."""
+conversations and tiny chat model (CPU, real SGLang, joining this session's Ray cluster). A SIGKILL in the middle of
+the extraction is resumed by the same command with every sample exported once; the files of that run are the three
+commands' (prepare, extract, export) bit for bit, one copy of the states is left, and a rerun has nothing to do."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -27,6 +28,9 @@ from training.dataset import HiddenStatesDataset
 
 CONVERSATIONS = 48
 """The demo's conversations (demo.num_conversations), one sample each."""
+SHARD_SIZE = 2
+SHARDS = CONVERSATIONS // SHARD_SIZE
+"""Enough shards that the kill lands with some done and some not."""
 TIMEOUT_S = 600
 
 
@@ -66,23 +70,70 @@ def assert_only_the_export_holds_the_states(out: Path, shards: int) -> None:
     assert relative_files(dest) == sorted(str(peer_formats.specforge_path(i)) for i in range(CONVERSATIONS))
 
 
-def test_one_command_writes_what_the_three_commands_write(ray_cluster, tmp_path, capsys):
-    demo = tmp_path / "demo"
+@dataclasses.dataclass
+class Resumed:
+    """The command SIGKILLed in the middle of its extraction, then run again as it was."""
+
+    demo: Path
+    out: Path
+    done_before_kill: set[int]
+    exported_before_resume: bool
+    rerun: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(ray_cluster, tmp_path_factory) -> Resumed:
+    """One run of the command, killed once a shard of its extraction is done and resumed by the same command: the
+    resume's claims and the files' claims are both read off it (each run of the command is a model's start-up)."""
+    demo = tmp_path_factory.mktemp("pipeline") / "demo"
     out = demo / f"pipeline-specforge-{CONVERSATIONS}"
-    ran = run(pipeline(demo, "output.shard_size=8"))
+    command = pipeline(demo, f"output.shard_size={SHARD_SIZE}")
+    log = demo.parent / "killed.log"
+    with open(log, "w") as sink:  # a file, not a pipe: the command's log never waits for a reader
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=python_env(), stdout=sink, stderr=sink)
+    deadline = time.monotonic() + TIMEOUT_S
+    while done_shards(out / "states") == 0:
+        assert process.poll() is None, f"the command ended (exit {process.returncode}) before a shard was done:\n" \
+                                       f"{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    before = {r["index"] for r in read_manifest(out / "states")["shards"] if r["state"] == DONE}
+    print(f"killed with {len(before)} of {SHARDS} shards done")
+    exported = (out / "specforge").exists()
+    return Resumed(demo, out, before, exported, run(command))
+
+
+def test_killed_mid_extraction_the_same_command_resumes(killed_then_resumed):
+    resumed = killed_then_resumed
+    assert 0 < len(resumed.done_before_kill) < SHARDS, "the extraction finished before the kill reached it"
+    assert not resumed.exported_before_resume  # nothing exported yet
+    ran = resumed.rerun
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert "\nprepare: nothing to do" in ran.stdout and "export: 48 samples" in ran.stdout, ran.stdout
+    records = {r["index"]: r for r in read_manifest(resumed.out / "states")["shards"]}
+    assert all(records[index]["attempts"] == 1 for index in resumed.done_before_kill), \
+        "shards done before the kill ran again"
+    assert_only_the_export_holds_the_states(resumed.out, SHARDS)
+
+
+def test_one_command_writes_what_the_three_commands_write(killed_then_resumed, tmp_path, capsys):
+    """The command's files (its extraction resumed after a kill) are the three commands' run without a stop."""
+    demo, out, ran = killed_then_resumed.demo, killed_then_resumed.out, killed_then_resumed.rerun
     assert ran.returncode == 0, ran.stderr[-4000:]
     print(ran.stdout)
     dest = out / "specforge"
     assert "done in " in ran.stdout and f"--hidden-states-path {dest}" in ran.stdout
-    assert "export: 48 samples, specforge" in ran.stdout and "6 shards consumed" in ran.stdout
-    assert_only_the_export_holds_the_states(out, shards=6)
+    assert "export: 48 samples, specforge" in ran.stdout and f"{SHARDS} shards consumed" in ran.stdout
+    assert_only_the_export_holds_the_states(out, shards=SHARDS)
 
     # The three commands on the same model and conversations, the states kept (no consume).
     model, conversations = demo / "model-llama-chatml", demo / f"conversations-{CONVERSATIONS}.jsonl"
     tokens, states, three = tmp_path / "tokens", tmp_path / "states", tmp_path / "three-specforge"
     assert prepare_command.main([f"model.path={model}", f"data.path={conversations}", f"output.dir={tokens}"]) == 0
     assert extract_command.main([f"model.path={model}", f"data.path={tokens}", f"output.dir={states}",
-                                 "data.shard_size=8"]) == 0
+                                 f"data.shard_size={SHARD_SIZE}"]) == 0
     assert export_command.main([f"output.dir={states}", "to=specforge", f"dest={three}"]) == 0
     capsys.readouterr()
 
@@ -100,39 +151,11 @@ def test_one_command_writes_what_the_three_commands_write(ray_cluster, tmp_path,
 
     # Rerun: every step has nothing to do, nothing is written again.
     before = {path: Path(path).stat().st_mtime_ns for path in files}
-    again = run(pipeline(demo, "output.shard_size=8"))
+    again = run(pipeline(demo, f"output.shard_size={SHARD_SIZE}"))
     assert again.returncode == 0, again.stderr[-4000:]
     for step in ("prepare", "extract", "export"):
         assert f"\n{step}: nothing to do" in again.stdout, again.stdout
     assert {path: Path(path).stat().st_mtime_ns for path in files} == before
-
-
-def test_killed_mid_extraction_the_same_command_resumes(ray_cluster, tmp_path):
-    demo = tmp_path / "demo"
-    out, shards = demo / f"pipeline-specforge-{CONVERSATIONS}", CONVERSATIONS // 2
-    command = pipeline(demo, "output.shard_size=2")
-    log = tmp_path / "killed.log"
-    with open(log, "w") as sink:  # a file, not a pipe: the command's log never waits for a reader
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=python_env(), stdout=sink, stderr=sink)
-    deadline = time.monotonic() + TIMEOUT_S
-    while done_shards(out / "states") == 0:
-        assert process.poll() is None, f"the command ended (exit {process.returncode}) before a shard was done:\n" \
-                                       f"{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    before = {r["index"] for r in read_manifest(out / "states")["shards"] if r["state"] == DONE}
-    print(f"killed with {len(before)} of {shards} shards done")
-    assert 0 < len(before) < shards, "the extraction finished before the kill reached it"
-    assert not (out / "specforge").exists()  # nothing exported yet
-
-    ran = run(command)
-    assert ran.returncode == 0, ran.stderr[-4000:]
-    assert "\nprepare: nothing to do" in ran.stdout and "export: 48 samples" in ran.stdout, ran.stdout
-    records = {r["index"]: r for r in read_manifest(out / "states")["shards"]}
-    assert all(records[index]["attempts"] == 1 for index in before), "shards done before the kill ran again"
-    assert_only_the_export_holds_the_states(out, shards)
 
 
 @pytest.fixture(scope="module")
