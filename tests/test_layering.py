@@ -35,6 +35,7 @@ TESTBEDS_MAY_IMPORT = ("storage",)
 BENCHMARK_TESTS = {
     "benchmarks.test_benchmarks": ("benchmarks.throughput",),
     "benchmarks.test_acceptance_cpu": ("benchmarks.acceptance",),
+    "benchmarks.test_quantize_int4": ("benchmarks.acceptance.quantize_int4",),
 }
 """The test files whose subject is a benchmark, and the benchmark each may import."""
 

@@ -23,8 +23,12 @@ class Arm:
     """The SpecForge features it trains on (``DIR/features/NAME``); None: it trains nothing of its own."""
     drafter_of: str
     """Whose trained drafter it serves: itself, or another arm's (Q-bf16 serves A's)."""
-    quantized: bool = False
-    """Served on the quantized target (``--quantized-serving``) instead of the bf16 one."""
+    target: str = "bf16"
+    """The target it is served on: the bf16 checkpoint, or a quantized one (``QUANTIZED``)."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.target != "bf16"
 
 
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
@@ -34,18 +38,25 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("D", "ours, fp8 storage (output.state_dtype=float8_e4m3fn)", "D", "D", "D", "D"),
     Arm("E", "untrained drafter (the floor)", "A", "A", None, "E"),
     Arm("Q", "ours, extracted with the quantized server's settings (model.serving)", "Q", "Q", "Q", "Q",
-        quantized=True),
+        target="fp8"),
     Arm("Q-bf16", "A's drafter (our bf16 states: any bf16 path), served on the quantized target", "A", "A", None, "A",
-        quantized=True),
+        target="fp8"),
+    Arm("Q4", "ours, extracted on the INT4 checkpoint with its server's settings (model.serving)", "Q4", "Q4", "Q4",
+        "Q4", target="int4"),
+    Arm("Q4-bf16", "A's drafter (our bf16 states), served on the INT4 target", "A", "A", None, "A", target="int4"),
 )}
+QUANTIZED = {"fp8": "Q", "int4": "Q4"}
+"""Each quantized target and its own run (extracted as its server serves it): fp8, the bf16 checkpoint served with
+``--quantization fp8``; int4, the INT4 checkpoint (``benchmarks.acceptance.quantize_int4``) served with SGLang's
+compressed-tensors W4A16 path."""
 UNTRAINED = "E"
 """The arm whose drafter is SpecForge's own initialisation, never trained."""
-RUNS = ("Q", "A", "B", "D")
+RUNS = ("Q", "Q4", "A", "B", "D")
 """The extraction runs, in the order they run: the quantized path first, so that a failure of it shows before the
 rest of the device time is spent."""
-MAIN_DIFFERENCES = (("A", "B"), ("Q", "Q-bf16"))
+MAIN_DIFFERENCES = (("A", "B"), ("Q", "Q-bf16"), ("Q4", "Q4-bf16"))
 """What the benchmark is for: the layer offset, and what serve-exact states buy on a quantized target."""
-OTHER_DIFFERENCES = (("A", "C"), ("A", "D"), ("A", "E"), ("A", "Q"))
+OTHER_DIFFERENCES = (("A", "C"), ("A", "D"), ("A", "E"), ("A", "Q"), ("A", "Q4"))
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
@@ -72,24 +83,30 @@ def trained(arms: Sequence[str]) -> tuple[str, ...]:
 
 def runs_needed(arms: Sequence[str]) -> tuple[str, ...]:
     """The extraction runs a selection needs, in ``RUNS`` order: the runs its drafters train on and are checked
-    against, whose drafter configs they use, and for Q-bf16 the quantized run its states are compared with."""
+    against, whose drafter configs they use, and for an arm served on a quantized target that target's run (the
+    states of Q-bf16 and Q4-bf16 are compared with it)."""
     wanted = set()
     for name in (*arms, *drafters_needed(arms)):
         arm = ARMS[name]
         wanted |= {arm.run, arm.draft_config_run}
         if arm.features is not None and arm.features != "C":
             wanted.add(arm.features)
-    if "Q-bf16" in arms:
-        wanted.add("Q")
+        if arm.quantized:
+            wanted.add(QUANTIZED[arm.target])
     return tuple(run for run in RUNS if run in wanted)
 
 
-def quantized_runs(arms: Sequence[str]) -> tuple[str, ...]:
-    """The quantized run and those whose states feed a drafter served on the quantized target:
-    ``jobs.check_serving`` compares the quantized server's command with each (the quantized run passes; a bf16
-    run names what differs)."""
-    served = {ARMS[arm].run for arm in arms if ARMS[arm].quantized}
-    return tuple(run for run in RUNS if run in served | ({"Q"} if served else set()))
+def quantized_runs(arms: Sequence[str], target: str = "fp8") -> tuple[str, ...]:
+    """A quantized target's run and those whose states feed a drafter served on that target:
+    ``jobs.check_serving`` compares the target's serving command with each (its own run passes; a bf16 run names
+    what differs)."""
+    served = {ARMS[arm].run for arm in arms if ARMS[arm].target == target}
+    return tuple(run for run in RUNS if run in served | ({QUANTIZED[target]} if served else set()))
+
+
+def quantized_targets(arms: Sequence[str]) -> tuple[str, ...]:
+    """The quantized targets a selection serves on, in ``QUANTIZED`` order."""
+    return tuple(target for target in QUANTIZED if any(ARMS[arm].target == target for arm in arms))
 
 
 def arm_b_layers(layers: Sequence[int]) -> list[int]:

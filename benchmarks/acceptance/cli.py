@@ -55,9 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-parallel", type=int, default=TRAIN_PARALLEL, help="SpecForge trainings at once")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
     parser.add_argument("--quantized-serving", default="",
-                        help="the quantized target's serving command, as model.serving takes it (default: "
+                        help="the fp8 target's serving command, as model.serving takes it (default: "
                              "'--quantization fp8 --attention-backend BACKEND'): arm Q's extraction and the "
                              "engines of Q and Q-bf16 run it")
+    parser.add_argument("--int4-serving", default="",
+                        help="the INT4 target's serving command (default: '--quantization compressed-tensors "
+                             "--attention-backend BACKEND'): arm Q4's extraction and the engines of Q4 and Q4-bf16 "
+                             "run it on DIR/model-int4")
     parser.add_argument("--dtype", default="bfloat16",
                         help="the extraction's dtype, but for Q's (its serving command's)")
     parser.add_argument("--extract-set", action="append", default=[], metavar="KEY=VALUE",
@@ -86,6 +90,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error("--seeds: name at least one training seed")
     args.quantized_serving = tuple(shlex.split(args.quantized_serving) or
                                    ["--quantization", "fp8", "--attention-backend", args.attention_backend])
+    args.int4_serving = tuple(shlex.split(args.int4_serving) or
+                              ["--quantization", "compressed-tensors", "--attention-backend", args.attention_backend])
     args.stages = stages
     return args
 

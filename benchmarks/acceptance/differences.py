@@ -1,5 +1,5 @@
 """How far one set of states is from another, per layer: arm C's HF states from ours, and our bf16 states
-(what Q-bf16's drafter trained on) from the quantized target's own (Q's).
+(what Q-bf16's and Q4-bf16's drafter trained on) from a quantized target's own (Q's, Q4's).
 
     python -m benchmarks.acceptance.differences REFERENCE_RUN OTHER_RUN OUT.json
 

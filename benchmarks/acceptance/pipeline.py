@@ -26,6 +26,11 @@ PROGRESS_FILE = "progress.json"
 """DIR/progress.json: the stage and step running now, for ``benchmarks.acceptance.background status``."""
 
 
+def target_step(name: str, target: str) -> str:
+    """A step's name for one quantized target: fp8's as it always was, another's with the target's name after it."""
+    return name if target == "fp8" else f"{name}-{target}"
+
+
 class OutOfTime(Exception):
     """--deadline-s passed before a step could start."""
 
@@ -100,6 +105,20 @@ class Pipeline:
     @property
     def model(self) -> Path:
         return self.work / "model"
+
+    @property
+    def model_int4(self) -> Path:
+        """The INT4 checkpoint of ``model`` (``benchmarks.acceptance.quantize_int4``)."""
+        return self.work / "model-int4"
+
+    def target_model(self, target: str) -> Path:
+        """The checkpoint a target serves: the INT4 one for int4, the bf16 one otherwise (fp8 quantizes it as it
+        loads)."""
+        return self.model_int4 if target == "int4" else self.model
+
+    def serving(self, target: str) -> tuple[str, ...]:
+        """A target's serving command (``--quantized-serving``, ``--int4-serving``); the bf16 target's is empty."""
+        return {"bf16": (), "fp8": self.args.quantized_serving, "int4": self.args.int4_serving}[target]
 
     @property
     def train_conversations(self) -> Path:

@@ -48,7 +48,7 @@ def _arm_rows(results: dict[str, Any]) -> list[str]:
              "| check_drafter |", "|---|---|---|---|---|---|---|---|"]
     for arm, entry in acceptance["arms"].items():
         spec = ARMS[arm]
-        target = "quantized" if spec.quantized else "bf16"
+        target = spec.target
         for seed, stats in entry["seeds"].items():
             metrics = train.get(f"{spec.drafter_of}-s{seed}", {}).get("metrics", {})
             fit = f"{metrics['loss']:.3f} / {metrics['acc']:.3f}" if "loss" in metrics else "(untrained)"
@@ -81,7 +81,8 @@ def _checks(results: dict[str, Any]) -> list[str]:
     checks = results.get("check_serving", {})
     if not checks:
         return []
-    lines = ["", "| jobs.check_serving: the quantized server's command against run | verdict | settings that differ |",
+    lines = ["", "| jobs.check_serving: a quantized target's command against run (-int4: the INT4 target's) | verdict "
+             "| settings that differ |",
              "|---|---|---|"]
     for run, check in checks.items():
         lines.append(f"| {run} | {'PASS' if check['passed'] else 'FAIL'} | {' '.join(check['differences']) or '-'} |")
@@ -93,6 +94,24 @@ def _layer_table(title: str, report: dict[str, Any]) -> list[str]:
     head = f"{title}, per-token relative difference" + (f" ({tokens:,} tokens)" if tokens else "")
     return ["", f"| {head} | mean | max |", "|---|---|---|",
             *[f"| {name} | {d['mean']:.4f} | {d['max']:.4f} |" for name, d in report.items()]]
+
+
+def _quantized_states(results: dict[str, Any]) -> list[str]:
+    """Our bf16 states (A's run) against each quantized target's own (Q's fp8, Q4's INT4), per layer, side by
+    side."""
+    reports = {name: results[key] for name, key in (("fp8 (Q)", "q_bf16_vs_q"), ("INT4 (Q4)", "q4_bf16_vs_q4"))
+               if key in results}
+    if not reports:
+        return []
+    tokens = ", ".join(f"{name} {next(iter(report.values()))['tokens']:,}" for name, report in reports.items())
+    head = " | ".join(f"{name} mean | {name} max" for name in reports)
+    lines = ["", f"| our bf16 states (A) vs the quantized target's, per-token relative difference ({tokens} tokens) "
+                 f"| {head} |", "|---|" + "---|---|" * len(reports)]
+    for layer in next(iter(reports.values())):
+        cells = " | ".join(f"{report[layer]['mean']:.4f} | {report[layer]['max']:.4f}" if layer in report else " | "
+                           for report in reports.values())
+        lines.append(f"| {layer} | {cells} |")
+    return lines
 
 
 def _curves(results: dict[str, Any]) -> list[str]:
@@ -127,21 +146,25 @@ def markdown(results: dict[str, Any]) -> str:
         f"prompts (SGLang EAGLE3, {SPEC_STEPS} steps, top-k {SPEC_TOPK}, {SPEC_DRAFT_TOKENS} draft tokens, "
         "temperature 0), bootstrap 95% interval over prompts; pooled: every seed's prompts together.", "",
     ]
-    quantized = results.get("serving", {}).get("quantized_serving")
-    if quantized and any(ARMS[arm].quantized for arm in acceptance["arms"]):
-        lines += [f"Quantized target: the bf16 checkpoint served with `{' '.join(quantized)}` (SGLang quantizes the "
-                  "drafter the same way unless the command sets --speculative-draft-model-quantization).", ""]
+    serving = results.get("serving", {})
+    targets = {ARMS[arm].target for arm in acceptance["arms"]}
+    if serving.get("quantized_serving") and "fp8" in targets:
+        lines += [f"Quantized target fp8: the bf16 checkpoint served with `{' '.join(serving['quantized_serving'])}` "
+                  "(SGLang quantizes the drafter the same way unless the command sets "
+                  "--speculative-draft-model-quantization).", ""]
+    if serving.get("int4_serving") and "int4" in targets:
+        lines += [f"Quantized target int4: the INT4 checkpoint (RTN, group 32, compressed-tensors W4A16) served with "
+                  f"`{' '.join(serving['int4_serving'])}`.", ""]
     lines += _data_line(results) + _arm_rows(results) + _difference_rows(results) + _checks(results)
     if "c_vs_a" in results:
         lines += _layer_table("C vs A", results["c_vs_a"])
-    if "q_bf16_vs_q" in results:
-        lines += _layer_table("Q-bf16's states (ours, bf16) vs Q's (the quantized target's)", results["q_bf16_vs_q"])
-    lines += _curves(results) + _epoch_acceptance(results)
-    if "probe" in results:
-        probe = results["probe"]
-        lines += ["", f"Probe of the quantized path before training: an untrained drafter served on the quantized "
-                      f"target over {probe['prompts']} prompts, acceptance {probe['acceptance_length']:.3f}, "
-                      f"{probe['seconds']:.0f} s."]
+    lines += _quantized_states(results) + _curves(results) + _epoch_acceptance(results)
+    for key, target in (("probe", "fp8"), ("probe-int4", "int4")):
+        if key in results:
+            probe = results[key]
+            lines += ["", f"Probe of the {target} path before training: an untrained drafter served on the {target} "
+                          f"target over {probe['prompts']} prompts, acceptance {probe['acceptance_length']:.3f}, "
+                          f"{probe['seconds']:.0f} s."]
     lines += ["", "Step wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("seconds", {}).items()),
               "Versions: " + ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items())]
     return "\n".join(lines) + "\n"

@@ -18,9 +18,11 @@ from benchmarks.acceptance.arms import (
     LAYERS,
     MAIN_DIFFERENCES,
     OTHER_DIFFERENCES,
+    QUANTIZED,
     UNTRAINED,
     extract_overrides,
     quantized_runs,
+    quantized_targets,
     runs_needed,
     trained,
 )
@@ -33,7 +35,7 @@ from benchmarks.acceptance.drafters import (
     serving_verdict,
 )
 from benchmarks.acceptance.hf_states import write_hf_features
-from benchmarks.acceptance.pipeline import Job, OutOfTime, Pipeline, Served
+from benchmarks.acceptance.pipeline import Job, OutOfTime, Pipeline, Served, target_step
 from benchmarks.acceptance.prompts import split_prompts, write_conversations
 from benchmarks.acceptance.report import markdown, versions
 from benchmarks.acceptance.serving import (
@@ -65,7 +67,15 @@ SIDE_BY_SIDE = 8
 
 
 def stage_checkpoint(p: Pipeline) -> None:
+    """The bf16 checkpoint, and its INT4 one when an arm is served on the INT4 target (a process of its own)."""
     p.step("checkpoint", lambda: {"path": str(build_checkpoint(p.model, Path(p.args.gguf) if p.args.gguf else None))})
+    if "int4" in quantized_targets(p.args.arms):
+        def make() -> dict[str, Any]:
+            p.command([sys.executable, "-m", "benchmarks.acceptance.quantize_int4", str(p.model), str(p.model_int4)],
+                      "checkpoint-int4")
+            config = json.loads((p.model_int4 / "config.json").read_text())["quantization_config"]
+            return {"path": str(p.model_int4), "ignore": len(config["ignore"])}
+        p.step("checkpoint-int4", make)
 
 
 def stage_prompts(p: Pipeline) -> None:
@@ -87,24 +97,26 @@ def stage_prepare(p: Pipeline) -> None:
 
 
 def extract_command(p: Pipeline, run: str) -> list[str]:
-    """``jobs.extract`` for one run. The quantized run takes the quantized server's command as ``model.serving``
-    (in a config file: a command's JSON values do not survive an override's YAML) and its dtype from it (SGLang's
-    auto, the checkpoint's bf16, without --dtype); the others ``--dtype``."""
+    """``jobs.extract`` for one run. A quantized target's run takes the target's checkpoint, its serving command as
+    ``model.serving`` (in a config file: a command's JSON values do not survive an override's YAML) and its dtype
+    from it (SGLang's auto, the checkpoint's bf16, without --dtype); the others ``--dtype``."""
     device = "auto" if p.args.device == "cuda" else p.args.device
     command = [sys.executable, "-m", "jobs.extract"]
-    if run == "Q":
-        config = p.work / "serving" / "Q.yaml"
+    target = next((target for target, own in QUANTIZED.items() if own == run), "bf16")
+    if target != "bf16":
+        config = p.work / "serving" / f"{run}.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(yaml.safe_dump({"model": {"serving": list(p.args.quantized_serving)}}))
+        config.write_text(yaml.safe_dump({"model": {"serving": list(p.serving(target))}}))
         command += ["--config", str(config)]
     else:
         command.append(f"model.dtype={p.args.dtype}")
-    return [*command, f"model.path={p.model}", f"data.path={prepared_data(p.data)}", f"output.dir={p.run_dir(run)}",
-            f"model.device={device}", *extract_overrides(run, LAYERS), *p.args.extract_set]
+    return [*command, f"model.path={p.target_model(target)}", f"data.path={prepared_data(p.data)}",
+            f"output.dir={p.run_dir(run)}", f"model.device={device}", *extract_overrides(run, LAYERS),
+            *p.args.extract_set]
 
 
 def stage_extract(p: Pipeline) -> None:
-    """Every run the arms need, the quantized one first."""
+    """Every run the arms need, the quantized ones first."""
     for run in runs_needed(p.args.arms):
         def make(run: str = run) -> dict[str, Any]:
             p.command(extract_command(p, run), f"extract-{run}")
@@ -113,29 +125,30 @@ def stage_extract(p: Pipeline) -> None:
 
 
 def stage_probe(p: Pipeline) -> None:
-    """Before any training, when an arm is served on the quantized target: an untrained drafter (SpecForge's
-    initialisation, with the quantized run's drafter config) served on that target over a few held-out prompts,
+    """Before any training, for each quantized target an arm is served on: an untrained drafter (SpecForge's
+    initialisation, with the target's run's drafter config) served on that target over a few held-out prompts,
     so that a failure of the quantized serving path shows now, not after the training."""
-    if not any(ARMS[arm].quantized for arm in p.args.arms):
-        return
+    for target in quantized_targets(p.args.arms):
+        p.step(target_step("probe", target), lambda target=target: probe(p, target))
 
-    def make() -> dict[str, Any]:
-        directory = p.work / "probe"
-        config = p.run_dir("Q") / ".drafter_config.json"
-        checkpoint = write_untrained_checkpoint(config, directory, seed=0)
-        p.command(specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint), "--draft-config",
-                                    str(config), "--output-dir", str(directory / "drafter")),
-                  "specforge-export-probe", env=specforge_env())
-        served_config(directory / "drafter", json.loads(config.read_text())["eagle_config"])
-        prompts = directory / "prompts.jsonl"
-        prompts.write_text("".join(p.eval_prompts.read_text().splitlines(keepends=True)[:PROBE_PROMPTS]))
-        spec = ServeSpec(p.model, directory / "drafter", prompts, directory / "served.json", p.args.max_new_tokens,
-                         p.args.attention_backend, SERVE_MEMORY / max(1, p.args.serve_parallel),
-                         tuple(p.args.quantized_serving))
-        results = served_results(start_serving(spec), spec.out)
-        return {"prompts": len(results), "acceptance_length": acceptance_length(
-            [r.verify_ct for r in results], [r.correct_drafts for r in results])}
-    p.step("probe", make)
+
+def probe(p: Pipeline, target: str) -> dict[str, Any]:
+    """``stage_probe``'s step for one target."""
+    directory = p.work / target_step("probe", target)
+    config = p.run_dir(QUANTIZED[target]) / ".drafter_config.json"
+    checkpoint = write_untrained_checkpoint(config, directory, seed=0)
+    p.command(specforge_command("export", "--to", "sglang", "--checkpoint", str(checkpoint), "--draft-config",
+                                str(config), "--output-dir", str(directory / "drafter")),
+              f"specforge-export-{target_step('probe', target)}", env=specforge_env())
+    served_config(directory / "drafter", json.loads(config.read_text())["eagle_config"])
+    prompts = directory / "prompts.jsonl"
+    prompts.write_text("".join(p.eval_prompts.read_text().splitlines(keepends=True)[:PROBE_PROMPTS]))
+    spec = ServeSpec(p.target_model(target), directory / "drafter", prompts, directory / "served.json",
+                     p.args.max_new_tokens, p.args.attention_backend,
+                     SERVE_MEMORY / max(1, p.args.serve_parallel), p.serving(target))
+    results = served_results(start_serving(spec), spec.out)
+    return {"prompts": len(results), "acceptance_length": acceptance_length(
+        [r.verify_ct for r in results], [r.correct_drafts for r in results])}
 
 
 def stage_features(p: Pipeline) -> None:
@@ -152,15 +165,21 @@ def stage_features(p: Pipeline) -> None:
 
 
 def state_difference(p: Pipeline) -> dict[str, Job]:
-    """With Q-bf16: how far our bf16 states (A's run) are from the quantized target's (Q's), per layer; CPU work
-    in a process of its own, run beside the trainings."""
-    if "Q-bf16" not in p.args.arms:
-        return {}
-    out = p.work / "differences" / "q_bf16_vs_q.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return {"states-Q-bf16-vs-Q": Job(
-        [sys.executable, "-m", "benchmarks.acceptance.differences", str(p.run_dir("Q")), str(p.run_dir("A")), str(out)],
-        result=lambda output, code: {"q_bf16_vs_q": json.loads(out.read_text())})}
+    """With Q-bf16 (Q4-bf16): how far our bf16 states (A's run) are from the quantized target's (Q's, Q4's), per
+    layer; CPU work in a process of its own each, run beside the trainings."""
+    jobs = {}
+    for arm in ("Q-bf16", "Q4-bf16"):
+        if arm not in p.args.arms:
+            continue
+        run = QUANTIZED[ARMS[arm].target]
+        key = f"{arm}_vs_{run}".lower().replace("-", "_")
+        out = p.work / "differences" / f"{key}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        jobs[f"states-{arm}-vs-{run}"] = Job(
+            [sys.executable, "-m", "benchmarks.acceptance.differences", str(p.run_dir(run)), str(p.run_dir("A")),
+             str(out)],
+            result=lambda output, code, key=key, out=out: {key: json.loads(out.read_text())})
+    return jobs
 
 
 def stage_train(p: Pipeline) -> None:
@@ -202,7 +221,7 @@ def free_ports(count: int) -> list[int]:
 def stage_drafters(p: Pipeline) -> None:
     """Each drafter exported for SGLang (side by side), its eagle_config set to its arm's claim; then, side by
     side, jobs.check_drafter on the served drafters against the run each arm's states came from, and
-    jobs.check_serving of the quantized server's command against the run of every arm served on it."""
+    jobs.check_serving of each quantized target's serving command against the run of every arm served on it."""
     def exported(unit: Served) -> Callable[[str, int], dict[str, Any]]:
         claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
         return lambda output, code: {"eagle_config": served_config(p.drafter(unit), claimed)["eagle_config"]}
@@ -229,10 +248,10 @@ def drafter_checks(p: Pipeline) -> dict[str, Job]:
 
 
 def serving_checks(p: Pipeline) -> dict[str, Job]:
-    """jobs.check_serving of the quantized server's command against the run of every arm served on it."""
-    return {f"check-serving-{run}": Job(check_serving_command(p.run_dir(run), p.args.quantized_serving), ok=(0, 1),
-                                        result=serving_verdict)
-            for run in quantized_runs(p.args.arms)}
+    """jobs.check_serving of each quantized target's serving command against the run of every arm served on it."""
+    return {target_step(f"check-serving-{run}", target): Job(
+        check_serving_command(p.run_dir(run), p.serving(target)), ok=(0, 1), result=serving_verdict)
+        for target in quantized_targets(p.args.arms) for run in quantized_runs(p.args.arms, target)}
 
 
 def stage_serve(p: Pipeline) -> None:
@@ -247,9 +266,9 @@ def stage_serve(p: Pipeline) -> None:
         started = time.perf_counter()
         p.progress(step=" ".join(f"serve-{unit.name}" for unit in batch))
         processes = {unit: start_serving(ServeSpec(
-            p.model, p.drafter(unit), p.eval_prompts, p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens,
-            p.args.attention_backend, SERVE_MEMORY / len(batch),
-            tuple(p.args.quantized_serving) if ARMS[unit.arm].quantized else ())) for unit in batch}
+            p.target_model(ARMS[unit.arm].target), p.drafter(unit), p.eval_prompts,
+            p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens, p.args.attention_backend,
+            SERVE_MEMORY / len(batch), p.serving(ARMS[unit.arm].target))) for unit in batch}
         for unit, process in processes.items():
             results = served_results(process, p.work / "serve" / f"{unit.name}.json")
             p.save(f"serve-{unit.name}", {"prompts": len(results), "engines_at_once": len(batch)},
@@ -282,15 +301,16 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
                      if p.record(name) is not None},
         "check_drafter": {unit.name: verdicts.get(str(p.drafter(unit)), {}) for unit in units
                           if (verdicts := p.record(f"check-drafter-{ARMS[unit.arm].run}-s{unit.seed}"))},
-        "check_serving": {run: {**p.record(f"check-serving-{run}"), "command": list(p.args.quantized_serving)}
-                          for run in quantized_runs(p.args.arms) if p.record(f"check-serving-{run}")},
+        "check_serving": {target_step(run, target): {**record, "command": list(p.serving(target))}
+                          for target in quantized_targets(p.args.arms) for run in quantized_runs(p.args.arms, target)
+                          if (record := p.record(target_step(f"check-serving-{run}", target)))},
         "data": {**p.record("prompts"), **p.record("prepare")},
         "recipe": {**{k: v for k, v in dataclasses.asdict(p.recipe(p.args.seeds[0])).items() if k != "seed"},
                    "seeds": list(p.args.seeds)},
         "serving": {"speculative_num_steps": SPEC_STEPS, "speculative_eagle_topk": SPEC_TOPK,
                     "speculative_num_draft_tokens": SPEC_DRAFT_TOKENS, "temperature": 0,
                     "max_new_tokens": p.args.max_new_tokens, "attention_backend": p.args.attention_backend,
-                    "quantized_serving": list(p.args.quantized_serving),
+                    "quantized_serving": list(p.args.quantized_serving), "int4_serving": list(p.args.int4_serving),
                     "engines": {unit.name: json.loads((p.work / "serve" / f"{unit.name}.json").read_text())
                                 .get("engine") for unit in units}},
         "seconds": {path.stem: json.loads(path.read_text())["seconds"]
@@ -298,11 +318,13 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
         "versions": versions(),
         "command": " ".join(sys.argv),
     }
-    for step, key in (("features-C", "c_vs_a"), ("states-Q-bf16-vs-Q", "q_bf16_vs_q")):
+    for step, key in (("features-C", "c_vs_a"), ("states-Q-bf16-vs-Q", "q_bf16_vs_q"),
+                      ("states-Q4-bf16-vs-Q4", "q4_bf16_vs_q4")):
         if (record := p.record(step)) is not None:
             results[key] = record[key]
-    if (probe := p.record("probe")) is not None:
-        results["probe"] = probe
+    for target in QUANTIZED:
+        if (probe := p.record(target_step("probe", target))) is not None:
+            results[target_step("probe", target)] = probe
     out = Path(p.args.out) if p.args.out else p.work / "results.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
@@ -312,12 +334,12 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
 
 def same_output(served: dict[Served, list]) -> dict[str, float]:
     """Per served drafter, the share of prompts whose output ids equal those of the same target's reference arm
-    (A on the bf16 target, Q on the quantized one) of the same seed: greedy speculative decoding is meant to give
+    (A on the bf16 target, Q or Q4 on a quantized one) of the same seed: greedy speculative decoding is meant to give
     the target's own answers."""
     by_name = {unit.name: results for unit, results in served.items()}
     shares = {}
     for unit, results in served.items():
-        reference = Served("Q" if ARMS[unit.arm].quantized else "A", unit.seed).name
+        reference = Served(QUANTIZED.get(ARMS[unit.arm].target, "A"), unit.seed).name
         if reference in by_name and reference != unit.name:
             same = sum(r.output_sha == a.output_sha for r, a in zip(results, by_name[reference]))
             shares[unit.name] = same / len(results)

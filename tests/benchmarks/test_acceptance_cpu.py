@@ -1,9 +1,10 @@
 """The pieces of the acceptance benchmark (benchmarks/acceptance/) that run without a GPU: the prompts and
 their split, the arms (what a selection extracts, trains and serves), the HF-path states, SpecForge 0.2.0's
 own config, trainer (up to FSDP, which needs an accelerator) and exporter on our export, the served configs
-through jobs.check_drafter, arm Q's run with a stand-in serving command and jobs.check_serving of it, the
-state comparison, the bootstrap per seed and pooled, the report, commands side by side, the background run.
-Serving with SGLang's EAGLE3, training and the regeneration (jobs.prepare) run on the H200 only."""
+through jobs.check_drafter, arm Q's run with a stand-in serving command and jobs.check_serving of it, the INT4
+target's run, engines and checks, the state comparison, the bootstrap per seed and pooled, the report, commands
+side by side, the background run. Serving with SGLang's EAGLE3, training and the regeneration (jobs.prepare) run
+on the H200 only."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from benchmarks.acceptance.arms import (
     extract_overrides,
     parse_arms,
     quantized_runs,
+    quantized_targets,
     runs_needed,
     trained,
 )
@@ -49,7 +51,14 @@ from benchmarks.acceptance.prompts import (
     write_conversations,
 )
 from benchmarks.acceptance.serving import PromptResult, engine_args, prompt_results
-from benchmarks.acceptance.stages import serving_batches, serving_checks, stage_extract, stage_report, state_difference
+from benchmarks.acceptance.stages import (
+    extract_command,
+    serving_batches,
+    serving_checks,
+    stage_extract,
+    stage_report,
+    state_difference,
+)
 from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
     Recipe,
@@ -169,7 +178,12 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
     assert quantized_runs(("Q",)) == ("Q",) and quantized_runs(("A", "B")) == ()
     assert trained(("A", "Q", "Q-bf16")) == ("A", "Q") and drafters_needed(("E",)) == ("E",) and trained(("E",)) == ()
     assert runs_needed(("B",)) == ("A", "B") and runs_needed(("C",)) == ("A",) and runs_needed(("D",)) == ("D",)
-    assert trained(tuple(ARMS)) == ("A", "B", "C", "D", "Q") and runs_needed(tuple(ARMS)) == ("Q", "A", "B", "D")
+    assert trained(tuple(ARMS)) == ("A", "B", "C", "D", "Q", "Q4")
+    assert runs_needed(tuple(ARMS)) == ("Q", "Q4", "A", "B", "D")
+    # the INT4 target as the fp8 one: Q4-bf16 serves A's drafter on it and is compared with Q4's run
+    assert trained(("Q4-bf16",)) == ("A",) and runs_needed(("Q4-bf16",)) == ("Q4", "A")
+    assert quantized_runs(("A", "Q-bf16", "Q4-bf16"), "int4") == ("Q4", "A") and quantized_runs(("Q4",), "fp8") == ()
+    assert quantized_targets(("Q4", "A", "Q-bf16")) == ("fp8", "int4") and quantized_targets(("A", "B")) == ()
 
     def pipeline(*args: str) -> Pipeline:
         return Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts", *args]))
@@ -197,6 +211,32 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
     assert epochs.recipe(0).save_interval == 100
     assert epochs.checkpoint(Served("A", 0, 2)) == p.work / "train" / "A-s0" / "out" / "arm-A-step200"
     assert epochs.checkpoint(Served("E", 0)) == p.work / "train" / "E-s0" / "training_state.pt"
+
+
+
+def test_the_int4_target_its_run_engines_and_checks(tmp_path):
+    """Arms Q4 and Q4-bf16: Q4's run extracts the INT4 checkpoint with its serving command as model.serving, their
+    engines serve that checkpoint with it (each alone), jobs.check_serving compares it with Q4's run and A's, and
+    Q4-bf16's states are compared with Q4's; fp8's steps keep their names."""
+    p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts",
+                             "--arms", "A,Q-bf16,Q4,Q4-bf16", "--attention-backend", "fa3"]))
+    int4 = ("--quantization", "compressed-tensors", "--attention-backend", "fa3")
+    assert p.serving("int4") == p.args.int4_serving == int4 and p.serving("bf16") == ()
+    assert p.target_model("int4") == p.work / "model-int4" and p.target_model("fp8") == p.model
+    assert [unit.name for unit in p.served()] == ["Q-bf16-s0", "Q4-s0", "Q4-bf16-s0", "A-s0"]
+    assert [[unit.name for unit in batch] for batch in serving_batches(p.served(), 2)] == [
+        ["Q-bf16-s0"], ["Q4-s0"], ["Q4-bf16-s0"], ["A-s0"]]
+    command = extract_command(p, "Q4")
+    assert f"model.path={p.work / 'model-int4'}" in command and "--config" in command
+    assert not any(word.startswith("model.dtype=") for word in command)
+    assert yaml.safe_load((p.work / "serving" / "Q4.yaml").read_text()) == {"model": {"serving": list(int4)}}
+    assert f"model.path={p.model}" in extract_command(p, "A")
+    checks = serving_checks(p)
+    assert list(checks) == ["check-serving-Q", "check-serving-A", "check-serving-Q4-int4", "check-serving-A-int4"]
+    assert checks["check-serving-A-int4"].command[-6:] == [f"output.dir={p.run_dir('A')}", "--", *int4]
+    differences = state_difference(p)
+    assert list(differences) == ["states-Q-bf16-vs-Q", "states-Q4-bf16-vs-Q4"]
+    assert differences["states-Q4-bf16-vs-Q4"].command[-3:-1] == [str(p.run_dir("Q4")), str(p.run_dir("A"))]
 
 
 @pytest.mark.extended
@@ -401,6 +441,8 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     layers = {"layer 1": {"mean": 0.03, "max": 0.2, "tokens": 1234},
               "final (post_norm)": {"mean": 0.05, "max": 0.3, "tokens": 1234}}
     _record(p.work, "states-Q-bf16-vs-Q", {"q_bf16_vs_q": layers})
+    _record(p.work, "states-Q4-bf16-vs-Q4", {"q4_bf16_vs_q4": {name: {**entry, "mean": 2 * entry["mean"]}
+                                                               for name, entry in layers.items()}})
     _record(p.work, "probe", {"prompts": 16, "acceptance_length": 1.0})
 
     results = stage_report(p)
@@ -419,19 +461,20 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     assert results["same_output"] == {"Q-bf16-s0": 0.5, "Q-bf16-s1": 0.5}  # against Q's outputs of the same seed
     assert set(results["training"]) == {"A-s0", "Q-s0", "A-s1", "Q-s1"} and results["recipe"]["seeds"] == [0, 1]
     assert results["serving"]["engines"]["Q-s0"] == {"quantization": "fp8"} and results["probe"]["prompts"] == 16
-    for row in ("| Q | ours, extracted with the quantized server's settings (model.serving) | quantized | 0 "
+    for row in ("| Q | ours, extracted with the quantized server's settings (model.serving) | fp8 | 0 "
                 "| **1.600** (1.600-1.600) | 1.500 / 0.600 | 225 | PASS |",
                 "| Q-bf16 | A's drafter (our bf16 states: any bf16 path), served on the quantized target "
-                "| quantized | 1 "
+                "| fp8 | 1 "
                 "| **1.600** (1.600-1.600) | 1.500 / 0.550 (A's) | 225 | PASS |",
                 "| A | | bf16 | pooled | **1.750** (1.750-1.750) | | | |",
                 "| **Q-(Q-bf16)** | 0 | +0.100 (+0.100 to +0.100) |", "| **Q-(Q-bf16)** | pooled | +0.100",
                 "| A-Q | 1 | +0.100", "| A | FAIL | --quantization |", "| Q | PASS | - |",
-                "Q-bf16's states (ours, bf16) vs Q's (the quantized target's), per-token relative difference "
-                "(1,234 tokens) | mean | max |", "| final (post_norm) | 0.0500 | 0.3000 |",
+                "| our bf16 states (A) vs the quantized target's, per-token relative difference (fp8 (Q) 1,234, "
+                "INT4 (Q4) 1,234 tokens) | fp8 (Q) mean | fp8 (Q) max | INT4 (Q4) mean | INT4 (Q4) max |",
+                "| final (post_norm) | 0.0500 | 0.3000 | 0.1000 | 0.3000 |",
                 "| Q-s1 | 1 | 10-70 | 4.000 | 0.300 |  | 0.400 |",
-                "Quantized target: the bf16 checkpoint served with `--quantization fp8 --attention-backend flashinfer`",
-                "an untrained drafter served on the quantized target over 16 prompts, acceptance 1.000"):
+                "Quantized target fp8: the bf16 checkpoint served with `--quantization fp8 --attention-backend "
+                "flashinfer`", "an untrained drafter served on the fp8 target over 16 prompts, acceptance 1.000"):
         assert row in table, row
     assert table.index("**Q-(Q-bf16)**") < table.index("| A-Q |")
 
@@ -445,14 +488,17 @@ def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
         return subprocess.run([sys.executable, "-m", "benchmarks.acceptance", "--work", str(work), *args], cwd=REPO_ROOT,
                               env=project_env(), capture_output=True, text=True, timeout=300)
 
-    first = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200")
+    # arms not served on the INT4 target: the checkpoint stage makes no INT4 checkpoint (test_quantize_int4.py's)
+    first = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200",
+                "--arms", "A,Q,Q-bf16")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "prompts: " in first.stdout and "checkpoint: " in first.stdout  # what a device call shows
     records = {path.name: path.read_text() for path in (work / "steps").iterdir()}
     assert sorted(records) == ["checkpoint.json", "prompts.json"]
     assert json.loads(records["prompts.json"])["held_out"] == 200
     assert len((work / "prompts" / "train.jsonl").read_text().splitlines()) == 300
-    again = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200")
+    again = run("--stages", "checkpoint,prompts", "--device", "cpu", "--train-prompts", "300", "--eval-prompts", "200",
+                "--arms", "A,Q,Q-bf16")
     assert again.returncode == 0 and {p.name: p.read_text() for p in (work / "steps").iterdir()} == records
     late = run("--stages", "prompts,extract", "--device", "cpu", "--deadline-s", "1e-9")
     assert late.returncode == EXIT_MORE_TO_DO and "stopped before step extract-Q" in late.stderr  # Q's run first
@@ -598,7 +644,7 @@ def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_pa
                               env=project_env(), capture_output=True, text=True, timeout=300)
 
     arguments = ["--work", str(work), "--device", "cpu", "--stages", "checkpoint,prompts", "--train-prompts", "300",
-                 "--eval-prompts", "200"]
+                 "--eval-prompts", "200", "--arms", "A,Q,Q-bf16"]  # no arm on the INT4 target: no INT4 checkpoint
     refused = background("start", *arguments, "--arms", "Z")
     assert refused.returncode == 2 and "unknown arms" in refused.stderr and not (work / "background").exists()
     started = background("start", *arguments)
