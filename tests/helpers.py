@@ -297,26 +297,52 @@ def vllm_style(config: dict, ids: list[int]) -> dict:
 
 
 class DiskSampler:
-    """Samples the bytes of shard files (final and temp) under a directory while the job runs."""
+    """Looks at a directory's files again and again while a job runs (a thread of its own, every ``interval_s``):
+    by default the shard files directly in it, committed and temp; with ``every_file``, every file at any depth.
+    Keeps the peak of their total size (``peak``) with the sizes at that peak (``at_peak``), the peak of their
+    allocated blocks (``peak_blocks``), every name seen (relative to the directory) and how many looks there were
+    (``samples``). A look that fails fails the ``with`` block: the peak is of every look, none skipped."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, every_file: bool = False, interval_s: float = 0.005) -> None:
         self.directory = directory
-        self.peak = 0
-        self.samples = 0
+        self.every_file = every_file
+        self.interval_s = interval_s
+        self.peak = self.peak_blocks = self.samples = 0
+        self.at_peak: dict[str, int] = {}
+        self.names: set[str] = set()
+        self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
+    def _paths(self) -> Iterator[Path]:
+        if not self.every_file:
+            yield from self.directory.glob("*shard-*")  # committed and temp (.shard-*.tmp)
+            return
+        for root, _, files in os.walk(self.directory):
+            yield from (Path(root) / name for name in files)
+
+    def _look(self) -> None:
+        sizes, blocks = {}, 0
+        for path in list(self._paths()):
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:
+                continue  # uploaded, consumed or renamed between the listing and the look
+            sizes[str(path.relative_to(self.directory))] = stat.st_size
+            blocks += stat.st_blocks * 512
+        self.names.update(sizes)
+        if sum(sizes.values()) > self.peak:
+            self.peak, self.at_peak = sum(sizes.values()), sizes
+        self.peak_blocks = max(self.peak_blocks, blocks)
+        self.samples += 1
+
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for path in list(self.directory.glob("*shard-*")):  # committed and temp (.shard-*.tmp)
-                try:
-                    total += path.stat().st_size
-                except FileNotFoundError:
-                    pass  # uploaded and deleted between listing and stat
-            self.peak = max(self.peak, total)
-            self.samples += 1
-            time.sleep(0.005)
+        try:
+            while not self._stop.is_set():
+                self._look()
+                time.sleep(self.interval_s)
+        except BaseException as error:  # noqa: BLE001 - handed to the with block's end
+            self._error = error
 
     def __enter__(self) -> "DiskSampler":
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -326,6 +352,8 @@ class DiskSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise AssertionError(f"a look at {self.directory} failed after {self.samples} looks") from self._error
 
 
 def flip_middle(path, nbytes=4096) -> None:

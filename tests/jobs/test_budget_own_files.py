@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -26,7 +25,7 @@ from storage.manifest import (
     read_manifest,
     size_bound,
 )
-from tests.helpers import job_config, read_all
+from tests.helpers import DiskSampler, job_config, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
@@ -46,49 +45,6 @@ def dataset(tmp_path_factory) -> Path:
     return build_synthetic_dataset(
         tmp_path_factory.mktemp("own-files") / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=120, seed=7
     )
-
-
-class DirectorySampler:
-    """Every ~50 ms, the bytes of every file under a directory (recursively): sizes and allocated blocks."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.rounds = 0
-        self.samples: list[tuple[int, int]] = []
-        self.peak_size = self.peak_blocks = 0
-        self.at_peak: dict[str, int] = {}
-        self.names: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.rounds += 1
-            sizes, blocks = {}, 0
-            for root, _, files in os.walk(self.directory):
-                for name in files:
-                    path = os.path.join(root, name)
-                    try:
-                        stat = os.lstat(path)
-                    except FileNotFoundError:
-                        continue  # deleted (consumed, renamed) between the listing and the look
-                    sizes[os.path.relpath(path, self.directory)] = stat.st_size
-                    blocks += stat.st_blocks * 512
-            self.names.update(sizes)
-            self.samples.append((sum(sizes.values()), blocks))
-            if sum(sizes.values()) > self.peak_size:
-                self.peak_size, self.at_peak = sum(sizes.values()), sizes
-            self.peak_blocks = max(self.peak_blocks, blocks)
-            time.sleep(0.05)
-
-    def __enter__(self) -> "DirectorySampler":
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class Trainer:
@@ -118,17 +74,17 @@ class Trainer:
 
 def test_a_1mb_budget_holds_to_the_byte_with_every_file_the_job_keeps(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
-    with DirectorySampler(out) as sampler, Trainer(out) as trainer:
+    with DiskSampler(out, every_file=True, interval_s=0.05) as sampler, Trainer(out) as trainer:
         summary = run(job_config(llama_fp32, dataset, out, f"output.disk_budget={BUDGET}", *SETTINGS))
     print(f"budget {BUDGET} B: own files up to {summary['disk_budget']['own_files']} B; sampled peak "
-          f"{sampler.peak_size} B (blocks {sampler.peak_blocks} B) over {len(sampler.samples)} samples; accounted peak "
+          f"{sampler.peak} B (blocks {sampler.peak_blocks} B) over {sampler.samples} samples; accounted peak "
           f"{summary['disk_budget']['peak']} B; at the peak: {sorted(sampler.at_peak.items())}")
     assert summary["outcome"] == "complete" and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
-    # the sampler looked the whole time, and every look arrived
-    assert len(sampler.samples) == sampler.rounds and len(sampler.samples) >= 10
-    assert sampler.peak_size <= BUDGET, sorted(sampler.at_peak.items())
+    # the sampler looked the whole time (a look that failed would have failed the with block)
+    assert sampler.samples >= 10
+    assert sampler.peak <= BUDGET, sorted(sampler.at_peak.items())
     assert sampler.peak_blocks <= BUDGET
-    assert sampler.peak_size > summary["disk_budget"]["own_files"] // 4  # the own files and a shard were there
+    assert sampler.peak > summary["disk_budget"]["own_files"] // 4  # the own files and a shard were there
     assert summary["disk_budget"]["peak"] <= BUDGET and summary["disk_budget"]["overshoot"] == 0
     # every file seen is one the budget counts; the summary's reserve and the records were among them
     assert {name for name in sampler.names if not JOB_FILES.fullmatch(name)} == set()

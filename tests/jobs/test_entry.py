@@ -309,25 +309,23 @@ def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
     return samples
 
 
-def test_the_readme_runtime_env_on_a_local_head(ray_head, llama_fp32, demo_dataset, tmp_path):
+def readme_submit() -> str:
     """The README's `ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m jobs.extract`,
-    as printed up to the job's keys, to a head started from the activated virtualenv on a machine without
-    ~/eagle3-venv (cluster.yaml's): the job runs in the head's Python and completes. The same env naming a
-    virtualenv that is not there, on a head whose `python` lacks the project, fails at once with one line naming
-    the missing path."""
-    assert not (Path.home() / "eagle3-venv").exists()
+    as printed up to the job's keys."""
     submit_line = next(command for command in readme_commands() if command.startswith("ray job submit"))
     printed = submit_line[:submit_line.index("python -m jobs.extract") + len("python -m jobs.extract")]
     assert "--runtime-env conf/runtime-env.yaml" in printed
-    env = user_env(RAY_ADDRESS=ray_head.dashboard_url, PATH=ACTIVATED)
-    out = tmp_path / "out"
-    keys = f"model.path={llama_fp32} data.path={demo_dataset} output.dir={out} data.shard_size=10"
-    ran = subprocess.run(["bash", "-c", f"{printed} {keys}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
-    assert f"2 of 2 shards done in {out}: 20 samples" in ran.stdout, ran.stdout[-3000:]
-    assert sorted(read_all(out)) == list(range(20))
+    return printed
 
+
+def test_the_readme_runtime_env_naming_a_missing_virtualenv_fails_at_once(ray_head, llama_fp32, demo_dataset,
+                                                                          tmp_path):
+    """The README's `ray job submit` with a runtime env naming a virtualenv that is not there, on a head whose
+    `python` lacks the project: it fails at once with one line naming the missing path. (The README's env as
+    printed, on a head started from the activated virtualenv: test_ray_job_submit_stop_and_resubmit's resubmission.)"""
+    printed = readme_submit()
+    env = user_env(RAY_ADDRESS=ray_head.dashboard_url, PATH=ACTIVATED)
+    keys = f"model.path={llama_fp32} data.path={demo_dataset} output.dir={tmp_path / 'out'} data.shard_size=10"
     # A Python without the project first on the entrypoint's PATH, as on a head that another Python started.
     other = tmp_path / "other"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
@@ -347,8 +345,10 @@ def test_the_readme_runtime_env_on_a_local_head(ray_head, llama_fp32, demo_datas
 def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     """The README's path: submit the demo with absolute paths, watch its progress on the metrics endpoint,
     in .summary.json (jobs.status) and in the job's logs (Jobs API), stop it with `ray job stop`, submit
-    the same command again: every sample exactly once. A relative path is refused (it would land in
-    Ray's per-upload copy of the working dir)."""
+    it again with the README's `ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m
+    jobs.extract` as printed up to the job's keys, to this head started from the activated virtualenv on a machine
+    without ~/eagle3-venv (cluster.yaml's): the job runs in the head's Python and completes, every sample exactly
+    once. A relative path is refused (it would land in Ray's per-upload copy of the working dir)."""
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(ray_head.dashboard_url)
@@ -396,13 +396,17 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     print(f"stopped with {len(first_done)} of {samples // 4} shards done")
     assert 0 < len(first_done) < samples // 4, "the job finished before `ray job stop` reached it"
 
-    submit(ray_head, "eagle3-again", args)
-    assert wait_for_status(client, "eagle3-again", {"STOPPED", "SUCCEEDED", "FAILED"}) == "SUCCEEDED", \
-        client.get_job_logs("eagle3-again")[-3000:]
+    assert not (Path.home() / "eagle3-venv").exists()
+    again = subprocess.run(["bash", "-c", f"{readme_submit()} {' '.join(args)}"], cwd=REPO_ROOT,
+                           env=user_env(RAY_ADDRESS=ray_head.dashboard_url, PATH=ACTIVATED), capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    submitted = re.search(r"Job '(raysubmit_\w+)' submitted successfully", again.stdout)
+    assert submitted and client.get_job_status(submitted.group(1)).value == "SUCCEEDED", again.stdout[-3000:]
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert all(records[index]["attempts"] == 1 for index in first_done), "done shards must not run again"
     assert_manifest_matches_disk(out, samples)
-    logs = client.get_job_logs("eagle3-again")
+    logs = client.get_job_logs(submitted.group(1))
     assert re.search(rf"{samples // 4} shards done in {out}: {samples} samples", logs)
     # The Jobs API's logs: progress lines, no bar redraws, no SGLang import noise.
     lines = [match.groups() for match in PROGRESS_LINE.finditer(logs)]

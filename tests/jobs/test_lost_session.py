@@ -1,6 +1,7 @@
 """The ground going away under a running job, through real processes: the SSH session it was started from drops
-(SIGHUP), the Ray head's GCS is stopped (as ``ray stop`` stops it). Each ends the run with a summary and an exit
-code that say so, the lock released, no process of the run left; a plain rerun completes it, every sample once."""
+(SIGHUP), then, under its rerun, the Ray head's GCS is stopped (as ``ray stop`` stops it). Each ends the run with a
+summary and an exit code that say so, the lock released, no process of the run left; a plain rerun resumes it,
+and the last one completes it, every sample once."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from storage.manifest import DONE, PENDING, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import alive, assert_every_sample_once, descendants, python_env
 
-NUM_SAMPLES = 48
 LONG_SAMPLES = 400
 SHARD_SIZE = 4
 RAY_OWN_LIMIT_S = 60
@@ -33,14 +33,8 @@ RAY_OWN_LIMIT_S = 60
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return build_synthetic_dataset(tmp_path_factory.mktemp("lost-session") / "data.parquet", num_samples=NUM_SAMPLES,
-                                   min_len=20, max_len=60, seed=9)
-
-
-@pytest.fixture(scope="module")
 def long_dataset(tmp_path_factory) -> Path:
-    """Long enough (a minute or so here) that the run is still extracting when its cluster goes."""
+    """Long enough (a minute or so here) that the run is still extracting when its cluster goes, twice."""
     return build_synthetic_dataset(tmp_path_factory.mktemp("lost-cluster") / "data.parquet", num_samples=LONG_SAMPLES,
                                    min_len=20, max_len=60, seed=9)
 
@@ -96,36 +90,42 @@ def assert_nothing_left(started: dict[int, psutil.Process], out: Path) -> None:
     assert not alive(started), alive(started)
 
 
-def test_sighup_to_the_sessions_processes_ends_the_run_interrupted(llama_fp32, dataset, tmp_path):
-    """A dropped SSH session: SIGHUP to the job's whole process group, the private Ray cluster it started
-    included. The cluster does not die under the driver; the run winds down as on Ctrl-C: exit 129."""
+def done_count(out: Path) -> int:
+    try:
+        return sum(record["state"] == DONE for record in read_manifest(out)["shards"])
+    except ValueError:
+        return 0
+
+
+def test_sighup_then_the_head_stopped_each_end_the_run_and_a_plain_rerun_resumes_it(llama_fp32, long_dataset,
+                                                                                    tmp_path):
+    """One output.dir through both losses, each run the same plain command on a private cluster of its own:
+
+    1. A dropped SSH session: SIGHUP to the job's whole process group, the private Ray cluster it started
+       included. The cluster does not die under the driver; the run winds down as on Ctrl-C: exit 129.
+    2. Its plain rerun resumes it (the done shards kept, not run again); while it writes shards, SIGTERM to the
+       GCS of its cluster (what ``ray stop`` sends it): the driver notices within seconds, not when Ray ends it
+       after a minute (exit 1, the summary still ``running``); the summary says ``cluster_lost``, exit 4; the
+       manifest keeps every done shard; ``shards=failed`` does not say "nothing to do" while shards are pending.
+    3. The plain rerun completes the run, every sample once.
+    Each ends with its summary and exit code, the lock released and no process of the run left."""
     out = tmp_path / "out"
-    args = job_args(llama_fp32, dataset, out)
-    with open(tmp_path / "stderr", "w+") as stderr:
+    args = job_args(llama_fp32, long_dataset, out)
+    with open(tmp_path / "stderr-sighup", "w+") as stderr:
         job, started = run_until(args, stderr, lambda started: some_shard_done(out))
         os.killpg(job.pid, signal.SIGHUP)
         job.wait(timeout=120)
         stderr.seek(0)
         errors = stderr.read()
-    assert job.returncode == 128 + signal.SIGHUP, errors[-3000:]
-    assert "error: stopped by SIGHUP" in errors and "Traceback" not in errors, errors[-3000:]
+    assert job.returncode == 128 + signal.SIGHUP, f"SIGHUP: {errors[-3000:]}"
+    assert "error: stopped by SIGHUP" in errors and "Traceback" not in errors, f"SIGHUP: {errors[-3000:]}"
     summary = read_summary(out)
-    assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 129)
+    assert (summary["outcome"], summary["exit_code"]) == ("interrupted", 129), f"SIGHUP: {json.dumps(summary)[:2000]}"
     assert_nothing_left(started, out)
-    rerun = extract(args)
-    assert rerun.returncode == EXIT_OK, rerun.stderr[-3000:]
-    assert_every_sample_once(out, dataset)
+    done_before = {record["index"] for record in read_manifest(out)["shards"] if record["state"] == DONE}
 
-
-def test_the_ray_head_stopped_under_the_job_ends_it_as_cluster_lost(llama_fp32, long_dataset, tmp_path):
-    """SIGTERM to the GCS of the run's cluster (what ``ray stop`` sends it) while shards are written: the driver
-    notices within seconds, not when Ray ends it after a minute (exit 1, the summary still ``running``); the
-    summary says ``cluster_lost``, exit 4; the manifest keeps every done shard; ``shards=failed`` does not say
-    "nothing to do" while shards are pending, and the plain rerun completes the run."""
-    out = tmp_path / "out"
-    args = job_args(llama_fp32, long_dataset, out)
-    with open(tmp_path / "stderr", "w+") as stderr:
-        job, started = run_until(args, stderr, lambda started: some_shard_done(out))
+    with open(tmp_path / "stderr-head", "w+") as stderr:
+        job, started = run_until(args, stderr, lambda started: done_count(out) > len(done_before))
         gcs = [process for process in started.values() if "gcs_server" in _name(process)]
         assert len(gcs) == 1, [_name(process) for process in started.values()]
         gcs[0].send_signal(signal.SIGTERM)
@@ -135,15 +135,17 @@ def test_the_ray_head_stopped_under_the_job_ends_it_as_cluster_lost(llama_fp32, 
         stderr.seek(0)
         errors = stderr.read()
     print(f"the job ended {took:.1f} s after its GCS was stopped")
-    assert job.returncode == EXIT_FAULT, errors[-3000:]
+    assert job.returncode == EXIT_FAULT, f"head stopped: {errors[-3000:]}"
     assert took < RAY_OWN_LIMIT_S, took
-    assert "error: the Ray cluster is gone" in errors and "Traceback" not in errors, errors[-3000:]
+    assert "error: the Ray cluster is gone" in errors and "Traceback" not in errors, f"head stopped: {errors[-3000:]}"
     summary = read_summary(out)
     assert (summary["outcome"], summary["exit_code"]) == ("cluster_lost", EXIT_FAULT), json.dumps(summary)[:2000]
     records = read_manifest(out)["shards"]
     done = [record for record in records if record["state"] == DONE]
     assert done and summary["shards_done"] == len(done)
     assert all((out / record["file"]).stat().st_size == record["bytes"] for record in done)
+    resumed = {record["index"]: record["attempts"] for record in records if record["index"] in done_before}
+    assert resumed == dict.fromkeys(done_before, 1), f"the rerun after SIGHUP ran done shards again: {resumed}"
     assert_nothing_left(started, out)
 
     pending = sum(record["state"] == PENDING for record in records)

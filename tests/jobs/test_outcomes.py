@@ -57,10 +57,17 @@ def base_args(model: Path, data: Path, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def done_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> Path:
-    """A complete run of five shards (``FIVE_SHARDS``), made once: each test that starts from it damages a copy."""
+    """A complete run of five shards (``FIVE_SHARDS``), made once: each test that starts from it reads it or
+    damages a copy."""
     out = tmp_path_factory.mktemp("done-run") / "out"
     assert run(job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS))["shards_done"] == 5
     return out
+
+
+def five_shard_args(model: Path, data: Path, out: Path) -> list[str]:
+    """``done_run``'s keys (``job_config`` with ``FIVE_SHARDS``) as a command's arguments."""
+    return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
+            "extract.max_tokens_per_batch=300", "output.budget_wait_s=30", *FIVE_SHARDS]
 
 
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
@@ -247,25 +254,24 @@ def test_sigterm_during_the_model_load_ends_interrupted(ray_cluster, llama_fp32,
     assert all(r["state"] != DONE for r in read_manifest(out)["shards"])
 
 
-def test_every_done_shard_of_a_run_that_exits_0_is_there_once(ray_cluster, llama_fp32, demo_dataset, tmp_path):
-    summary = run(job_config(llama_fp32, demo_dataset, tmp_path / "out", "data.shard_size=3",
-                             "output.min_free=0"))
-    records = read_manifest(tmp_path / "out")["shards"]
-    assert summary["exit_code"] == 0 and summary["shards_done"] == len(records) == 7
-    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*.parquet")) == sorted(r["file"] for r in records)
-    assert json.loads((tmp_path / "out" / ".summary.json").read_text())["outcome"] == "complete"
-    assert_every_sample_once(tmp_path / "out", demo_dataset)
+def test_every_done_shard_of_a_run_that_exits_0_is_there_once(llama_fp32, demo_dataset, done_run):
+    summary = read_summary(done_run)
+    records = read_manifest(done_run)["shards"]
+    assert summary["exit_code"] == 0 and summary["shards_done"] == len(records) == 5
+    assert sorted(p.name for p in done_run.glob("shard-*.parquet")) == sorted(r["file"] for r in records)
+    assert json.loads((done_run / ".summary.json").read_text())["outcome"] == "complete"
+    assert_every_sample_once(done_run, demo_dataset)
 
 
-def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32, demo_dataset, done_run, tmp_path):
     """output.sink at output.dir (by name, through a link, or inside it) or at a node's output.node_dir: every
     upload would copy a shard onto itself (or into the run's own directory), then delete the local file.
-    Refused before Ray starts, exit 2, and the done files of the run already there untouched."""
-    out = tmp_path / "out"
-    args = base_args(llama_fp32, demo_dataset, out)
-    run(load_config(args))
+    Refused before Ray starts, exit 2, and the done files of the run already there (a copy of a done run)
+    untouched."""
+    out = copy_of(done_run, tmp_path)
+    args = five_shard_args(llama_fp32, demo_dataset, out)
     before = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
-    assert len(before) == 3
+    assert len(before) == 5
     (tmp_path / "link").symlink_to(out)
     cases = [
         ([f"output.sink=file://{out}"], f"output.sink=file://{out} is output.dir={out}"),
