@@ -113,6 +113,11 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
+def architectures(config: dict[str, Any]) -> list[str]:
+    """The model classes config.json names: its own, and its language model's in a multimodal checkpoint."""
+    return [*(config.get("architectures") or []), *(text_config(config).get("architectures") or [])]
+
+
 def checkpoint_identity(model_path: str) -> str:
     """What the checkpoint at ``model_path`` is, not where it is: a digest of its config.json and, per weight file
     (by name), its size, its first MiB (a safetensors header whole: every tensor's name, dtype, shape and offset)

@@ -24,13 +24,20 @@ from typing import Any, ContextManager, Iterator, Optional
 import numpy as np
 import torch
 
+from extractor.checkpoint import architectures, read_config
 from extractor.cpu_shims import install_cpu_shims, register_torch_native_mla
 from extractor.host_copy import HostCopier, PendingCopy
 from extractor.language_model import LanguageModel
 from extractor.layers import check_layer_ids, resolve_drafter_layer_ids
 from extractor.quantize import fp8_relative_errors
 from extractor.serving import runner_server_args
-from extractor.sglang_compat import FinalStateTap, build_model_runner, import_sglang, set_extend_length
+from extractor.sglang_compat import (
+    FinalStateTap,
+    build_model_runner,
+    import_sglang,
+    register_only_models_naming,
+    set_extend_length,
+)
 from extractor.timing import DeviceSpans, StageTimes, maybe_device_spans
 from extractor.types import EngineInfo, EngineSpec, LoadStage, unreported
 
@@ -45,6 +52,7 @@ class CaptureEngine:
     def __init__(self, spec: EngineSpec, tp_rank: int, nccl_port: int, stage: LoadStage = unreported) -> None:
         if spec.device == "cpu":
             install_cpu_shims()  # before the first sglang import
+        register_only_models_naming(architectures(read_config(spec.model_path)))
         self.spec = spec
         self.tp_rank = tp_rank
         stage("importing SGLang")

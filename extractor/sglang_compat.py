@@ -14,10 +14,14 @@ runtime without a ModelRunner to build model classes on the meta device. For the
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import logging
+import os
+import re
 import warnings
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping
 
 from extractor.types import EngineSpec
 
@@ -72,6 +76,38 @@ def quiet_import_noise() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(existing, _DropPlatformNotices) for existing in handler.filters):
             handler.addFilter(_DropPlatformNotices())
+
+
+DISABLED_MODEL_MODULES = "SGLANG_DISABLED_MODEL_ARCHS"
+"""SGLang's setting (0.5.17 and 0.5.23): the modules of ``sglang.srt.models`` its model registry skips."""
+
+
+def register_only_models_naming(architectures: Iterable[str]) -> list[str]:
+    """Have SGLang's model registry import only the model modules whose source names one of ``architectures``
+    (the checkpoint's classes); returns the modules it skips. Call before the first sglang import.
+
+    The registry imports every model module SGLang ships (about 250 on 0.5.23, 3 CPU seconds of every
+    rank's start) to find the one class a run loads; a module that does not name the class cannot
+    register it. Nothing is skipped when no module names one (a class SGLang serves under another name, or
+    none: SGLang then decides as before), or when the environment sets the list itself."""
+    names = [name for name in architectures if name]
+    package = importlib.util.find_spec("sglang")  # found, not imported: its import-time noise is not filtered yet
+    if not names or os.environ.get(DISABLED_MODEL_MODULES) or package is None:
+        return []
+    named = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    skipped, kept = [], 0
+    for directory in package.submodule_search_locations or []:
+        for path in sorted((Path(directory) / "srt" / "models").glob("*.py")):
+            if path.stem in ("__init__", "registry"):
+                continue
+            if named.search(path.read_text(encoding="utf-8", errors="replace")):
+                kept += 1
+            else:
+                skipped.append(path.stem)
+    if kept:
+        os.environ[DISABLED_MODEL_MODULES] = ",".join(skipped)
+        return skipped
+    return []
 
 
 @dataclasses.dataclass(frozen=True)

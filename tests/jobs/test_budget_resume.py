@@ -41,11 +41,17 @@ def dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shard_bytes(ray_cluster, llama_fp32, dataset, tmp_path_factory) -> int:
-    """Largest shard file of an unconstrained run: the unit the budgets below are written in."""
+def finished_run(ray_cluster, llama_fp32, dataset, tmp_path_factory) -> Path:
+    """An unconstrained run, made once: the budgets' unit, and a run the refused resumes must leave untouched."""
     out = tmp_path_factory.mktemp("reference") / "out"
     run(budget_config(llama_fp32, dataset, out, "1TB"))
-    return max(path.stat().st_size for path in out.glob("shard-*.parquet"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shard_bytes(finished_run) -> int:
+    """Largest shard file of an unconstrained run: the unit the budgets below are written in."""
+    return max(path.stat().st_size for path in finished_run.glob("shard-*.parquet"))
 
 
 def budget_config(model, data, out, budget, *extra):
@@ -194,7 +200,7 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
             driver.send_signal(signal.SIGKILL)
             killed_after = done
             break
-        time.sleep(0.01)
+        time.sleep(0.05)  # 40 shards: the kill lands early whatever the delay
     driver.wait(timeout=60)
     assert killed_after is not None, "the driver finished or never started before it could be killed"
     assert read_manifest(out)["shards"]  # readable after the kill
@@ -231,9 +237,10 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     # named shards (shards=[...]) rerun those and nothing else: tests/jobs/test_multinode.py, across nodes
 
 
-def test_resume_with_other_content_or_into_another_runs_directory_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
-    out = tmp_path / "out"
-    run(budget_config(llama_fp32, dataset, out, "1TB"))
+def test_resume_with_other_content_or_into_another_runs_directory_is_refused(
+    ray_cluster, llama_fp32, dataset, finished_run, tmp_path,
+):
+    out = finished_run  # every refusal below leaves it as it is (checked at the end)
     files = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
     with pytest.raises(ValueError, match=r"different content \(extract.layers: was \[2, 4, 5\], now \[1, 4, 5\]"):
         run(budget_config(llama_fp32, dataset, out, "1TB", "extract.layers=[1,4,5]"))

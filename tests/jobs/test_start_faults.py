@@ -66,7 +66,7 @@ class KillWhileLoading(threading.Thread):
                 os.kill(process.pid, signal.SIGKILL)
                 self.killed = process.pid
                 return
-            time.sleep(0.01)
+            time.sleep(0.05)  # the load takes seconds; each look scans every process of the machine (milliseconds)
 
     def __enter__(self) -> "KillWhileLoading":
         self.start()
