@@ -52,6 +52,7 @@ LONGEST_FILES = (
     "tests/jobs/test_job.py",
     "tests/benchmarks/test_benchmarks.py",
     "tests/jobs/test_lost_session.py",
+    "tests/jobs/test_pipeline.py",
     "tests/jobs/test_budget_resume.py",
     "tests/jobs/test_integrity.py",
     "tests/extractor/test_kimi.py",
@@ -62,6 +63,7 @@ LONGEST_FILES = (
     "tests/extractor/test_deepseek.py",
     "tests/extractor/test_serving.py",
     "tests/jobs/test_start_faults.py",
+    "tests/benchmarks/test_quantize_int4.py",
 )
 """The test files that take longest (a CI run's ``--durations``), longest first."""
 
