@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from common.config import RunFiles
 from extractor.checkpoint import local_checkpoint, read_checkpoint_info

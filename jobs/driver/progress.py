@@ -30,7 +30,6 @@ from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)
 
-
 EXPORTED_PREFIX = "ray_"
 """What Ray's Prometheus exporter puts before every metric name (its namespace, checked on Ray 2.60)."""
 RUN_LABEL = "run"

@@ -7,19 +7,14 @@ unquantized elsewhere. SGLang serving it (Marlin) runs on the H200 only: on CPU 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.acceptance.quantize_int4 import GROUP_SIZE, build_int4, ignore_list, main, marlin_takes
+from benchmarks.acceptance.quantize_int4 import GROUP_SIZE, ignore_list, main, marlin_takes
 from testbeds.smollm2 import WEIGHTS_FILE, checkpoint_dir
-from tests.conftest import REPO_ROOT
 from tests.helpers import made_once, shared_dir
 
 PROMPTS = ("What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
