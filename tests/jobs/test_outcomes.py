@@ -144,7 +144,8 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     """Truncated, replaced or deleted files: the rerun looks before it says "nothing to do", and never takes a
     deleted file for consumed (exit 0, its samples gone, jobs.verify OK). A file is consumed only when its consumer
     declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
-    (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
+    (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request. A rerun starts
+    no more writers than it has shards to write."""
     out = copy_of(finished_run, tmp_path)
     config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN)
     files = sorted(out.glob("shard-*.parquet"))
@@ -177,6 +178,7 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
                           "output.resume_check=checksum", "output.checksum=sha256")
     again = run(checksum)
     assert again["this_run"]["shards_selected"] == 1
+    assert (rerun["writers"], again["writers"]) == (2, 1), "a writer per shard to write, at most the node's two"
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert records[2]["attempts"] == 2 and records[2]["checksum"].startswith("sha256:")
     assert records[4]["checksum"].startswith("xxh3_128:")
