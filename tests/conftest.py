@@ -107,6 +107,21 @@ def demo_dataset(tmp_path_factory) -> Path:
     return build_synthetic_dataset(tmp_path_factory.mktemp("data") / "data.parquet", num_samples=20, max_len=96)
 
 
+@pytest.fixture(scope="session")
+def finished_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> Path:
+    """The output.dir of a complete run of ``llama_fp32`` over ``demo_dataset`` in five shards
+    (``tests.helpers.FINISHED_RUN``), made once per test process (each xdist worker: its own cluster and model):
+    the tests that only read a finished run read it; those that rerun, damage or refuse a run start from a copy
+    of it (``tests.helpers.copy_of``). Nothing changes it."""
+    from jobs.driver.job import run
+    from tests.helpers import FINISHED_RUN, job_config
+
+    out = tmp_path_factory.mktemp("finished-run") / "out"
+    summary = run(job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN))
+    assert (summary["outcome"], summary["shards_done"]) == ("complete", 5), summary
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,7 +1,8 @@
-"""What the tests share: the environment of the commands they start, a small job config, extractor actors,
-HF reference states, checks of a run's output, tools to damage files or sample a directory, the processes a
-command started, the trainers' own loaders, a process that holds a run's lock, and SmolLM2-135M-Instruct (real
-trained weights) with its extraction runs, each made once per test session.
+"""What the tests share: the environment of the commands they start, a small job config (and the keys of
+conftest's finished run, copies of a run), extractor actors, HF reference states, checks of a run's output, tools
+to damage files or sample a directory, the processes a command started, the trainers' own loaders, a process that
+holds a run's lock, and SmolLM2-135M-Instruct (real trained weights) with its extraction runs, each made once per
+test session.
 
 Test modules import from here and from ``tests.conftest`` only, never from one another."""
 
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -228,13 +230,30 @@ def imported_by(modules: str, prefixes: tuple[str, ...]) -> list[str]:
     return eval(result.stdout)
 
 
+def job_args(model, data, out, *extra) -> list[str]:
+    """The job's keys for a small CPU run of ``model`` over ``data`` into ``out``, as a command's arguments;
+    ``extra`` overrides."""
+    return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
+            "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free=1GB",
+            "output.budget_wait_s=30", *extra]
+
+
 def job_config(model, data, out, *extra):
-    """The job's config for a small CPU run of ``model`` over ``data`` into ``out``; ``extra`` overrides."""
-    return load_config(
-        [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=8",
-         "extract.max_tokens_per_batch=300", "model.device=cpu", "output.min_free=1GB",
-         "output.budget_wait_s=30", *extra]
-    )
+    """The job's config for a small CPU run of ``model`` over ``data`` into ``out`` (``job_args``)."""
+    return load_config(job_args(model, data, out, *extra))
+
+
+FINISHED_RUN = ("data.shard_size=4", "output.min_free=0")
+"""The keys of conftest's ``finished_run`` beside ``job_args``'s: the demo dataset's 20 samples in five shards, in
+the model's dtype (bfloat16) with the pre-norm final state (the defaults). A rerun of a copy of it with
+``job_args(..., *FINISHED_RUN)`` resumes it."""
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a run's output.dir, as a user's ``cp -a`` makes it: the run there is resumed, never redone."""
+    out = tmp_path / "out"
+    shutil.copytree(run_dir, out, symlinks=True)
+    return out
 
 
 def own_files_bytes(config) -> int:

@@ -102,6 +102,12 @@ def plan_groups(
     return groups
 
 
+def writers_for(groups: list[NodeGroup], shards: int) -> list[NodeGroup]:
+    """``groups`` with no more writers each than the run has ``shards`` to write (at least one): a writer holds
+    one shard at a time, so a rerun of one shard starts one writer, not a node's eight (each a process of its own)."""
+    return [dataclasses.replace(group, writers=max(1, min(group.writers, shards))) for group in groups]
+
+
 def this_host(cpus: int) -> dict[str, Any]:
     """The one CPU node of the private cluster the job would start here, as ``ray.nodes()`` would list it
     (the dry run plans against it without starting Ray)."""

@@ -24,7 +24,7 @@ from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
 from extractor.types import EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
-from jobs.cluster.nodes import NodeGroup, plan_groups
+from jobs.cluster.nodes import NodeGroup, plan_groups, writers_for
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
@@ -207,7 +207,7 @@ def _extract_shards(
     progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
                            interval_s=config.progress.interval_s, sink=summary, stages=stages)
     extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
-                               manifest, budget, groups, progress)
+                               manifest, budget, writers_for(groups, len(to_run)), progress)
     try:
         with extraction:
             try:

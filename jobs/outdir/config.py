@@ -63,7 +63,8 @@ class OutputConfig(OutputDir):
     sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
     num_writers: int = 0
-    """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor."""
+    """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor.
+    A run starts no more than it has shards to write (a rerun of one shard: one writer)."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
     upload_attempts: int = 3

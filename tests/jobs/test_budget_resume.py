@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -27,30 +26,17 @@ from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
 from tests.conftest import REPO_ROOT
-from tests.helpers import DiskSampler, checksum_of, job_config, own_files_bytes, python_env, read_all
+from tests.helpers import DiskSampler, checksum_of, copy_of, job_config, own_files_bytes, python_env, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return build_synthetic_dataset(
-        tmp_path_factory.mktemp("budget") / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=120, seed=7
-    )
-
-
-@pytest.fixture(scope="module")
-def finished_run(ray_cluster, llama_fp32, dataset, tmp_path_factory) -> Path:
-    """An unconstrained run, made once: the budgets' unit, and a run the refused resumes must leave untouched."""
-    out = tmp_path_factory.mktemp("reference") / "out"
-    run(budget_config(llama_fp32, dataset, out, "1TB"))
-    return out
+"""The demo dataset's samples (conftest), in five shards: the session's ``finished_run`` is of the same keys."""
 
 
 @pytest.fixture(scope="module")
 def shard_bytes(finished_run) -> int:
-    """Largest shard file of an unconstrained run: the unit the budgets below are written in."""
+    """Largest shard file of an unconstrained run of the demo dataset (the session's finished run): the unit the
+    budgets below are written in."""
     return max(path.stat().st_size for path in finished_run.glob("shard-*.parquet"))
 
 
@@ -72,7 +58,9 @@ def assert_sample_ids_complete(samples, count=NUM_SAMPLES):
 
 
 @pytest.mark.parametrize("sink_kind", ["file", "s3"])
-def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path, sink_kind, request):
+def test_budget_of_three_shards_with_a_sink(
+    ray_cluster, llama_fp32, demo_dataset, shard_bytes, tmp_path, sink_kind, request,
+):
     if sink_kind == "file":
         sink_dir = tmp_path / "sink"
         sink, options = f"file://{sink_dir}", {}
@@ -81,9 +69,9 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
         sink = "s3://eagle3-test/run1"
     options_arg = [f"output.sink_options={json.dumps(options)}"] if options else []
     out = tmp_path / "out"
-    budget = budget_of(llama_fp32, dataset, out, 3 * shard_bytes, f"output.sink={sink}", *options_arg)
+    budget = budget_of(llama_fp32, demo_dataset, out, 3 * shard_bytes, f"output.sink={sink}", *options_arg)
     with DiskSampler(out) as sampler:
-        summary = run(budget_config(llama_fp32, dataset, out, str(budget), f"output.sink={sink}", *options_arg))
+        summary = run(budget_config(llama_fp32, demo_dataset, out, str(budget), f"output.sink={sink}", *options_arg))
     print(f"{sink_kind} sink: budget {budget} B, sampled peak {sampler.peak} B over {sampler.samples} samples, "
           f"accounted peak {summary['disk_budget']['peak']}, blocked {summary['disk_budget']['blocked_seconds']} s")
     assert sampler.peak <= budget
@@ -107,12 +95,12 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, dataset, sh
     assert read_token_freq(out) == count_tokens(local_copy) and sum(read_token_freq(out).values()) > 0
 
 
-def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
+def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, demo_dataset, shard_bytes, tmp_path):
     out = tmp_path / "out"
-    budget = budget_of(llama_fp32, dataset, out, 3 * shard_bytes)
+    budget = budget_of(llama_fp32, demo_dataset, out, 3 * shard_bytes)
     with pytest.raises(BudgetExhausted, match=r"shards remain.*Raise output.disk_budget, set output.sink"):
         with DiskSampler(out) as sampler:
-            run(budget_config(llama_fp32, dataset, out, str(budget), "output.budget_wait_s=1"))
+            run(budget_config(llama_fp32, demo_dataset, out, str(budget), "output.budget_wait_s=1"))
     assert sampler.peak <= budget
     manifest = read_manifest(out)
     done = [r for r in manifest["shards"] if r["state"] == DONE]
@@ -135,7 +123,7 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
     (out / "notes.txt").write_text("not the job's")
     assert "not the job's: 1 entries this job did not write: notes.txt" in status_report(out)
 
-    summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
+    summary = run(budget_config(llama_fp32, demo_dataset, out, "1TB"))
     assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
     # this run's rate counts only what this run extracted
     assert summary["this_run"]["tokens"] == summary["tokens"] - stopped["tokens"] == planned
@@ -145,7 +133,7 @@ def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, da
     assert all(attempts[r["index"]] == 1 for r in done), "done shards must not run again"
 
 
-def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, dataset, shard_bytes, tmp_path):
+def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, demo_dataset, shard_bytes, tmp_path):
     """A trainer that consumes shard files (declared, then deleted: ``storage.consumed``) keeps a small budget
     flowing."""
     out = tmp_path / "out"
@@ -163,8 +151,8 @@ def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, data
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     try:
-        budget = budget_of(llama_fp32, dataset, out, 2 * shard_bytes)
-        summary = run(budget_config(llama_fp32, dataset, out, str(budget), "output.budget_wait_s=20"))
+        budget = budget_of(llama_fp32, demo_dataset, out, 2 * shard_bytes)
+        summary = run(budget_config(llama_fp32, demo_dataset, out, str(budget), "output.budget_wait_s=20"))
     finally:
         stop.set()
         consumer.join()
@@ -210,13 +198,13 @@ def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tm
     assert not list(out.glob("*.tmp"))
 
 
-def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
+def test_rerun_failed_shard_only(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     # A real failure: shard 1's temp file cannot be created.
     blocker = out / temp_file_name("shard-00001.parquet")
     blocker.mkdir()
-    summary = run(budget_config(llama_fp32, dataset, out, "1TB"))
+    summary = run(budget_config(llama_fp32, demo_dataset, out, "1TB"))
     assert list(summary["shards_failed"]) == ["1"]
     error = summary["shards_failed"]["1"]
     assert "Is a directory" in error and ".shard-00001.parquet.tmp" in error, error
@@ -226,7 +214,7 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
     assert len(before) == NUM_SAMPLES // SHARD_SIZE - 1
 
     blocker.rmdir()
-    summary = run(budget_config(llama_fp32, dataset, out, "1TB", "shards=failed"))
+    summary = run(budget_config(llama_fp32, demo_dataset, out, "1TB", "shards=failed"))
     assert summary["shards_failed"] == {} and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
     after = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
     assert {name: after[name] for name in before} == before, "only the failed shard may be rewritten"
@@ -238,28 +226,30 @@ def test_rerun_failed_shard_only(ray_cluster, llama_fp32, dataset, tmp_path):
 
 
 def test_resume_with_other_content_or_into_another_runs_directory_is_refused(
-    ray_cluster, llama_fp32, dataset, finished_run, tmp_path,
+    ray_cluster, llama_fp32, demo_dataset, finished_run, tmp_path,
 ):
-    out = finished_run  # every refusal below leaves it as it is (checked at the end)
+    out = copy_of(finished_run, tmp_path)  # every refusal below leaves it as it is (checked at the end)
     files = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
     with pytest.raises(ValueError, match=r"different content \(extract.layers: was \[2, 4, 5\], now \[1, 4, 5\]"):
-        run(budget_config(llama_fp32, dataset, out, "1TB", "extract.layers=[1,4,5]"))
+        run(budget_config(llama_fp32, demo_dataset, out, "1TB", "extract.layers=[1,4,5]"))
     with pytest.raises(ValueError, match=r"model.dtype: was 'bfloat16', now 'float32'"):
-        run(budget_config(llama_fp32, dataset, out, "1TB", "model.dtype=float32"))
+        run(budget_config(llama_fp32, demo_dataset, out, "1TB", "model.dtype=float32"))
     # A second run whose node directory is this run's output.dir: its start-up clean-up would remove
     # every shard there as "not recorded"; the directory's claim refuses it before anything is touched.
-    with pytest.raises(ValueError, match=f"belongs to the run whose output.dir is {out} .*nothing there was touched"):
-        run(budget_config(llama_fp32, dataset, tmp_path / "other", "1TB", f"output.node_dir={out}"))
+    # the copy's claim names the run it was copied from (its own output.dir until a rerun claims the copy)
+    with pytest.raises(ValueError, match=f"belongs to the run whose output.dir is {finished_run} .*nothing there was "
+                                         "touched"):
+        run(budget_config(llama_fp32, demo_dataset, tmp_path / "other", "1TB", f"output.node_dir={out}"))
     assert {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")} == files
     records = read_manifest(out)["shards"]
     assert all(r["state"] == DONE and r["attempts"] == 1 for r in records)
     assert_sample_ids_complete(read_all(out))
 
 
-def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, dataset, tmp_path):
+def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     """Refused from config.json and the dataset's lengths, before Ray or the model: no manifest yet."""
     with pytest.raises(ValueError, match="a shard must fit the budget whole"):
-        run(budget_config(llama_fp32, dataset, tmp_path / "out", "10KB"))
+        run(budget_config(llama_fp32, demo_dataset, tmp_path / "out", "10KB"))
     assert not (tmp_path / "out" / MANIFEST_FILE).exists()
 
 

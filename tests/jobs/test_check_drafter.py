@@ -57,11 +57,12 @@ def small_data(tmp_path_factory):
     return build_synthetic_dataset(path, num_samples=2, min_len=8, max_len=24)
 
 
-def test_llama_family_adds_one_always(ray_cluster, llama_fp32, small_data, tmp_path):
-    run(job_config(llama_fp32, small_data, tmp_path / "run"))  # layers [2, 4, 5]: layers_to_capture [3, 5, 6]
-    written = json.loads((tmp_path / "run" / DRAFTER_CONFIG_FILE).read_text())
+def test_llama_family_adds_one_always(finished_run, tmp_path):
+    """The drafter config of the session's finished run (layers [2, 4, 5]: layers_to_capture [3, 5, 6]), as written
+    and off by one either way."""
+    written = json.loads((finished_run / DRAFTER_CONFIG_FILE).read_text())
     assert written["eagle_config"][IDS] == [2, 4, 5] and written["hidden_size"] == 64
-    code, verdicts, output = check_drafter(tmp_path / "run", {
+    code, verdicts, output = check_drafter(finished_run, {
         "written": written,
         "plus1": with_ids(written, [3, 5, 6]),  # captures [4, 6, 7]
         "minus1": with_ids(written, [1, 3, 4]),  # captures [2, 4, 5]

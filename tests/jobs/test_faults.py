@@ -8,6 +8,7 @@ the title Ray gives them (``ray::ExtractorActor``, ``ray::WriterActor``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import http.server
 import logging
@@ -191,39 +192,6 @@ def lost_shards(messages: list[str], reason: str) -> set[int]:
             if text.startswith("shard ") and f": {reason}" in text and text.endswith("it will be written again")}
 
 
-def test_an_extractor_then_a_writer_sigkilled_mid_shard_are_recovered_in_the_same_run(
-    ray_cluster, llama_fp32, dataset, tmp_path, caplog,
-):
-    """The extractor killed mid-shard is started again and the shards it cut short are written again, while the
-    driver goes on reporting progress; a writer killed mid-write is replaced and its shard written again, without
-    an extractor restart. One run, every sample once."""
-    caplog.set_level(logging.INFO)
-    out = tmp_path / "out"
-    with ThenWriter(out) as faults:
-        code = main(job_args(llama_fp32, dataset, out, "progress.interval_s=0.5"))
-    assert faults.extractor.done is not None, "the job ended before the extractor could be killed"
-    assert faults.writer.done is not None, "no writer was caught mid-write after the extractor's restart"
-    summary = read_summary(out)
-    assert code == EXIT_OK, summary["message"]
-    assert summary["shards_done"] == SHARDS
-    assert summary["extractor_restarts"] == 1, "only the extractor's death restarts it, a writer's does not"
-    messages = [record.getMessage() for record in caplog.records]
-    # the extractor's fault: the shards it cut short were written again, in the same run
-    by_extractor = lost_shards(messages, "the extractor died")
-    assert by_extractor, messages
-    # the writer's fault: the shard it was writing (and any other it held), by a new writer
-    by_writer = lost_shards(messages, "its writer died")
-    assert faults.writer.done.shard in by_writer, (by_writer, faults.writer.done.shard)
-    expected = {index: 1 + (index in by_extractor) + (index in by_writer) for index in range(SHARDS)}
-    assert attempts(out) == expected, "each cut-short shard written once more, every other shard once"
-    assert_every_sample_once(out, dataset)
-    # While the new extractor loaded, the driver went on reporting progress (gauges, status file, log)
-    logged = [(record.name, record.getMessage()) for record in caplog.records]
-    died = next(i for i, (_, text) in enumerate(logged) if "died" in text and "starting it again" in text)
-    ready = next(i for i, (_, text) in enumerate(logged) if i > died and "ready after" in text)
-    assert any(name == "jobs.driver.progress" for name, _ in logged[died:ready]), logged[died:ready + 1]
-
-
 @pytest.mark.extended
 def test_tp_follower_sigkill_ends_the_extractor_which_restarts(ray_cluster, llama_fp32, dataset, tmp_path):
     out = tmp_path / "out"
@@ -313,30 +281,97 @@ class Consumer(threading.Thread):
         self.join()
 
 
-def test_faults_while_waiting_for_disk_lose_no_shard(ray_cluster, llama_fp32, dataset, tmp_path):
+class Logged(logging.Handler):
+    """Every log record of the job (its loggers propagate to the root logger) as (logger, message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.getMessage()))
+
+
+@dataclasses.dataclass
+class FaultedRun:
+    """The job run through two faults (``ThenWriter``) while it waits for disk, and what it left."""
+
+    out: Path
+    consumed: Path
+    """Where the test trainer put the shard files it consumed."""
+    code: int
+    extractor_killed: bool
+    writing: Optional[Writing]
+    """The writer killed, and the shard it was writing (None: none was caught mid-write)."""
+    logged: list[tuple[str, str]]
+
+
+@pytest.fixture(scope="module")
+def faulted_run(ray_cluster, llama_fp32, dataset, tmp_path_factory) -> FaultedRun:
     """With the budget at 1.5 shards beside the job's own files and a trainer consuming, the run waits for disk
-    before most shards; a fault then (the extractor killed, later a writer killed mid-write) must not send a shard
-    back as the next one is opened (one shard never written, the run saying complete, exit 0): every shard is
-    written exactly once, in the same run."""
-    out, consumed = tmp_path / "out", tmp_path / "consumed"
+    before most shards; the extractor is SIGKILLed once a shard is done, then a writer mid-write once a shard is
+    done after that. One run (each is a model's start and a restart): the tests below assert each recovery and the
+    disk waits on it."""
+    work = tmp_path_factory.mktemp("faulted")
+    out, consumed = work / "out", work / "consumed"
     tight = ("output.num_writers=1", "progress.interval_s=0.2")
     own = own_files_bytes(load_config(job_args(llama_fp32, dataset, out, *tight)))
     budget = own + int(1.5 * predicted_shard_bytes(llama_fp32, dataset, out, *tight))
-    with Consumer(out, consumed), ThenWriter(out) as faults:
-        code = main(job_args(llama_fp32, dataset, out, *tight, f"output.disk_budget={budget}"))
-    assert faults.extractor.done is not None, "the job ended before the extractor could be killed"
-    assert faults.writer.done is not None, "no writer was caught mid-write after the extractor's restart"
-    summary = read_summary(out)
-    assert code == EXIT_OK, summary["message"]
-    assert summary["extractor_restarts"] == 1
-    records = read_manifest(out)["shards"]
+    logged, root = Logged(), logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(logged)
+    try:
+        with Consumer(out, consumed), ThenWriter(out) as faults:
+            code = main(job_args(llama_fp32, dataset, out, *tight, f"output.disk_budget={budget}"))
+    finally:
+        root.removeHandler(logged)
+        root.setLevel(level)
+    return FaultedRun(out, consumed, code, faults.extractor.done is not None, faults.writer.done, logged.records)
+
+
+def test_an_extractor_then_a_writer_sigkilled_mid_shard_are_recovered_in_the_same_run(faulted_run, dataset):
+    """The extractor killed mid-shard is started again and the shards it cut short are written again, while the
+    driver goes on reporting progress; a writer killed mid-write is replaced and its shard written again, without
+    an extractor restart. One run, every sample once."""
+    run = faulted_run
+    assert run.extractor_killed, "the job ended before the extractor could be killed"
+    assert run.writing is not None, "no writer was caught mid-write after the extractor's restart"
+    summary = read_summary(run.out)
+    assert run.code == EXIT_OK, summary["message"]
+    assert summary["shards_done"] == SHARDS
+    assert summary["extractor_restarts"] == 1, "only the extractor's death restarts it, a writer's does not"
+    messages = [text for _, text in run.logged]
+    # the extractor's fault: the shards it cut short were written again, in the same run
+    by_extractor = lost_shards(messages, "the extractor died")
+    assert by_extractor, messages
+    # the writer's fault: the shard it was writing (and any other it held), by a new writer
+    by_writer = lost_shards(messages, "its writer died")
+    assert run.writing.shard in by_writer, (by_writer, run.writing.shard)
+    expected = {index: 1 + (index in by_extractor) + (index in by_writer) for index in range(SHARDS)}
+    assert attempts(run.out) == expected, "each cut-short shard written once more, every other shard once"
+    assert_run_verifies(run.out)  # the shards consumed are declared; the rest are whole
+    assert_every_sample_once([run.out, run.consumed], dataset)
+    # While the new extractor loaded, the driver went on reporting progress (gauges, status file, log)
+    died = next(i for i, (_, text) in enumerate(run.logged) if "died" in text and "starting it again" in text)
+    ready = next(i for i, (_, text) in enumerate(run.logged) if i > died and "ready after" in text)
+    assert any(name == "jobs.driver.progress" for name, _ in run.logged[died:ready]), run.logged[died:ready + 1]
+
+
+def test_faults_while_waiting_for_disk_lose_no_shard(faulted_run, dataset):
+    """The faults of ``faulted_run`` come while the run waits for disk before most shards: neither must send a
+    shard back as the next one is opened (one shard never written, the run saying complete, exit 0): every shard
+    is written exactly once, in the same run."""
+    run = faulted_run
+    assert run.extractor_killed and run.writing is not None, "a fault did not happen"
+    summary = read_summary(run.out)
+    assert run.code == EXIT_OK, summary["message"]
+    records = read_manifest(run.out)["shards"]
     assert [r["state"] for r in records] == [DONE] * SHARDS
     assert summary["shards_done"] == summary["plan"]["shards"] == SHARDS
-    assert attempts(out)[faults.writer.done.shard] >= 2, "the killed writer's shard was not written again"
+    assert attempts(run.out)[run.writing.shard] >= 2, "the killed writer's shard was not written again"
     assert summary["disk_budget"]["blocked_seconds"] > 0, "the run never waited for disk: the case is not covered"
-    for path in out.glob("shard-*.parquet"):  # what the consumer had not taken yet
-        path.rename(consumed / path.name)
-    assert_every_sample_once(consumed, dataset)
+    assert_every_sample_once([run.out, run.consumed], dataset)
 
 
 def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, dataset, tmp_path, capsys):

@@ -29,7 +29,7 @@ from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_every_sample_once, python_env
+from tests.helpers import FINISHED_RUN, assert_every_sample_once, copy_of, job_args, python_env
 
 NUM_SAMPLES = 24
 
@@ -41,7 +41,8 @@ def dataset(tmp_path_factory) -> Path:
     )
 
 
-def job_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+def filled_disk_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """Shards of a few batches each, for the run whose disk is filled while it writes."""
     return [
         f"model.path={model}", f"data.path={data}", f"output.dir={out}", "data.shard_size=4", "model.device=cpu",
         "model.dtype=float32", "output.min_free=0", "output.budget_wait_s=30", "output.rescan_s=0.2",
@@ -105,7 +106,7 @@ def test_a_disk_filled_by_another_process_stops_with_exit_3_and_a_true_summary(
     watcher = threading.Thread(target=fill_when_writing, daemon=True)
     watcher.start()
     try:
-        code = main(job_args(llama_fp32, dataset, out, *one_shard))
+        code = main(filled_disk_args(llama_fp32, dataset, out, *one_shard))
     finally:
         watcher.join()
         for process in filler:
@@ -123,7 +124,7 @@ def test_a_disk_filled_by_another_process_stops_with_exit_3_and_a_true_summary(
     assert [r["state"] for r in records] != [DONE]
 
     filler_path.unlink()
-    assert main(job_args(llama_fp32, dataset, out, *one_shard)) == EXIT_OK
+    assert main(filled_disk_args(llama_fp32, dataset, out, *one_shard)) == EXIT_OK
     assert_every_sample_once(out, dataset)
 
 
@@ -158,22 +159,24 @@ def verify_command(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           env=python_env(), capture_output=True, text=True, timeout=120)
 
 
-def test_links_are_never_followed_and_a_consumed_export_is_checked(ray_cluster, llama_fp32, dataset, tmp_path):
-    """Links planted at every name a rerun, then ``jobs.export consume=true``, write: the rerun and the export
-    complete, the files the links point to are untouched, no link is left. Then a byte flipped in the export (the
-    only copy of the consumed shards' samples) is found by ``jobs.verify`` (exit 6) and by the export's rerun
-    (exit 4), each naming the file; verify sums the consumed shards up per destination."""
-    out, victim = tmp_path / "out", tmp_path / "victim"
+def test_links_are_never_followed_and_a_consumed_export_is_checked(
+    ray_cluster, llama_fp32, demo_dataset, finished_run, tmp_path,
+):
+    """Links planted at every name a rerun (of a copy of a finished run), then ``jobs.export consume=true``, write:
+    the rerun and the export complete, the files the links point to are untouched, no link is left. Then a byte
+    flipped in the export (the only copy of the consumed shards' samples) is found by ``jobs.verify`` (exit 6) and by
+    the export's rerun (exit 4), each naming the file; verify sums the consumed shards up per destination."""
+    out, victim = copy_of(finished_run, tmp_path), tmp_path / "victim"
     victim.write_bytes(b"not the job's\n")
-    args = job_args(llama_fp32, dataset, out, "data.shard_size=8", "output.num_writers=1")
-    assert main(args) == EXIT_OK
+    args = job_args(llama_fp32, demo_dataset, out, *FINISHED_RUN, "output.num_writers=1")
+    shards, samples = len(read_manifest(out)["shards"]), read_summary(out)["samples"]
 
     (out / ".token_freq.pt").unlink()  # written again at the end of the rerun
     plant(out, RUN_FILES_A_RERUN_WRITES, victim)
     assert main([*args, "shards=[1]"]) == EXIT_OK
     assert victim.read_bytes() == b"not the job's\n"
     assert [path.name for path in out.iterdir() if path.is_symlink()] == []
-    assert_every_sample_once(out, dataset)
+    assert_every_sample_once(out, demo_dataset)
 
     # jobs.export consume=true, with links where it writes in the run and in dest
     dest = tmp_path / "dest"
@@ -190,9 +193,10 @@ def test_links_are_never_followed_and_a_consumed_export_is_checked(ray_cluster, 
     checked = verify_command(out)
     assert checked.returncode == EXIT_OK, checked.stdout + checked.stderr
     notes = [line for line in checked.stdout.splitlines() if "consumed into" in line]
-    assert len(notes) == 1 and notes[0].startswith(f"note: 3 shards consumed into specforge:{dest} "), checked.stdout
-    assert f"note: {NUM_SAMPLES} files of the exports that consumed shards checked" in checked.stdout
-    assert "shards 0-2" in verify_command(out, "--details").stdout
+    assert len(notes) == 1 and notes[0].startswith(f"note: {shards} shards consumed into specforge:{dest} "), \
+        checked.stdout
+    assert f"note: {samples} files of the exports that consumed shards checked" in checked.stdout
+    assert f"shards 0-{shards - 1}" in verify_command(out, "--details").stdout
 
     with open(dest / first_ckpt, "r+b") as file:  # the disk changes one byte of the only copy
         file.seek(200)

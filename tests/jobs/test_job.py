@@ -14,9 +14,11 @@ from extractor.quantize import quantize_fp8
 from jobs.extract import run
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.planning.shards import pack_batches
-from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE
+from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE, read_summary
 from storage import ShardReader
+from storage.manifest import read_manifest
 from tests.helpers import (
+    FINISHED_RUN,
     HIDDEN,
     ExtractorHandle,
     assert_reads_as_parquet_dataset,
@@ -28,14 +30,18 @@ from tests.helpers import (
 )
 
 BF16_PRE_NORM = ("model.dtype=bfloat16", "extract.last_hidden_state=pre_norm")
-"""The model in bfloat16, the pre-norm final state (the default, named: the fp8 run below must match it)."""
+"""The model in bfloat16, the pre-norm final state (the defaults, named: the fp8 run below must match them)."""
+SHARD_SIZE = 4
+"""``FINISHED_RUN``'s shards (``data.shard_size``): batches are packed within a shard."""
 
 
 @pytest.fixture(scope="module")
-def bf16_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> tuple[Path, dict]:
-    """The demo run in bfloat16 and its summary, made once: the tests only read it."""
-    out = tmp_path_factory.mktemp("bf16") / "out"
-    return out, run(job_config(llama_fp32, demo_dataset, out, *BF16_PRE_NORM))
+def bf16_run(finished_run) -> tuple[Path, dict]:
+    """The session's finished run (the demo in bfloat16 with the pre-norm final state, five shards) and its summary:
+    the tests only read it."""
+    content = read_manifest(finished_run)["content"]
+    assert (content["model.dtype"], content["extract.last_hidden_state"]) == ("bfloat16", "pre_norm"), content
+    return finished_run, read_summary(finished_run)
 
 
 def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
@@ -45,7 +51,7 @@ def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
 
     # files, rows, tokens and bytes match the input and the summary
     files = sorted(out.glob("shard-*.parquet"))
-    assert [f.name for f in files] == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    assert [f.name for f in files] == [f"shard-{index:05d}.parquet" for index in range(len(dataset) // SHARD_SIZE)]
     assert not list(out.glob("*.tmp"))
     assert summary["samples"] == len(dataset) == sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     assert summary["tokens"] == int(dataset.lengths.sum())
@@ -77,8 +83,8 @@ def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
     # the bytes on disk are bit for bit what SGLang returned for the same batches
     extractor = ExtractorHandle(engine_spec(llama_fp32, [2, 4, 5], dtype="bfloat16", last_hidden_state="pre_norm"))
     try:
-        for shard_start in range(0, len(dataset), 8):
-            lengths = dataset.lengths[shard_start : shard_start + 8]
+        for shard_start in range(0, len(dataset), SHARD_SIZE):
+            lengths = dataset.lengths[shard_start : shard_start + SHARD_SIZE]
             for start, stop in pack_batches(lengths, 300, 256):
                 ids = input_ids[shard_start + start : shard_start + stop]
                 captured = extractor.extract(ids)
@@ -117,7 +123,7 @@ def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo
     scales are exactly the quantization of what the bf16 run of the same batches stored, at about
     half the bytes; a resume with another state dtype is refused."""
     bf16_dir, bf16 = bf16_run
-    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *BF16_PRE_NORM,
+    fp8 = run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *FINISHED_RUN, *BF16_PRE_NORM,
                          "output.state_dtype=float8_e4m3fn"))
     assert fp8["shards_failed"] == {} and fp8["tokens"] == bf16["tokens"]
     metadata = ShardReader(next((tmp_path / "fp8").glob("shard-*.parquet"))).metadata
@@ -149,7 +155,7 @@ def test_fp8_job_stores_the_quantized_model_states(ray_cluster, llama_fp32, demo
     assert all(0.005 < error < 0.05 for error in errors), errors
 
     with pytest.raises(ValueError, match="output.state_dtype: was 'float8_e4m3fn', now 'model'"):
-        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *BF16_PRE_NORM))
+        run(job_config(llama_fp32, demo_dataset, tmp_path / "fp8", *FINISHED_RUN, *BF16_PRE_NORM))
 
 
 def test_bad_input_fails_before_any_work(ray_cluster, llama_fp32, tmp_path):

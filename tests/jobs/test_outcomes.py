@@ -33,16 +33,17 @@ from storage.consumed import consume_shard, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
+    FINISHED_RUN,
     assert_every_sample_once,
     assert_run_verifies,
+    copy_of,
+    job_args,
     job_config,
     python_env,
     session_ray_address,
 )
 
 RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
-FIVE_SHARDS = ("data.shard_size=4", "output.min_free=0")
-"""The demo dataset's 20 samples in five shards."""
 
 
 def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -53,28 +54,6 @@ def extract(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def base_args(model: Path, data: Path, out: Path) -> list[str]:
     return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
             "output.min_free=0", "data.shard_size=8"]
-
-
-@pytest.fixture(scope="module")
-def done_run(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory) -> Path:
-    """A complete run of five shards (``FIVE_SHARDS``), made once: each test that starts from it reads it or
-    damages a copy."""
-    out = tmp_path_factory.mktemp("done-run") / "out"
-    assert run(job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS))["shards_done"] == 5
-    return out
-
-
-def five_shard_args(model: Path, data: Path, out: Path) -> list[str]:
-    """``done_run``'s keys (``job_config`` with ``FIVE_SHARDS``) as a command's arguments."""
-    return [f"model.path={model}", f"data.path={data}", f"output.dir={out}", "model.device=cpu",
-            "extract.max_tokens_per_batch=300", "output.budget_wait_s=30", *FIVE_SHARDS]
-
-
-def copy_of(run_dir: Path, tmp_path: Path) -> Path:
-    """A copy of a run's output.dir, as a user's ``cp -a`` makes it: the run there is resumed, never redone."""
-    out = tmp_path / "out"
-    shutil.copytree(run_dir, out, symlinks=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +139,15 @@ def test_a_refused_ray_address_leaves_no_lock_file(llama_fp32, demo_dataset, tmp
 
 
 def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
-    ray_cluster, llama_fp32, demo_dataset, done_run, tmp_path,
+    ray_cluster, llama_fp32, demo_dataset, finished_run, tmp_path,
 ):
     """Truncated, replaced or deleted files: the rerun looks before it says "nothing to do", and never takes a
     deleted file for consumed (exit 0, its samples gone, jobs.verify OK). A file is consumed only when its consumer
     declared it (``storage.consumed.consume_shard``); gone without that, it was lost: jobs.verify reports it missing
-    (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request."""
-    out = copy_of(done_run, tmp_path)
-    config = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS)
+    (exit 6) and the rerun writes it again. ``shards=[i]`` writes a consumed one again on request. A rerun starts
+    no more writers than it has shards to write."""
+    out = copy_of(finished_run, tmp_path)
+    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN)
     files = sorted(out.glob("shard-*.parquet"))
     untouched = {files[4].name: files[4].stat().st_mtime_ns}
     with open(files[0], "r+b") as handle:  # truncated
@@ -194,16 +174,17 @@ def test_a_rerun_extracts_again_the_shards_whose_files_are_damaged_or_lost(
     assert not list(out.glob(".shard-*.consumed")), "the declaration is removed once the manifest records it"
 
     # with checksums: shard 2 too, written again with sha256 beside the others' xxh3_128, each checked with its own
-    checksum = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS,
+    checksum = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN,
                           "output.resume_check=checksum", "output.checksum=sha256")
     again = run(checksum)
     assert again["this_run"]["shards_selected"] == 1
+    assert (rerun["writers"], again["writers"]) == (2, 1), "a writer per shard to write, at most the node's two"
     records = {r["index"]: r for r in read_manifest(out)["shards"]}
     assert records[2]["attempts"] == 2 and records[2]["checksum"].startswith("sha256:")
     assert records[4]["checksum"].startswith("xxh3_128:")
     assert {files[4].name: files[4].stat().st_mtime_ns} == untouched
     assert run(checksum)["outcome"] == "nothing_to_do"
-    assert run(job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS,
+    assert run(job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN,
                           "shards=[3]"))["this_run"]["shards_done"] == 1  # a consumed shard on request
     assert_every_sample_once(out, demo_dataset)
 
@@ -254,22 +235,22 @@ def test_sigterm_during_the_model_load_ends_interrupted(ray_cluster, llama_fp32,
     assert all(r["state"] != DONE for r in read_manifest(out)["shards"])
 
 
-def test_every_done_shard_of_a_run_that_exits_0_is_there_once(llama_fp32, demo_dataset, done_run):
-    summary = read_summary(done_run)
-    records = read_manifest(done_run)["shards"]
+def test_every_done_shard_of_a_run_that_exits_0_is_there_once(llama_fp32, demo_dataset, finished_run):
+    summary = read_summary(finished_run)
+    records = read_manifest(finished_run)["shards"]
     assert summary["exit_code"] == 0 and summary["shards_done"] == len(records) == 5
-    assert sorted(p.name for p in done_run.glob("shard-*.parquet")) == sorted(r["file"] for r in records)
-    assert json.loads((done_run / ".summary.json").read_text())["outcome"] == "complete"
-    assert_every_sample_once(done_run, demo_dataset)
+    assert sorted(p.name for p in finished_run.glob("shard-*.parquet")) == sorted(r["file"] for r in records)
+    assert json.loads((finished_run / ".summary.json").read_text())["outcome"] == "complete"
+    assert_every_sample_once(finished_run, demo_dataset)
 
 
-def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32, demo_dataset, done_run, tmp_path):
+def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32, demo_dataset, finished_run, tmp_path):
     """output.sink at output.dir (by name, through a link, or inside it) or at a node's output.node_dir: every
     upload would copy a shard onto itself (or into the run's own directory), then delete the local file.
     Refused before Ray starts, exit 2, and the done files of the run already there (a copy of a done run)
     untouched."""
-    out = copy_of(done_run, tmp_path)
-    args = five_shard_args(llama_fp32, demo_dataset, out)
+    out = copy_of(finished_run, tmp_path)
+    args = job_args(llama_fp32, demo_dataset, out, *FINISHED_RUN)
     before = {path.name: path.read_bytes() for path in out.glob("shard-*.parquet")}
     assert len(before) == 5
     (tmp_path / "link").symlink_to(out)
@@ -292,14 +273,14 @@ def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32,
     assert_every_sample_once(out, demo_dataset)
 
 
-def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, done_run,
+def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, finished_run,
                                                                 tmp_path):
     """A ``.shard-N.parquet.consumed`` record is trusted only when it names the size and checksum the run recorded
     for that file: one left beside a file of another content (or written by hand) is dropped with a warning, at the
     next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
     jobs.verify calls such a file missing. A consumer's own declaration still counts."""
-    out = copy_of(done_run, tmp_path)
-    config = job_config(llama_fp32, demo_dataset, out, *FIVE_SHARDS)
+    out = copy_of(finished_run, tmp_path)
+    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN)
     files = sorted(out.glob("shard-*.parquet"))
     samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
 
