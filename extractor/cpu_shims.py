@@ -6,6 +6,11 @@
   ``SGLANG_NCCL_SO_PATH`` that does not exist takes SGLang's own "no NCCL here" path (gloo).
 - DeepSeek attention (MLA), whose ``torch_native`` backend has no handler: routed to the absorbed-MLA
   method SGLang's own CPU path uses (``register_torch_native_mla``).
+- ``torch.compile``, which SGLang applies as a decorator to a few dozen helpers while its modules
+  import: each decoration builds inductor's config, importing inductor (about 1.7 of the 16-17 CPU s
+  of a tiny model's start), and a helper the CPU path calls (MoE top-k) would be compiled by
+  inductor's C++ backend at the first forward. ``TORCHDYNAMO_DISABLE=1`` (unless the environment sets
+  it) makes the decorator return the function as it is: it runs eagerly, as the TP ranks already do.
 
 ``extractor.engine`` calls these only on ``device=cpu`` without a real ``sgl_kernel``. Checked against
 SGLang 0.5.23 (CI) and 0.5.17 (by hand, torch 2.11).
@@ -102,6 +107,7 @@ def install_cpu_shims() -> None:
     """
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if SHIM_MODULE_NAME in sys.modules:
         return
     if importlib.util.find_spec(SHIM_MODULE_NAME) is not None:

@@ -22,7 +22,7 @@ import ray
 
 from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
-from extractor.types import EngineSpec
+from extractor.types import EngineInfo, EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups, writers_for
 from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
@@ -73,6 +73,7 @@ from jobs.rundir.summary import (
     UPLOADS_FAILED,
     RunSummary,
     manifest_totals,
+    read_summary,
     write_drafter_config,
     write_invalid_rows,
 )
@@ -203,11 +204,12 @@ def _extract_shards(
     shard_tokens = {s.index: s.tokens for s in plan}
     indices = [record.index for record in to_run]
     summary.select(indices)
+    reported = _reported_engine(output_dir)  # before this run's summary replaces the last one
     summary.start(manifest)
     progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
                            interval_s=config.progress.interval_s, sink=summary, stages=stages)
     extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
-                               manifest, budget, writers_for(groups, len(to_run)), progress)
+                               manifest, budget, writers_for(groups, len(to_run)), progress, reported)
     try:
         with extraction:
             try:
@@ -239,6 +241,16 @@ def _count_tokens(output_dir: Path, sink_options: dict) -> None:
         logger.warning("the token counts (%s) were not written: %s: %s. HiddenStatesDataset.token_freq() and "
                        "jobs.export to=speculators count them from the shards", TOKEN_FREQ_FILE, type(error).__name__,
                        error)
+
+
+def _reported_engine(output_dir: Path) -> Optional[EngineInfo]:
+    """What the model reported to the last run that loaded it (its summary, whose content the manifest's
+    check has matched to this run's); None when no summary records it."""
+    engine = (read_summary(output_dir) or {}).get("engine")
+    try:
+        return EngineInfo(**engine) if isinstance(engine, dict) else None
+    except TypeError:  # a summary of another version of this code: the run loads the model
+        return None
 
 
 def _check_files_here(manifest: Manifest, output_dir: Path, checksum: bool) -> Optional[str]:

@@ -1,7 +1,9 @@
 """What the scheduler runs: one lane per data-parallel group, and the attempt at each shard it writes.
 
 A ``Lane`` is an extractor, its writers and its node's disk budget; it counts its
-batches in flight and holds its open attempts (at most one per writer). A
+batches in flight and holds its open attempts (at most one per writer). Its writers
+exist once its actors started (``jobs.driver.startup.start_actors``); a run with
+only uploads to do never starts them. A
 ``ShardAttempt`` is one try at one shard: which writer takes its batches, how many
 went out, how many are in flight, and why a fault ended it. Both change only
 through their own methods, which only the scheduler calls.
@@ -76,12 +78,11 @@ class ShardAttempt:
 class Lane:
     """One data-parallel group as the driver runs it: its node, actors, the node's budget, what it has open."""
 
-    def __init__(
-        self, group: NodeGroup, extractor: ExtractorHost, writers: WriterPool, budget: DiskBudget, max_inflight: int
-    ) -> None:
+    def __init__(self, group: NodeGroup, extractor: ExtractorHost, budget: DiskBudget, max_inflight: int) -> None:
         self.group = group
         self.extractor = extractor
-        self.writers = writers
+        self.writers: Optional[WriterPool] = None
+        """Set once the lane's actors start (``start_writers``)."""
         self.budget = budget
         """Shared by the lanes of one node directory."""
         self.max_inflight = max_inflight
@@ -93,6 +94,9 @@ class Lane:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def start_writers(self, writers: WriterPool) -> None:
+        self.writers = writers
 
     @property
     def open(self) -> dict[int, ShardAttempt]:
@@ -109,6 +113,8 @@ class Lane:
 
     def free_writer(self) -> Optional[Any]:
         """A writer with no open attempt, if any."""
+        if self.writers is None:
+            return None
         busy = {id(attempt.writer) for attempt in self._open.values()}
         return next((writer for writer in self.writers.writers if id(writer) not in busy), None)
 
@@ -152,6 +158,11 @@ class Lanes:
 
     def __len__(self) -> int:
         return len(self._lanes)
+
+    @property
+    def started(self) -> bool:
+        """Every lane's extractor and writers were started (``jobs.driver.startup.start_actors``)."""
+        return all(lane.writers is not None for lane in self._lanes)
 
     @property
     def any_open(self) -> bool:

@@ -4,13 +4,15 @@ First the directories are scanned (a rerun's local files that the sink lacks
 are offered for upload). Then each turn: report progress, re-scan the directories when due, open the shards
 that fit (or learn that the run must wait for disk), then send one batch, or
 settle one completion, or, with nothing in flight, wait for disk or for the
-next rescan. The loop ends when every shard is settled, nothing is in flight,
+next rescan. A run that started no actor (it had only uploads to do) starts them when a shard is to be
+extracted after all (a done file lost meanwhile). The loop ends when every shard is settled, nothing is in flight,
 no upload waits for another try, and a last rescan finds no file lost.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from jobs.driver.completions import Completions
 from jobs.driver.disk_wait import DiskWait
@@ -26,8 +28,9 @@ from jobs.interrupts import raise_if_stopped
 class DriverLoop:
     def __init__(
         self, lanes: Lanes, scheduler: Scheduler, completions: Completions, uploads: UploadQueue, rescanner: Rescanner,
-        disk_wait: DiskWait, progress: RunProgress, work: PendingWork,
+        disk_wait: DiskWait, progress: RunProgress, work: PendingWork, start_actors: Callable[[], None],
     ) -> None:
+        """``start_actors``: starts every lane's extractor and writers (called once, if they have not started)."""
         self._lanes = lanes
         self._scheduler = scheduler
         self._completions = completions
@@ -36,6 +39,7 @@ class DriverLoop:
         self._disk_wait = disk_wait
         self._progress = progress
         self._work = work
+        self._start_actors = start_actors
 
     def run(self) -> None:
         try:
@@ -56,6 +60,8 @@ class DriverLoop:
         raise_if_stopped()
         self._progress.tick()
         self._rescanner.rescan_if_due()
+        if self._scheduler.has_work and not self._lanes.started:
+            self._start_actors()
         self._disk_wait.update(self._scheduler.open_what_fits())
         lane = self._lanes.ready()
         if lane is not None:

@@ -12,6 +12,7 @@ from jobs.driver.lanes import Lanes
 @dataclasses.dataclass
 class RunResult:
     engine: EngineInfo
+    """What the model reported: loaded by this run, or, when this run extracted nothing, by the run before."""
     startup_seconds: float
     """Actors up and the model loaded: the time to the first batch."""
     seconds: float
@@ -37,10 +38,12 @@ class RunResult:
 
 
 def node_figures(lanes: Lanes) -> dict[str, dict[str, Any]]:
+    """Per lane; a lane whose actors never started (nothing to extract) has no writers."""
     return {
         lane.group.name: {
             "directory": str(lane.group.directory), "node_id": lane.group.node_id,
-            "writers": len(lane.writers), "writer_cpus": lane.writers.cpus, "budget_peak": lane.budget.peak,
+            "writers": len(lane.writers) if lane.writers is not None else 0,
+            "writer_cpus": lane.writers.cpus if lane.writers is not None else "", "budget_peak": lane.budget.peak,
             "budget_overshoot": lane.budget.overshoot, "restarts": lane.extractor.generation,
         }
         for lane in lanes

@@ -5,6 +5,9 @@ owners, each of which alone changes what it holds: the scheduler (shards, batche
 ``Completions``, the upload queue, the rescanner and ``DiskWait``; ``jobs.driver.loop.DriverLoop``
 turns over them until every shard is settled. At most ``output.max_inflight_batches`` batches per
 lane sit between its extractor and a finished write, which bounds the states held in its node's memory.
+A run with nothing to extract (a rerun that only uploads done files to the sink) starts no extractor and no
+writer while it has nothing to extract, and reports the model as the run before it recorded; a file lost
+meanwhile starts them then.
 
 Faults are survived in the same run (an extractor started again, a writer replaced, a shard cut short
 extracted again) up to ``extract.max_restarts`` and ``extract.max_attempts``; past them the job stops
@@ -19,24 +22,24 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from common.checks import format_bytes
 from extractor.config import ExtractConfig
-from extractor.types import CaptureActivity, EngineSpec
+from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.completions import Completions
 from jobs.driver.disk_wait import DiskWait
-from jobs.driver.lanes import Lane
+from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.loop import DriverLoop
 from jobs.driver.progress import RunProgress
 from jobs.driver.rescan import Rescanner
 from jobs.driver.result import RunResult, node_figures
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.startup import (
-    StartedLanes,
     discard_all,
-    start_lanes,
+    plan_lanes,
+    start_actors,
     start_uploaders,
     stop_extractors,
     stop_lanes,
@@ -49,8 +52,10 @@ from jobs.inputs.dataset import TokenizedDataset
 from jobs.interrupts import signals_deferred
 from jobs.outdir.budget import DiskBudget
 from jobs.outdir.config import OutputConfig
+from jobs.planning.engine import shard_metadata
 from jobs.planning.shards import Shard
 from storage.manifest import DONE, Manifest, ShardRecord
+from storage.writer import state_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +71,16 @@ class ExtractionRun:
     def __init__(
         self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
         extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
-        groups: list[NodeGroup], progress: RunProgress,
+        groups: list[NodeGroup], progress: RunProgress, reported_engine: Optional[EngineInfo] = None,
     ) -> None:
+        """``reported_engine``: what the model reported to the run before (its summary), if it did; with it, a run
+        with no shard to extract starts no actor unless a file is lost meanwhile."""
         self._spec, self._dataset, self._plan, self._shards = spec, dataset, plan, shards
         self._extract, self._output, self._output_dir = extract, output, output_dir
         self._manifest, self._budget, self._groups, self._progress = manifest, budget, groups, progress
         self._work = PendingWork()
-        self._started: Optional[StartedLanes] = None
+        self._lanes: Optional[Lanes] = None
+        self._engine = reported_engine
         self._scheduler: Optional[Scheduler] = None
         self._completions: Optional[Completions] = None
         self._uploads: Optional[UploadQueue] = None
@@ -92,7 +100,7 @@ class ExtractionRun:
         lost there is no actor to stop or ask: a shard a writer published unrecorded, and the temp files of open
         ones, are removed by the next run's start."""
         ended_early = error is not None
-        lanes = list(self._started.lanes) if self._started is not None else []
+        lanes = self._lanes if self._lanes is not None else Lanes([], self._output_dir)
         if error is not None and isinstance(stop_in(error), ClusterLost):  # the actors went with the cluster
             with signals_deferred(reraise=False):
                 self._progress.close()
@@ -113,41 +121,59 @@ class ExtractionRun:
         """Start the actors and drive every shard to done (or failed); ``result`` tells what the run
         measured once the ``with`` block has stopped the actors."""
         self._clock["start"] = time.perf_counter()
-        self._started = start_lanes(
-            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir, self._progress.stage
+        self._lanes = lanes = plan_lanes(
+            self._spec, self._groups, self._extract, self._output, self._budget, self._output_dir
         )
-        lanes = self._started.lanes
+        if self._shards or self._engine is None:
+            self._start_actors(self._progress.stage)
+        else:
+            logger.info("no shard to extract: the extractor and writers are not started (model as the run before "
+                        "reported it: %s)", self._engine.model_architecture)
         self._uploaders = start_uploaders(self._output, lanes)
         self._uploads = UploadQueue(
             self._output.sink, self._uploaders, self._output.upload_attempts, lanes, self._manifest, self._work
         )
         self._scheduler = Scheduler(
             self._dataset, self._plan, self._shards, self._manifest, lanes, self._work, self._progress,
-            self._started.bytes_per_token, self._extract.max_attempts,
+            self._bytes_per_token(), self._extract.max_attempts,
         )
         self._completions = Completions(self._scheduler, self._uploads, self._work, lanes)
         rescanner = Rescanner(self._manifest, lanes, self._uploads, self._scheduler, self._output.rescan_s)
         self._clock["first_batch"] = time.perf_counter()
         self._progress.begin(lanes.budgets())
         DriverLoop(
-            lanes, self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress, self._work
+            lanes, self._scheduler, self._completions, self._uploads, rescanner, self._disk_wait, self._progress,
+            self._work, self._start_late,
         ).run()
         self._clock["end"] = time.perf_counter()
 
+    def _start_actors(self, stage: Callable[[str, Optional[Callable[[], str]]], None]) -> None:
+        self._engine = start_actors(self._lanes, self._spec, self._groups, self._extract, self._output, stage)
+
+    def _start_late(self) -> None:
+        """A shard to extract in a run that started no actor (a done file was lost while it uploaded)."""
+        logger.info("a shard is to be extracted again: starting the extractor and writers")
+        self._start_actors(lambda stage, detail=None: logger.info("%s", stage))
+
+    def _bytes_per_token(self) -> int:
+        return state_bytes_per_token(
+            shard_metadata(self._engine, self._spec.model_path, self._spec.state_dtype, self._spec.last_hidden_state)
+        )
+
     def result(self) -> RunResult:
         """What the run measured; only after it ran to its end and the ``with`` block stopped its actors."""
-        lanes, budgets = self._started.lanes, self._started.lanes.budgets()
+        lanes, budgets = self._lanes, self._lanes.budgets()
         activity, writer_seconds = self._stopped
         clock = self._clock
         return RunResult(
-            engine=self._started.engine,
+            engine=self._engine,
             startup_seconds=clock["first_batch"] - clock["start"],
             seconds=clock["end"] - clock["first_batch"],
             drain_seconds=clock["end"] - max(clock["first_batch"], self._completions.last_write_done),
             budget_peak=max(budget.peak for budget in budgets),
             budget_overshoot=max(budget.overshoot for budget in budgets),
             blocked_seconds=self._disk_wait.blocked_seconds,
-            writers=sum(len(lane.writers) for lane in lanes),
+            writers=sum(len(lane.writers) for lane in lanes if lane.writers is not None),
             peak_open_shards=self._scheduler.peak_open_shards,
             max_inflight_batches=sum(lane.max_inflight for lane in lanes),
             extractor=activity,
@@ -163,7 +189,7 @@ class ExtractionRun:
         return (
             f"stopped after waiting {self._output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
             f"in flight that could free space. {len(remaining)} shards remain, about "
-            f"{format_bytes(tokens * self._started.bytes_per_token)} to write. Raise output.disk_budget, set "
-            f"output.sink, or free space under {self._started.lanes.where(lane)} (e.g. let the trainer consume "
+            f"{format_bytes(tokens * self._bytes_per_token())} to write. Raise output.disk_budget, set "
+            f"output.sink, or free space under {self._lanes.where(lane)} (e.g. let the trainer consume "
             "shards), then rerun the same command: it resumes where this run stopped"
         )

@@ -1,4 +1,4 @@
-"""Starting the run's actors, one lane per data-parallel group, and stopping them.
+"""The run's lanes, one per data-parallel group; starting their actors, and stopping them.
 
 Every node loads its model at the same time; the writers start meanwhile, and
 the batches in flight (plus a little more) touch the object store's pages
@@ -40,50 +40,42 @@ INFLIGHT_BEYOND_WRITERS = 2
 OBJECT_STORE_WARM_EXTRA = 2
 
 
-
-
-@dataclasses.dataclass(frozen=True)
-class StartedLanes:
-    lanes: Lanes
-    engine: EngineInfo
-    bytes_per_token: int
-    """Bytes of states per token in the shard files (what the budget predicts shard sizes from)."""
-
-
-def start_lanes(
+def plan_lanes(
     spec: EngineSpec, groups: list[NodeGroup], extract: ExtractConfig, output: OutputConfig, budget: DiskBudget,
-    output_dir: Path, stage: Callable[[str, Optional[Callable[[], str]]], None],
-) -> StartedLanes:
-    """Extractors and writers of every group, ready; if the start fails half-way (or a signal stops it),
-    the actors already started are stopped before the error goes on. ``stage`` is told what the start does
-    (``RunProgress.stage``)."""
-    extractors = [
-        ExtractorHost(spec, extract.max_restarts, group.placement(), f"node {group.name}") for group in groups
-    ]
-    lanes: list[Lane] = []
-    try:
-        for extractor in extractors:  # every node loads its model at the same time
-            extractor.launch()
-        stage("loading the model", lambda: _loading(extractors))
-        engine = [extractor.ready() for extractor in extractors][0]
-        stage("starting the writers", None)
-        metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
-        budgets: dict[Path, DiskBudget] = {}
-        for group, extractor in zip(groups, extractors):
-            writers = WriterPool(group.directory, metadata, _writer_settings(spec, groups, group, extract, output),
-                                 group.writers, group.placement())
-            if group.directory not in budgets:
-                budgets[group.directory] = budget.for_disk(group.disk())
-            max_inflight = output.max_inflight_batches or len(writers) + INFLIGHT_BEYOND_WRITERS
-            lanes.append(Lane(group, extractor, writers, budgets[group.directory], max_inflight))
-        bytes_per_token = state_bytes_per_token(metadata)
-        _wait_for_writers(lanes, spec, bytes_per_token)
-    except BaseException:
-        stop_lanes(lanes, collect_stats=False)
-        for extractor in extractors[len(lanes):]:
-            extractor.stop(collect_stats=False)
-        raise
-    return StartedLanes(Lanes(lanes, output_dir), engine, bytes_per_token)
+    output_dir: Path,
+) -> Lanes:
+    """One lane per data-parallel group: its node's budget and its extractor's host. No actor runs before
+    ``start_actors``: a run with nothing to extract (only uploads left) never starts one."""
+    budgets: dict[Path, DiskBudget] = {}
+    lanes = []
+    for group in groups:
+        if group.directory not in budgets:
+            budgets[group.directory] = budget.for_disk(group.disk())
+        extractor = ExtractorHost(spec, extract.max_restarts, group.placement(), f"node {group.name}")
+        max_inflight = output.max_inflight_batches or group.writers + INFLIGHT_BEYOND_WRITERS
+        lanes.append(Lane(group, extractor, budgets[group.directory], max_inflight))
+    return Lanes(lanes, output_dir)
+
+
+def start_actors(
+    lanes: Lanes, spec: EngineSpec, groups: list[NodeGroup], extract: ExtractConfig, output: OutputConfig,
+    stage: Callable[[str, Optional[Callable[[], str]]], None],
+) -> EngineInfo:
+    """Every lane's extractor and writers, ready; returns what the model reported. ``stage`` is told what the
+    start does (``RunProgress.stage``). If the start fails half-way (or a signal stops it), ``stop_lanes`` stops
+    what it started: every actor it starts is its lane's at once."""
+    extractors = [lane.extractor for lane in lanes]
+    for extractor in extractors:  # every node loads its model at the same time
+        extractor.launch()
+    stage("loading the model", lambda: _loading(extractors))
+    engine = [extractor.ready() for extractor in extractors][0]
+    stage("starting the writers", None)
+    metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
+    for group, lane in zip(groups, lanes):
+        lane.start_writers(WriterPool(group.directory, metadata, _writer_settings(spec, groups, group, extract, output),
+                                      group.writers, group.placement()))
+    _wait_for_writers(list(lanes), spec, state_bytes_per_token(metadata))
+    return engine
 
 
 def _loading(extractors: list[ExtractorHost]) -> str:
@@ -114,12 +106,14 @@ def _wait_for_writers(lanes: list[Lane], spec: EngineSpec, bytes_per_token: int)
     ray.get(warmed)
 
 
-def stop_lanes(lanes: list[Lane], collect_stats: bool) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:
+def stop_lanes(lanes: Lanes, collect_stats: bool) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:
     """Stop every actor; with ``collect_stats``, first ask each what it did (the run's figures)."""
     activity = CaptureActivity(batches=0, tokens=0, busy_seconds=0.0)
     writer_seconds: dict[str, dict[str, float]] = {}
     for lane in lanes:
         activity = _add_activity(activity, lane.extractor.stop(collect_stats))
+        if lane.writers is None:
+            continue
         for clock, stages in lane.writers.stop(collect_stats).items():
             totals = writer_seconds.setdefault(clock, {})
             for stage, seconds in stages.items():
@@ -127,7 +121,7 @@ def stop_lanes(lanes: list[Lane], collect_stats: bool) -> tuple[CaptureActivity,
     return activity, writer_seconds
 
 
-def stop_extractors(lanes: list[Lane]) -> None:
+def stop_extractors(lanes: Lanes) -> None:
     """Kill every lane's extractor now (a run ending early): the batches the writers still wait for fail at
     once, so that their shards can be discarded without waiting for them to be extracted."""
     for lane in lanes:
@@ -156,7 +150,7 @@ def discard_all(attempts: list[ShardAttempt], timeout_s: float) -> None:
     """Ask the writers to drop every shard still open (the run is ending early): no temp file stays."""
     discards = [
         attempt.writer.discard.remote(attempt.index) for attempt in attempts
-        if attempt.lane.writers.is_member(attempt.writer)
+        if attempt.lane.writers is not None and attempt.lane.writers.is_member(attempt.writer)
     ]
     with contextlib.suppress(Exception):
         ray.get(discards, timeout=timeout_s)

@@ -270,6 +270,8 @@ class Run:
     budget: DiskBudget
     writers: FakeWriters
     extractor: FakeExtractor
+    starts: list[int]
+    """One entry per time the loop started the lane's actors (those of a run made with actors_started=False)."""
 
     def shard_files(self) -> list[str]:
         return sorted(p.name for p in self.world.directory.glob("shard-*.parquet"))
@@ -278,8 +280,9 @@ class Run:
 def make_run(
     tmp_path: Path, dataset_path: Path, worlds: list[World], world_options: dict[str, Any] | None = None, budget_shards: float = 100.0,
     writers: int = 1, sink: bool = False, max_attempts: int = 3, upload_attempts: int = 2, budget_wait_s: float = 0.2,
-    rescan_s: float = 0.01,
+    rescan_s: float = 0.01, actors_started: bool = True,
 ) -> Run:
+    """``actors_started=False``: the lane's writers start only when the loop asks (``Run.starts`` counts it)."""
     directory = tmp_path / "out"
     directory.mkdir(exist_ok=True)  # a rerun: the same directory and manifest
     world = World(directory, **(world_options or {}))
@@ -291,7 +294,16 @@ def make_run(
     budget = DiskBudget(directory, int(budget_shards * shard_bytes), 0)
     group = NodeGroup(node_id="node-1", name="n1", directory=directory, writers=writers)
     pool, extractor = FakeWriters(world, writers), FakeExtractor(world)
-    lanes = Lanes([Lane(group, extractor, pool, budget, max_inflight=writers + 2)], directory)
+    lane = Lane(group, extractor, budget, max_inflight=writers + 2)
+    lanes = Lanes([lane], directory)
+    starts: list[int] = []
+
+    def start_actors() -> None:
+        starts.append(1)
+        lane.start_writers(pool)
+
+    if actors_started:
+        lane.start_writers(pool)
     work = PendingWork(world.runtime)
     progress = RunProgress(manifest, budget, {s.index: s.tokens for s in plan}, [s.index for s in plan],
                            run=str(directory), interval_s=3600, interactive=False)
@@ -303,8 +315,8 @@ def make_run(
     rescanner = Rescanner(manifest, lanes, uploads, scheduler, rescan_s=rescan_s)
     disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
     progress.begin([budget])
-    loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work)
-    return Run(world, manifest, loop, budget, pool, extractor)
+    loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work, start_actors)
+    return Run(world, manifest, loop, budget, pool, extractor, starts)
 
 
 def consumer(run: Run, keep: int = 1) -> Callable[[], None]:
@@ -395,12 +407,31 @@ def test_a_rerun_with_only_uploads_left_uploads_them(tmp_path, dataset_path, hoo
     first = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True, upload_attempts=1)
     first.loop.run()
     first.manifest.close()
-    rerun = make_run(tmp_path, dataset_path, hooks_while_sleeping, sink=True)  # the sink works again
+    # the sink works again; the rerun's actors start only if the loop asks for them
+    rerun = make_run(tmp_path, dataset_path, hooks_while_sleeping, sink=True, actors_started=False)
     rerun.loop.run()
     records = list(rerun.manifest.shards.values())
     assert [r.state for r in records] == [DONE] * 4 and [r.location for r in records] == [SINK] * 4
     assert rerun.world.published == [] and sorted(rerun.world.uploaded) == [shard_file_name(i) for i in range(4)]
     assert rerun.shard_files() == []  # each deleted locally once it was in the sink
+    assert rerun.starts == [] and rerun.extractor.batches == 0, "an uploads-only rerun started its actors"
+
+
+def test_a_file_lost_in_an_uploads_only_rerun_starts_the_actors_and_is_extracted_again(
+    tmp_path, dataset_path, hooks_while_sleeping,
+):
+    first = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True, upload_attempts=1)
+    first.loop.run()
+    first.manifest.close()
+    rerun = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True,
+                     upload_attempts=2, actors_started=False, rescan_s=0)
+    rerun.world.runtime.hooks.append(deleter(rerun, {0}))  # while the loop waits to offer the failed uploads again
+    rerun.loop.run()
+    records = rerun.manifest.shards
+    assert rerun.starts == [1], "the actors start once, when the lost shard is to be extracted"
+    assert rerun.world.published == [0] and records[0].state == DONE and records[0].attempts == 2
+    assert [r.location for r in records.values()] == [LOCAL] * 4  # the sink still refuses every upload
+    assert rerun.shard_files() == [shard_file_name(i) for i in range(4)]
 
 
 def test_a_shard_cut_short_too_often_fails_the_run(tmp_path, dataset_path, hooks_while_sleeping):

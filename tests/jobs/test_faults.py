@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 import pytest
+import ray
 
 from jobs.config import load_config
 from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
@@ -515,6 +516,11 @@ class SinkHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
 
+def extractors_created() -> int:
+    """Extractor actors this process's Ray cluster has created so far (alive or dead)."""
+    return sum(actor["ActorClassName"] == "ExtractorActor" for actor in ray._private.state.actors().values())
+
+
 def local_files_are_whole(out: Path) -> list[dict]:
     """The manifest's local shards, each checked against its file (size and checksum)."""
     local = [r for r in read_manifest(out)["shards"] if r["state"] == DONE and r["location"] == LOCAL]
@@ -532,6 +538,7 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
         # says so (exit 7), naming the shards it kept
         sink.uploads_accepted = 2
         assert main(args) == EXIT_UPLOADS_FAILED
+        extractors = extractors_created()
         summary = read_summary(out)
         assert summary["outcome"] == "uploads_failed" and f"{SHARDS - 1} shards are written but not in" in summary["message"]
         local = local_files_are_whole(out)
@@ -544,10 +551,13 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
         assert main(args) == EXIT_UPLOADS_FAILED
         local = local_files_are_whole(out)
         assert len(local) == SHARDS - 1 and all("checksum" in r["error"] for r in local)
+        # nothing to extract: the reruns start no extractor (no model load) and no writer
+        assert extractors_created() == extractors and read_summary(out)["writers"] == 0
 
         # a healthy sink: the rerun uploads and verifies the rest, then deletes them locally
         sink.mode = "ok"
         assert main(args) == EXIT_OK
+        assert extractors_created() == extractors and read_summary(out)["engine"] == summary["engine"]
         records = read_manifest(out)["shards"]
         assert all(r["location"] == SINK and r["error"] == "" for r in records)
         assert not list(out.glob("shard-*.parquet"))
