@@ -151,22 +151,27 @@ def _kill_tree(temp_dir: Path) -> None:
         process.kill()
 
 
+@pytest.fixture(scope="module")
+def bare_bin(tmp_path_factory) -> Path:
+    """The bin/ of a bare Python with Ray alone (``bare_python_with_ray``), for the file."""
+    return bare_python_with_ray(tmp_path_factory.mktemp("bare") / "venv")
+
+
 @pytest.fixture
-def foreign_head(tmp_path) -> Iterator[str]:
-    """A Ray head on 127.0.0.1 started from a bare Python with Ray alone (its `python` the one that runs a job's
-    entrypoint), on a machine whose ~/eagle3-venv is the project's virtualenv (as cluster.yaml installs it):
-    yields its dashboard URL."""
-    bare = bare_python_with_ray(tmp_path / "bare")
+def foreign_head(bare_bin, tmp_path) -> Iterator[str]:
+    """A Ray head on 127.0.0.1 started from ``bare_bin`` (its `python` the one that runs a job's entrypoint), on a
+    machine whose ~/eagle3-venv is the project's virtualenv (as cluster.yaml installs it): yields its dashboard
+    URL."""
     home = tmp_path / "home"
     (home / ".cache").mkdir(parents=True)
     (home / "eagle3-venv").symlink_to(Path(sys.prefix))
     (home / ".cache" / "eagle3-extract").symlink_to(Path.home() / ".cache" / "eagle3-extract")  # a head that ran before
     with ray_temp_dir("fh") as temp_dir:
         ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
-        env = {"HOME": str(home), "PATH": f"{bare}:/usr/bin:/bin", "RAY_USAGE_STATS_ENABLED": "0",
+        env = {"HOME": str(home), "PATH": f"{bare_bin}:/usr/bin:/bin", "RAY_USAGE_STATS_ENABLED": "0",
                "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         started = subprocess.run(
-            [str(bare / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+            [str(bare_bin / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
              f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
              f"--ray-client-server-port={ports['client']}", f"--temp-dir={temp_dir}", "--num-cpus=3",
@@ -179,7 +184,8 @@ def foreign_head(tmp_path) -> Iterator[str]:
             _kill_tree(temp_dir)
 
 
-def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, llama_fp32, demo_dataset, tmp_path):
+def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, bare_bin, llama_fp32, demo_dataset,
+                                                              tmp_path):
     """The README's real run, `ray job submit --working-dir . --runtime-env conf/runtime-env.yaml -- python -m
     jobs.extract` exactly as printed up to the job's own keys (a tiny Llama's, with absolute paths, instead of
     Kimi-K2.5 on 8 GPUs), against a head whose Python has Ray alone: the job runs in the project's virtualenv,
@@ -207,15 +213,14 @@ def test_ray_job_submit_as_printed_to_a_ray_of_another_python(foreign_head, llam
     assert sorted(read_all(out)) == list(range(20))
 
     for command in (c for c in readme_commands() if c.startswith(("python -m jobs.prepare", "python -m jobs.plan"))):
-        local = shell(command, REPO_ROOT, user_shell(PATH=f"{tmp_path / 'bare' / 'bin'}:/usr/bin:/bin"))
+        local = shell(command, REPO_ROOT, user_shell(PATH=f"{bare_bin}:/usr/bin:/bin"))
         assert local.returncode == EXIT_BAD_INPUT and local.stdout == "", local.stderr
         assert local.stderr.count("\n") == 1 and "lacks" in local.stderr and "scripts/setup.sh" in local.stderr
 
 
-def test_a_bare_python_is_what_it_claims(tmp_path):
+def test_a_bare_python_is_what_it_claims(bare_bin):
     """The foreign head's Python above holds Ray and none of the project's packages."""
-    bare = bare_python_with_ray(tmp_path / "bare")
-    found = subprocess.run([str(bare / "python"), "-c", "import importlib.util as u, ray; print(ray.__version__, "
+    found = subprocess.run([str(bare_bin / "python"), "-c", "import importlib.util as u, ray; print(ray.__version__, "
                             "[m for m in ('omegaconf', 'pyarrow', 'torch', 'sglang') if u.find_spec(m)])"],
                            capture_output=True, text=True, check=True).stdout.split(" ", 1)
     assert found[0] == importlib.metadata.version("ray") and found[1].strip() == "[]"

@@ -357,7 +357,7 @@ def test_ray_job_submit_stop_and_resubmit(ray_head, tmp_path):
     logs = client.get_job_logs("eagle3-relative")
     assert "demo.dir=eagle3-demo: relative paths under `ray job submit`" in logs and "pass absolute paths" in logs
 
-    samples, demo = 200, tmp_path / "demo"
+    samples, demo = 100, tmp_path / "demo"
     out = demo / f"hidden_states-llama-{samples}-seed0"
     args = [f"demo.dir={demo}", f"demo.num_samples={samples}", "data.shard_size=4",
             "output.max_inflight_batches=1", "extract.max_tokens_per_batch=64", "progress.interval_s=0.5"]

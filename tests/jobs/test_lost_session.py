@@ -26,7 +26,7 @@ from storage.manifest import DONE, PENDING, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import alive, assert_every_sample_once, descendants, python_env
 
-LONG_SAMPLES = 400
+LONG_SAMPLES = 300
 SHARD_SIZE = 4
 RAY_OWN_LIMIT_S = 60
 """Ray ends a driver whose GCS has not answered for this long (``gcs_rpc_server_reconnect_timeout_s``)."""
@@ -34,7 +34,8 @@ RAY_OWN_LIMIT_S = 60
 
 @pytest.fixture(scope="module")
 def long_dataset(tmp_path_factory) -> Path:
-    """Long enough (a minute or so here) that the run is still extracting when its cluster goes, twice."""
+    """Long enough (most of a minute here) that the run is still extracting when its cluster goes, twice: the
+    second time for the 10 s (``LOST_AFTER_S``) its driver takes to notice, and well beyond."""
     return build_synthetic_dataset(tmp_path_factory.mktemp("lost-cluster") / "data.parquet", num_samples=LONG_SAMPLES,
                                    min_len=20, max_len=60, seed=9)
 

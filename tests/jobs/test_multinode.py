@@ -2,7 +2,8 @@
 
 Each node has its own CPUs, a custom resource, an ``eagle3-node`` label and its own output directory
 (``output.node_dir=.../{node}``); the job runs as its own process joined to the cluster, as under
-``ray job submit``.
+``ray job submit``. The file shares one cluster, its head node ``a``; a test that needs the second node ``b``
+adds it and removes it after.
 """
 
 from __future__ import annotations
@@ -26,19 +27,31 @@ BUDGET = 800_000  # about two shards of this dataset: each node must wait on its
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def head_a():
+    """A one-node cluster (its head, labelled ``a``) and its temp dir."""
     from ray.cluster_utils import Cluster
 
     with ray_temp_dir("rc") as temp:
-        common = dict(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp))
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args=dict(common, resources={"node_a": 1}, labels={"eagle3-node": "a"}, include_dashboard=False),
-        )
-        worker = cluster.add_node(**common, resources={"node_b": 1}, labels={"eagle3-node": "b"})
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp), resources={"node_a": 1},
+            labels={"eagle3-node": "a"}, include_dashboard=False))
+        try:
+            yield cluster, temp
+        finally:
+            cluster.shutdown()
+
+
+@pytest.fixture
+def two_nodes(head_a):
+    """The head ``a`` and a second node ``b``, for the test: ``b`` is removed after it."""
+    cluster, temp = head_a
+    worker = cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp), resources={"node_b": 1},
+                              labels={"eagle3-node": "b"})
+    try:
         cluster.wait_for_nodes()
         yield cluster, {"a": cluster.head_node.node_id, "b": worker.node_id}
-        cluster.shutdown()
+    finally:
+        cluster.remove_node(worker)
 
 
 def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nodes, llama_fp32, tmp_path):
@@ -127,12 +140,10 @@ def test_automatic_writers_follow_the_node(cpus, groups, writers):
     assert _writers({"Resources": {"CPU": cpus}, "NodeManagerAddress": "10.0.0.1"}, groups, 0) == writers
 
 
-def test_a_node_relabelled_between_runs_keeps_its_done_files(llama_fp32, tmp_path):
-    """A run on a cluster whose node is labelled ``gpu-a`` (as under ``ray job submit`` to a head), resumed by
-    the same command on a private cluster (its node: 127.0.0.1): the done files stay (not one removed or
-    written again), their records name the new node, and the one damaged in between is extracted again."""
-    from ray.cluster_utils import Cluster
-
+def test_a_node_relabelled_between_runs_keeps_its_done_files(head_a, llama_fp32, tmp_path):
+    """A run on a cluster whose one node, its head, is labelled ``a`` (as under ``ray job submit`` to a head),
+    resumed by the same command on a private cluster (its node: 127.0.0.1): the done files stay (not one removed
+    or written again), their records name the new node, and the one damaged in between is extracted again."""
     data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=8)
     out = tmp_path / "out"
     args = [
@@ -147,16 +158,10 @@ def test_a_node_relabelled_between_runs_keeps_its_done_files(llama_fp32, tmp_pat
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    with ray_temp_dir("rl") as temp:
-        cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=2, node_ip_address="127.0.0.1", temp_dir=str(temp), labels={"eagle3-node": "gpu-a"},
-            include_dashboard=False))
-        try:
-            job(f"ray.address={cluster.address}", "shards=[0,1,2,3,4]")
-        finally:
-            cluster.shutdown()
+    cluster, _ = head_a
+    job(f"ray.address={cluster.address}", "shards=[0,1,2,3,4]")  # on the head alone: b is not in the cluster
     records = read_manifest(out)["shards"]
-    assert [r["node"] for r in records[:5]] == ["gpu-a"] * 5 and records[5]["state"] == "pending"
+    assert [r["node"] for r in records[:5]] == ["a"] * 5 and records[5]["state"] == "pending"
     damaged = out / records[2]["file"]
     damaged.write_bytes(damaged.read_bytes()[:-100])  # truncated between the runs
     kept = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in out.glob("shard-*.parquet")
@@ -171,4 +176,4 @@ def test_a_node_relabelled_between_runs_keeps_its_done_files(llama_fp32, tmp_pat
     assert not [name for name in kept if f"removing {name}" in resumed.stderr]
     assert_every_sample_once(out, data)  # each sample once, jobs.verify --deep passes
     claim = json.loads((out / CLAIM_FILE).read_text())
-    assert claim["node"] == "127.0.0.1" and claim["nodes"] == ["gpu-a", "127.0.0.1"]
+    assert claim["node"] == "127.0.0.1" and claim["nodes"] == ["a", "127.0.0.1"]
