@@ -89,8 +89,10 @@ def _engine_args(spec: GeneratorSpec) -> dict[str, Any]:
         log_level="warning",
     )
     if spec.device == "cpu":
+        # sleep_on_idle: an idle scheduler otherwise polls its sockets in a loop, taking a whole core from the
+        # engine's other processes, the driver and the writers for as long as it waits (at its start too)
         args.update(attention_backend=spec.attention_backend or "torch_native", disable_cuda_graph=True,
-                    max_total_tokens=spec.max_total_tokens or CPU_KV_TOKENS)
+                    max_total_tokens=spec.max_total_tokens or CPU_KV_TOKENS, sleep_on_idle=True)
     else:
         args.update(attention_backend=spec.attention_backend or "flashinfer", disable_cuda_graph=not spec.cuda_graph)
         if spec.max_total_tokens:

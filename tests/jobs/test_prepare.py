@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from extractor.generator import GeneratorSpec, _engine_args
 from jobs.conversations.demo import build_chat_model, write_conversations
 from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
 from jobs.driver.job import run as extract
@@ -524,3 +525,5 @@ def test_regeneration_resumes_after_a_kill(ray_cluster, model, tokenizer, tmp_pa
     assert "applied: --json-model-override-args '{\"rms_norm_eps\":0.001}'" in text
     counts = record["counts"]
     assert counts["conversations"] == 12 == counts["kept"] + counts["skipped"]
+    # on CPU the engine's scheduler sleeps while it has nothing to run, not polling on a core the others need
+    assert _engine_args(GeneratorSpec(str(model), "float32", "cpu"))["sleep_on_idle"] is True
