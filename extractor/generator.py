@@ -4,8 +4,9 @@ Only SGLang's public offline API is touched: ``sglang.Engine(**server_args)``, `
 its event loop (``Engine.loop``) and ``Engine.shutdown()``. The engine takes and returns token ids
 (``skip_tokenizer_init``), so the caller renders prompts and decodes answers with the very tokenizer
 and chat template its loss mask comes from. The engine's loop runs in a thread of its own: ``submit``
-hands it one request from any thread and returns at once, so a conversation's next prompt goes in as
-soon as its last answer is back; ``generate`` is one batch, every answer back together. On CPU
+hands it requests from any thread and returns at once, one future per answer, so a conversation's next
+prompt goes in as soon as its last answer is back; ``submit_batch`` (and ``generate``, which waits for it)
+is one request for many prompts, every answer back together, as ``Engine.generate`` sends them. On CPU
 (checked with SGLang 0.5.23, torch 2.14.1) the scheduler processes are spawned, so the ``sgl_kernel``
 stand-in of ``extractor.cpu_shims`` reaches them as a package on their path (``extractor/cpu_site``).
 
@@ -145,6 +146,8 @@ class Generator:
         self.sglang_version = sglang.__version__
         self._engine: Optional[Any] = sglang.Engine(**_engine_args(spec))
         self._loop = self._engine.loop
+        self._tasks: set[asyncio.Task] = set()
+        """Answers being waited for in the loop's thread (only that thread touches the set)."""
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
         self._loop_thread.start()
         logger.info("SGLang %s engine for %s (%s, tp %d) ready in %.0f s", self.sglang_version, spec.model_path,
@@ -155,20 +158,48 @@ class Generator:
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict[str, Any]]) -> list[Completion]:
         """One answer per prompt, in order. ``sampling_params`` are SGLang's (max_new_tokens, temperature,
         top_p, top_k, stop_token_ids); the engine schedules all prompts together (``Engine.generate``)."""
-        if not prompts:
-            return []
-        outputs = self._run(self._engine_or_raise().async_generate(
-            input_ids=[list(p) for p in prompts], sampling_params=list(sampling_params))).result()
-        return [_completion(output) for output in outputs]
+        return self.submit_batch(prompts, sampling_params).result()
 
-    def submit(self, prompt: Sequence[int], sampling_params: dict[str, Any]) -> "concurrent.futures.Future[Completion]":
-        """One request, queued at once (thread-safe); the future holds its answer (or the engine's error)."""
+    def submit_batch(self, prompts: Sequence[Sequence[int]],
+                     sampling_params: Sequence[dict[str, Any]]) -> "concurrent.futures.Future[list[Completion]]":
+        """All prompts as one request, queued at once (thread-safe); the future holds every answer, in order, once
+        the last is back. One request is the engine's cheapest way in: its scheduler gets the prompts in one
+        message, and the engine's loop handles them in one pass."""
         engine = self._engine_or_raise()
 
-        async def answer() -> Completion:
-            return _completion(await engine.async_generate(input_ids=list(prompt), sampling_params=sampling_params))
+        async def answer() -> list[Completion]:
+            if not prompts:
+                return []
+            outputs = await engine.async_generate(input_ids=[list(p) for p in prompts],
+                                                  sampling_params=list(sampling_params))
+            return [_completion(output) for output in outputs]
 
         return self._run(answer())
+
+    def submit(self, prompts: Sequence[Sequence[int]],
+               sampling_params: Sequence[dict[str, Any]]) -> "list[concurrent.futures.Future[Completion]]":
+        """Each prompt its own request, all queued at once (thread-safe) in one hand-over to the engine's loop; each
+        future holds its answer (or the engine's error) as soon as that answer is back."""
+        engine = self._engine_or_raise()
+        futures: list[concurrent.futures.Future[Completion]] = [concurrent.futures.Future() for _ in prompts]
+
+        async def answer(prompt: Sequence[int], params: dict[str, Any], future: concurrent.futures.Future) -> None:
+            try:
+                future.set_result(_completion(await engine.async_generate(input_ids=list(prompt),
+                                                                          sampling_params=params)))
+            except BaseException as error:  # the engine's error goes to whoever waits for this answer
+                future.set_exception(error)
+
+        def start() -> None:
+            for prompt, params, future in zip(prompts, sampling_params, futures):
+                if future.set_running_or_notify_cancel():
+                    task = self._loop.create_task(answer(prompt, params, future))
+                    self._tasks.add(task)  # the loop keeps only a weak reference to a task
+                    task.add_done_callback(self._tasks.discard)
+
+        if futures:
+            self._loop.call_soon_threadsafe(start)
+        return futures
 
     def close(self) -> None:
         engine, self._engine = self._engine, None

@@ -3,9 +3,12 @@
 For each conversation the assistant turns are replaced, in order, by the target's own answers:
 the prompt for an answer is the conversation so far (earlier answers already the target's),
 rendered with the chat template and ``add_generation_prompt=True``, exactly as step 1 will render
-it; a trailing user turn is answered too. Every conversation's first prompt goes to the engine at
-once, and each next prompt as soon as the answer before it is back (``Generator.submit``): the
-engine's continuous batching always has work, instead of waiting at the end of each round for
+it; a trailing user turn is answered too. A shard's first prompts go to the engine as one request
+(``Generator.submit_batch``), as ``Engine.generate`` sends a batch: its scheduler gets them in one
+message, not one message per prompt arriving while it already runs the first ones. Their answers
+come back together; each next prompt then goes in as soon as the answer before it is back
+(``Generator.submit``), answers back at the same time handled together: the engine's continuous
+batching always has work (the other shards' too) instead of waiting at the end of each round for
 its slowest answer. With greedy decoding the answers are the ones a batch per round gives.
 
 The engine lives in a Ray actor (``Regenerator``) holding the model's ``tp_size`` GPUs on CUDA, one
@@ -24,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import ray
 
@@ -79,6 +82,11 @@ class _Conversation:
         self.answers.append({"finish_reason": finish_reason, "tokens": tokens})
 
 
+_Answers = queue.SimpleQueue[tuple[list[_Conversation], concurrent.futures.Future]]
+"""Answers back from the engine: the conversations asked, and the future of their completions (a list for the
+shard's first request, one completion for each later one)."""
+
+
 class Regenerator:
     """The actor's body: the chat template and an ``extractor.generator.Generator``."""
 
@@ -102,22 +110,27 @@ class Regenerator:
         shard's generation stats. Safe to call from several threads at once (``shards_at_once``)."""
         started = time.perf_counter()
         todo = [_Conversation(conversation_id, messages) for conversation_id, messages in conversations]
-        answered: queue.SimpleQueue[tuple[_Conversation, concurrent.futures.Future]] = queue.SimpleQueue()
-        pending = self._ask(todo, answered)
+        answered: _Answers = queue.SimpleQueue()
+        pending = self._ask(todo, answered, first=True)
         generated = 0
         while pending:
-            conversation, future = answered.get()
-            pending -= 1
-            completion = future.result()  # the engine's error, if it failed, ends the shard
-            generated += len(completion.output_ids)
-            try:
-                with self._chat_lock:
-                    text = self.chat.decode(completion.output_ids)
-            except Exception as error:  # ids the tokenizer has no text for (a model vocab larger than it)
-                conversation.reason = f"the tokenizer cannot decode the answer ({type(error).__name__}: {error})"
-                continue
-            conversation.answer(text, completion.finish_reason, len(completion.output_ids))
-            pending += self._ask([conversation], answered)
+            back = [answered.get()]
+            while not answered.empty():  # answers back meanwhile: decoded, and their next prompts sent, together
+                back.append(answered.get_nowait())
+            pending -= len(back)
+            done = []
+            for asked, future in back:
+                completions = future.result()  # the engine's error, if it failed, ends the shard
+                done += zip(asked, completions if isinstance(completions, list) else [completions])
+            generated += sum(len(completion.output_ids) for _, completion in done)
+            with self._chat_lock:
+                texts = [self._decode(completion.output_ids) for _, completion in done]
+            for (conversation, completion), text in zip(done, texts):
+                if isinstance(text, Exception):  # ids the tokenizer has no text for (a model vocab larger than it)
+                    conversation.reason = f"the tokenizer cannot decode the answer ({type(text).__name__}: {text})"
+                else:
+                    conversation.answer(text, completion.finish_reason, len(completion.output_ids))
+            pending += self._ask([conversation for conversation, _ in done if conversation.reason is None], answered)
         records = [
             {"conversation_id": c.conversation_id, "invalid": AFTER_REGENERATION + c.reason} if c.reason else
             {"conversation_id": c.conversation_id, "messages": c.done, "answers": c.answers}
@@ -130,16 +143,24 @@ class Regenerator:
                  "cut_at_max_new_tokens": sum(a["finish_reason"] == FINISH_LENGTH for a in answers)}
         return records, stats
 
-    def _ask(self, conversations: Sequence[_Conversation],
-             answered: "queue.SimpleQueue[tuple[_Conversation, concurrent.futures.Future]]") -> int:
-        """Send each conversation's next prompt to the engine (its answer goes to ``answered``); returns how
-        many were sent. A conversation with no answer left, or whose prompt cannot be answered, is done."""
+    def _decode(self, ids: list[int]) -> Union[str, Exception]:
+        try:
+            return self.chat.decode(ids)
+        except Exception as error:
+            return error
+
+    def _ask(self, conversations: Sequence[_Conversation], answered: _Answers, first: bool = False) -> int:
+        """Send each conversation's next prompt to the engine (its answer goes to ``answered``); returns how many
+        entries ``answered`` will get. A conversation with no answer left, or whose prompt cannot be answered, is
+        done. ``first``: the shard's first prompts, one request (the engine's cheapest way in, as
+        ``Engine.generate``: one entry); later prompts each their own request (an entry each), so that each
+        conversation goes on as soon as its own answer is back."""
         asking = [(c, prompt) for c in conversations if (prompt := c.next_prompt()) is not None]
         if not asking:
             return 0
         with self._chat_lock:
             ids = self.chat.prompt_ids([prompt for _, prompt in asking])
-        sent = 0
+        sending: list[tuple[_Conversation, list[int], dict[str, Any]]] = []
         for (conversation, _), prompt_ids in zip(asking, ids):
             if isinstance(prompt_ids, str):
                 conversation.reason = prompt_ids
@@ -149,10 +170,17 @@ class Regenerator:
                 conversation.reason = (f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} "
                                        f"tokens, leaving no room in the model's context of {self.context_length}")
                 continue
-            future = self.generator.submit(prompt_ids, dict(self.sampling, max_new_tokens=room))
-            future.add_done_callback(lambda done, c=conversation: answered.put((c, done)))
-            sent += 1
-        return sent
+            sending.append((conversation, prompt_ids, dict(self.sampling, max_new_tokens=room)))
+        if not sending:
+            return 0
+        asked, prompts, params = (list(column) for column in zip(*sending))
+        if first:
+            future = self.generator.submit_batch(prompts, params)
+            future.add_done_callback(lambda done: answered.put((asked, done)))
+            return 1
+        for conversation, future in zip(asked, self.generator.submit(prompts, params)):
+            future.add_done_callback(lambda done, c=conversation: answered.put(([c], done)))
+        return len(asked)
 
     def close(self) -> None:
         self.generator.close()
