@@ -24,8 +24,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.paths import REPO_ROOT  # noqa: E402
 
 from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
 

@@ -4,7 +4,7 @@ to damage files or sample a directory, the processes a command started, the trai
 holds a run's lock, and SmolLM2-135M-Instruct (real trained weights) with its extraction runs, each made once per
 test session.
 
-Test modules import from here and from ``tests.conftest`` only, never from one another."""
+Test modules import from here, ``tests.paths`` and ``tests.conftest`` only, never from one another."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from jobs.actors.extractor import fetch_batch, start_extractor
 from jobs.config import load_config
 from storage import ShardReader, ShardWriter
 from testbeds.smollm2 import checkpoint_dir
-from tests.conftest import REPO_ROOT
+from tests.paths import REPO_ROOT
 from training import peer_formats
 
 
