@@ -518,14 +518,16 @@ def session_ray_address() -> str:
 
 def extraction_run(tmp_path_factory, name: str, overrides: Sequence[str]) -> Path:
     """The output.dir of ``python -m jobs.extract`` on SmolLM2 (CPU, float32) over ``chat_dataset``
-    with ``overrides``, run once per session under ``name``, on this process's Ray cluster."""
+    with ``overrides``, run once per session under ``name``, on this process's Ray cluster, with one writer
+    (the readers of these runs compare states, not how writers shared the shards)."""
     model, data = checkpoint_dir(), chat_dataset(tmp_path_factory)
     out = shared_dir(tmp_path_factory) / f"smollm2-run-{name}"
     with made_once(out) as needed:
         if needed:
             command = [sys.executable, "-m", "jobs.extract", f"model.path={model}", f"data.path={data}",
                        f"output.dir={out}", "model.device=cpu", "model.dtype=float32",
-                       "output.min_free=1GB", f"ray.address={session_ray_address()}", *overrides]
+                       "output.min_free=1GB", "output.num_writers=1", f"ray.address={session_ray_address()}",
+                       *overrides]
             env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
             result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                     timeout=EXTRACT_TIMEOUT_S)
