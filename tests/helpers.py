@@ -1,7 +1,8 @@
 """What the tests share: the environment of the commands they start, a small job config (and the keys of
 conftest's finished run, copies of a run), extractor actors, HF reference states, checks of a run's output, tools
 to damage files or sample a directory, the processes a command started, the trainers' own loaders, a process that
-holds a run's lock, and SmolLM2-135M-Instruct (real trained weights) with its extraction runs, each made once per
+holds a run's lock, SmolLM2-135M-Instruct (real trained weights) with its extraction runs, and the tiny DeepSeek-V3
+with its bf16 job run, each made once per
 test session.
 
 Test modules import from here, ``tests.paths`` and ``tests.conftest`` only, never from one another."""
@@ -35,6 +36,7 @@ from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
 from jobs.actors.extractor import fetch_batch, start_extractor
 from jobs.config import load_config
+from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from storage import ShardReader, ShardWriter
 from testbeds.smollm2 import checkpoint_dir
 from tests.paths import REPO_ROOT
@@ -535,14 +537,16 @@ def session_ray_address() -> str:
 
 def extraction_run(tmp_path_factory, name: str, overrides: Sequence[str]) -> Path:
     """The output.dir of ``python -m jobs.extract`` on SmolLM2 (CPU, float32) over ``chat_dataset``
-    with ``overrides``, run once per session under ``name``, on this process's Ray cluster."""
+    with ``overrides``, run once per session under ``name``, on this process's Ray cluster, with one writer
+    (the readers of these runs compare states, not how writers shared the shards)."""
     model, data = checkpoint_dir(), chat_dataset(tmp_path_factory)
     out = shared_dir(tmp_path_factory) / f"smollm2-run-{name}"
     with made_once(out) as needed:
         if needed:
             command = [sys.executable, "-m", "jobs.extract", f"model.path={model}", f"data.path={data}",
                        f"output.dir={out}", "model.device=cpu", "model.dtype=float32",
-                       "output.min_free=1GB", f"ray.address={session_ray_address()}", *overrides]
+                       "output.min_free=1GB", "output.num_writers=1", f"ray.address={session_ray_address()}",
+                       *overrides]
             env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
             result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                     timeout=EXTRACT_TIMEOUT_S)
@@ -561,3 +565,38 @@ def pre_norm_run(tmp_path_factory) -> Path:
     """Layers [0, 13, 25] (arm B's states) with the pre-norm final state."""
     return extraction_run(tmp_path_factory, "pre_norm",
                           [f"extract.layers={PRE_NORM_LAYERS}", "extract.last_hidden_state=pre_norm"])
+
+
+# -- the tiny DeepSeek-V3 and its bf16 job run, each made once per test session -------------------------
+
+DEEPSEEK_RUN_SAMPLES = 6
+DEEPSEEK_RUN_SETTINGS = ("data.shard_size=4", "extract.max_tokens_per_batch=300", "model.dtype=bfloat16")
+"""The Kimi-K2.5 demo's settings in tests/extractor/test_kimi.py: the bare model's run is compared with the
+demo's run of the same language model, bit for bit."""
+
+
+def deepseek_v3_checkpoint(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 with a q LoRA (rank 32), float32: ``build_tiny_model``'s defaults, so the language
+    model the Kimi-K2.5 demo wraps, tensor for tensor."""
+    model = shared_dir(tmp_path_factory) / "deepseek_v3-fp32"
+    with made_once(model) as needed:
+        if needed:
+            build_tiny_model(model, arch="deepseek_v3")
+    return model
+
+
+def deepseek_bf16_run(tmp_path_factory) -> Path:
+    """The output.dir of the job (in this process, on its Ray cluster) on ``deepseek_v3_checkpoint`` in bf16
+    over the dataset the Kimi-K2.5 demo builds (``demo.num_samples=6``, seed 0: the same rows), with
+    ``DEEPSEEK_RUN_SETTINGS`` and one writer."""
+    from jobs.extract import run
+
+    model = deepseek_v3_checkpoint(tmp_path_factory)
+    out = shared_dir(tmp_path_factory) / "deepseek_v3-bf16-run"
+    with made_once(out) as needed:
+        if needed:
+            data = build_synthetic_dataset(out.parent / "deepseek_v3-bf16-data.parquet",
+                                           num_samples=DEEPSEEK_RUN_SAMPLES, seed=0)
+            # a failed attempt leaves its output.dir: the next attempt's run resumes it
+            run(job_config(model, data, out, *DEEPSEEK_RUN_SETTINGS, "output.num_writers=1"))
+    return out

@@ -10,10 +10,14 @@ import pytest
 
 from jobs.extract import DRAFTER_CONFIG_FILE, run
 from jobs.inputs.demo import build_tiny_model
+from jobs.rundir.summary import read_summary
 from storage import ShardReader
 from tests.helpers import (
+    DEEPSEEK_RUN_SAMPLES,
     ExtractorHandle,
     assert_matches_hf,
+    deepseek_bf16_run,
+    deepseek_v3_checkpoint,
     engine_spec,
     extract_once,
     job_config,
@@ -26,23 +30,28 @@ HIDDEN = 64
 LENGTHS = (9, 1, 23, 5)
 
 
-@pytest.fixture(scope="session")
-def deepseek_fp32(tmp_path_factory) -> dict[str, Path]:
+@pytest.fixture(scope="module")
+def deepseek_q_lora(tmp_path_factory) -> Path:
+    """The session's tiny DeepSeek-V3 (q LoRA rank 32), which tests/extractor/test_kimi.py wraps too."""
+    return deepseek_v3_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp32(tmp_path_factory, deepseek_q_lora) -> dict[str, Path]:
     """The tiny DeepSeek-V3 with and without a q LoRA (MLA's two query paths)."""
-    return {
-        name: build_tiny_model(tmp_path_factory.mktemp(f"deepseek-{name}") / "model", arch="deepseek_v3",
-                               q_lora_rank=rank)
-        for name, rank in (("q_lora", 32), ("no_q_lora", None))
-    }
+    no_q_lora = build_tiny_model(tmp_path_factory.mktemp("deepseek-no_q_lora") / "model", arch="deepseek_v3",
+                                 q_lora_rank=None)
+    return {"q_lora": deepseek_q_lora, "no_q_lora": no_q_lora}
 
 
 # deepseek_v2.set_eagle3_layers_to_capture adds +1 only when the first id is 1: the three
-# cases below take different drafter ids to capture the same kind of layers (each query path
-# meets at least one case; every case is one extractor start, which is what the suite pays for).
+# cases (the two below and the pre-norm test's, first id 1) take different drafter ids to
+# capture the same kind of layers (each query path meets at least one case; every case is one
+# extractor start, which is what the suite pays for).
 @pytest.mark.parametrize(
     "variant, layer_ids, drafter_ids",
-    [("q_lora", [2, 4, 5], [3, 5, 6]), ("no_q_lora", [1, 2, 4], [1, 2, 4]), ("q_lora", [2, 3, 5], [3, 4, 6])],
-    ids=["q_lora-default", "no_q_lora-first1", "q_lora-first2"],
+    [("q_lora", [2, 4, 5], [3, 5, 6]), ("no_q_lora", [2, 3, 5], [3, 4, 6])],
+    ids=["q_lora-default", "no_q_lora-first2"],
 )
 def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, variant, layer_ids, drafter_ids):
     model = deepseek_fp32[variant]
@@ -54,15 +63,12 @@ def test_deepseek_matches_hf(ray_cluster, deepseek_fp32, variant, layer_ids, dra
     assert_matches_hf(model, layer_ids, captured, sequences, HIDDEN, neighbour_gap=1e-3)
 
 
-@pytest.fixture(scope="session")
-def deepseek_q_lora(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("deepseek_q") / "model", arch="deepseek_v3")
-
-
 def test_deepseek_pre_norm_final_state_matches_hf(ray_cluster, deepseek_q_lora):
     sequences = random_sequences(LENGTHS, seed=8)
     spec = engine_spec(deepseek_q_lora, [1, 3, 5], last_hidden_state="pre_norm")
     info, captured = extract_once(spec, sequences)
+    assert info.model_architecture == "DeepseekV3ForCausalLM"
+    assert info.layers_to_capture == [2, 4, 6]
     assert info.drafter_layer_ids == [1, 3, 5]  # first id 1: deepseek_v2 adds +1 itself
     assert_matches_hf(deepseek_q_lora, [1, 3, 5], captured, sequences, HIDDEN, neighbour_gap=1e-3, final="pre_norm")
 
@@ -87,12 +93,13 @@ def test_deepseek_bf16_is_deterministic_across_runs_and_packings(ray_cluster, de
         assert np.array_equal(one.aux_hidden_states, aux)
 
 
-def test_deepseek_job_end_to_end(ray_cluster, deepseek_q_lora, demo_dataset, tmp_path):
-    out = tmp_path / "out"
-    summary = run(job_config(deepseek_q_lora, demo_dataset, out, "model.dtype=bfloat16"))
+def test_deepseek_job_end_to_end(ray_cluster, tmp_path_factory):
+    """The job in bf16 (the session's run, which tests/extractor/test_kimi.py compares the Kimi-K2.5 layout with)."""
+    out = deepseek_bf16_run(tmp_path_factory)
+    summary = read_summary(out)
     assert summary["shards_failed"] == {}
     samples = read_all(out)
-    assert sorted(samples) == list(range(summary["samples"])) and summary["samples"] == 20
+    assert sorted(samples) == list(range(summary["samples"])) and summary["samples"] == DEEPSEEK_RUN_SAMPLES
     metadata = ShardReader(next(out.glob("shard-*.parquet"))).metadata
     assert metadata.model_architecture == "DeepseekV3ForCausalLM"
     assert (metadata.layer_ids, metadata.layers_to_capture, metadata.drafter_layer_ids) == ([2, 4, 5], [3, 5, 6], [3, 5, 6])

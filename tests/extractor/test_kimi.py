@@ -1,8 +1,9 @@
 """Kimi-K2.5 as it ships: a DeepSeek-V3 inside KimiK25ForConditionalGeneration, through SGLang's kimi_k25.py.
 
-One tiny DeepSeek-V3 is saved twice, bare and in Kimi-K2.5's published layout (same tensors
-under ``language_model.``, a random MoonViT and projector). Every stored state of the wrapped
-model must equal the bare model's bit for bit, at TP=1 and TP=2.
+One tiny DeepSeek-V3 is saved twice, bare (the session's, tests/helpers.py) and in Kimi-K2.5's published layout
+(same tensors under ``language_model.``, a random MoonViT and projector). Every stored state of the wrapped
+model must equal the bare model's bit for bit, at TP=1 (the session's bf16 run of the bare model, which
+tests/extractor/test_deepseek.py checks as a job) and TP=2.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,14 +24,17 @@ from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from jobs.errors import EXIT_NOT_PASSED
 from jobs.extract import DRAFTER_CONFIG_FILE, run
-from jobs.inputs.demo import build_tiny_model
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token
 from testbeds.shapes import KIMI_K25, kimi_k25_reduced
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
+    DEEPSEEK_RUN_SAMPLES,
+    DEEPSEEK_RUN_SETTINGS,
     check_drafter,
+    deepseek_bf16_run,
+    deepseek_v3_checkpoint,
     engine_spec,
     job_config,
     python_env,
@@ -42,8 +47,8 @@ from tests.helpers import (
 
 KIMI = "KimiK25ForConditionalGeneration"
 DEEPSEEK = "DeepseekV3ForCausalLM"
-SAMPLES = 6
-JOB_SETTINGS = ("data.shard_size=4", "extract.max_tokens_per_batch=300", "model.dtype=bfloat16")
+SAMPLES = DEEPSEEK_RUN_SAMPLES
+JOB_SETTINGS = DEEPSEEK_RUN_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,8 @@ def kimi_demo(ray_cluster, tmp_path_factory):
     demo = tmp_path_factory.mktemp("kimi-demo")
     result = subprocess.run(
         [sys.executable, "-m", "jobs.extract", "demo.arch=kimi_k25", f"demo.dir={demo}",
-         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", *JOB_SETTINGS,
-         f"ray.address={session_ray_address()}"],
+         f"demo.num_samples={SAMPLES}", "model.device=cpu", "output.min_free=1GB", "output.num_writers=1",
+         *JOB_SETTINGS, f"ray.address={session_ray_address()}"],
         cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -66,8 +71,8 @@ def kimi_demo(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bare_deepseek(tmp_path_factory, kimi_demo):
-    """The demo's language model saved on its own (same builder, same seed)."""
-    bare = build_tiny_model(tmp_path_factory.mktemp("bare") / "model", arch="deepseek_v3")
+    """The demo's language model saved on its own (same builder, same seed): the session's tiny DeepSeek-V3."""
+    bare = deepseek_v3_checkpoint(tmp_path_factory)
     wrapped = load_file(kimi_demo[0] / "model.safetensors")
     tensors = load_file(bare / "model.safetensors")
     assert all(torch.equal(tensor, wrapped[f"language_model.{name}"]) for name, tensor in tensors.items())
@@ -103,16 +108,20 @@ def assert_bit_identical(wrapped_dir, bare_dir):
 
 @pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_kimi_layout_stores_the_bare_models_states_bit_for_bit(ray_cluster, kimi_demo, bare_deepseek, tp_size,
-                                                               tmp_path):
+                                                               tmp_path, tmp_path_factory):
     kimi, data, demo_output = kimi_demo
     if tp_size == 1:
         wrapped_dir = demo_output  # the subprocess run
+        bare_dir = deepseek_bf16_run(tmp_path_factory)
+        bare, wrapped = read_manifest(bare_dir)["content"], read_manifest(wrapped_dir)["content"]
+        assert Path(bare["model.path"]).resolve() == bare_deepseek.resolve()
+        assert bare["data.fingerprint"] == wrapped["data.fingerprint"]  # the rows the demo built
     else:
-        wrapped_dir = tmp_path / "kimi"
+        wrapped_dir, bare_dir = tmp_path / "kimi", tmp_path / "bare"
         summary = run(job_config(kimi, data, wrapped_dir, *JOB_SETTINGS, f"model.tp_size={tp_size}"))
         assert summary["engine"]["model_architecture"] == KIMI and summary["engine"]["tp_size"] == tp_size
-    run(job_config(bare_deepseek, data, tmp_path / "bare", *JOB_SETTINGS, f"model.tp_size={tp_size}"))
-    assert_bit_identical(wrapped_dir, tmp_path / "bare")
+        run(job_config(bare_deepseek, data, bare_dir, *JOB_SETTINGS, f"model.tp_size={tp_size}"))
+    assert_bit_identical(wrapped_dir, bare_dir)
 
 
 def test_dry_run_plans_what_the_run_wrote(kimi_demo, tmp_path):

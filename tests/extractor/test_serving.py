@@ -177,7 +177,8 @@ def _with_serving(tmp_path, name: str, serving) -> list[str]:
 def served(ray_cluster, llama_fp32, demo_dataset, tmp_path_factory):
     """A run extracted with SERVING."""
     tmp_path = tmp_path_factory.mktemp("served")
-    run(job_config(llama_fp32, demo_dataset, tmp_path / "run", *_with_serving(tmp_path, "list", SERVING)))
+    run(job_config(llama_fp32, demo_dataset, tmp_path / "run", "output.num_writers=1",
+                   *_with_serving(tmp_path, "list", SERVING)))
     return tmp_path / "run"
 
 
@@ -185,7 +186,7 @@ def test_serving_settings_reach_the_states_and_the_manifest(served, llama_fp32, 
     # the same settings as ServerArgs fields, in another output.dir
     again = tmp_path / "again"
     fields = {"dtype": "float32", "json_model_override_args": json.loads(OVERRIDE), "port": 31001}
-    run(job_config(llama_fp32, demo_dataset, again, *_with_serving(tmp_path, "fields", fields)))
+    run(job_config(llama_fp32, demo_dataset, again, "output.num_writers=1", *_with_serving(tmp_path, "fields", fields)))
 
     content = read_manifest(served)["content"]
     assert content["model.serving"] == {"json_model_override_args": OVERRIDE}
