@@ -63,8 +63,9 @@ class OfflineEngine:
         self.generator.close()
 
 
-def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[float, dict]:
-    """``python -m jobs.prepare`` on this process's Ray cluster (its auth settings are in the environment)."""
+def run_prepare(model: Path, data: Path, out: Path, keys: list[str], log: Path) -> tuple[float, dict]:
+    """``python -m jobs.prepare`` on this process's Ray cluster (its auth settings are in the environment); its output
+    goes to ``log`` (where its wall time went: its stage lines and timestamps)."""
     env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     env.pop("RAY_ADDRESS", None)
     address = ray.get_runtime_context().gcs_address
@@ -74,6 +75,7 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str]) -> tuple[fl
          f"ray.address={address}"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    log.write_text(result.stdout + result.stderr)
     if result.returncode != 0:
         raise SystemExit(f"jobs.prepare failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     return seconds, json.loads((out / "_prepare.json").read_text())
@@ -125,7 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     keys = [*device, "regenerate=true", f"generation.max_new_tokens={args.max_new_tokens}",
             f"output.shard_size={args.shard_size}", *args.set]
     with ray_session(""):
-        command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys)
+        prepare_log = Path(args.out).with_suffix(".prepare.log") if args.out else work / "prepare.log"
+        command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys, prepare_log)
         own = sglang_offline(keys, model, data, asked)
     out = Path(record["output_path"])
     stats = record["regeneration_stats"]

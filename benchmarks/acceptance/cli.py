@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "engines of Q and Q-bf16 run it")
     parser.add_argument("--int4-serving", default="",
                         help="the INT4 target's serving command (default: '--quantization compressed-tensors "
-                             "--attention-backend BACKEND'): arm Q4's extraction and the engines of Q4 and Q4-bf16 "
-                             "run it on DIR/model-int4")
+                             "--speculative-draft-model-quantization unquant --attention-backend BACKEND': the "
+                             "drafter in bf16, as the checkpoint's own quantization config cannot describe it): arm "
+                             "Q4's extraction and the engines of Q4 and Q4-bf16 run it on DIR/model-int4")
     parser.add_argument("--dtype", default="bfloat16",
                         help="the extraction's dtype, but for Q's (its serving command's)")
     parser.add_argument("--extract-set", action="append", default=[], metavar="KEY=VALUE",
@@ -91,7 +92,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.quantized_serving = tuple(shlex.split(args.quantized_serving) or
                                    ["--quantization", "fp8", "--attention-backend", args.attention_backend])
     args.int4_serving = tuple(shlex.split(args.int4_serving) or
-                              ["--quantization", "compressed-tensors", "--attention-backend", args.attention_backend])
+                              ["--quantization", "compressed-tensors", "--speculative-draft-model-quantization",
+                               "unquant", "--attention-backend", args.attention_backend])
     args.stages = stages
     return args
 

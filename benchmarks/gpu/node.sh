@@ -15,14 +15,16 @@
 #   bash benchmarks/gpu/node.sh status SITE WORK [--wait-s S]          where that run stands (waiting up to S seconds
 #        for it to end); once it has ended, its results, step records and log tail are copied into $OUT
 #   bash benchmarks/gpu/node.sh save-jit-cache FILE                    the warm JIT caches of $HOME into FILE, for
-#        the next fresh machine (the first Kimi-K2.5 forward on a fresh H200 compiled for 428 s; 102 s with one)
+#        the next fresh machine (the first Kimi-K2.5 forward on a fresh H200 compiled for 428 s; 102 s with one);
+#        over 15 MiB it is left in parts FILE.part-aa, -ab, ... (a call brings back files of at most 16 MiB):
+#        `cat FILE.part-* > FILE` puts it together
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON:-python3}
 jit_dirs=(.cache/flashinfer .cache/tvm-ffi .triton)
 
 usage() {
-  sed -n '5,18p' "$0" | sed 's/^# //' >&2
+  sed -n '5,20p' "$0" | sed 's/^# //' >&2
   exit 2
 }
 
@@ -107,7 +109,14 @@ save_jit_cache() {
   done
   [ ${#found[@]} -gt 0 ] || { echo "error: no JIT cache under $HOME yet: run a benchmark first" >&2; exit 1; }
   tar czf "$file" -C "$HOME" "${found[@]}"
-  ls -la "$file"
+  if [ "$(stat -c %s "$file")" -gt $((15 * 1024 * 1024)) ]; then
+    split -b 15M "$file" "$file.part-"
+    rm "$file"
+    echo "node: the JIT caches are over 15 MiB: in parts; put them together with: cat $(basename "$file").part-* > $(basename "$file")"
+    ls -la "$file".part-*
+  else
+    ls -la "$file"
+  fi
 }
 
 case "${1:-}" in

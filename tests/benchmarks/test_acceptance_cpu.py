@@ -220,7 +220,8 @@ def test_the_int4_target_its_run_engines_and_checks(tmp_path):
     Q4-bf16's states are compared with Q4's; fp8's steps keep their names."""
     p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts",
                              "--arms", "A,Q-bf16,Q4,Q4-bf16", "--attention-backend", "fa3"]))
-    int4 = ("--quantization", "compressed-tensors", "--attention-backend", "fa3")
+    int4 = ("--quantization", "compressed-tensors", "--speculative-draft-model-quantization", "unquant",
+            "--attention-backend", "fa3")
     assert p.serving("int4") == p.args.int4_serving == int4 and p.serving("bf16") == ()
     assert p.target_model("int4") == p.work / "model-int4" and p.target_model("fp8") == p.model
     assert [unit.name for unit in p.served()] == ["Q-bf16-s0", "Q4-s0", "Q4-bf16-s0", "A-s0"]
@@ -233,7 +234,7 @@ def test_the_int4_target_its_run_engines_and_checks(tmp_path):
     assert f"model.path={p.model}" in extract_command(p, "A")
     checks = serving_checks(p)
     assert list(checks) == ["check-serving-Q", "check-serving-A", "check-serving-Q4-int4", "check-serving-A-int4"]
-    assert checks["check-serving-A-int4"].command[-6:] == [f"output.dir={p.run_dir('A')}", "--", *int4]
+    assert checks["check-serving-A-int4"].command[-(len(int4) + 2):] == [f"output.dir={p.run_dir('A')}", "--", *int4]
     differences = state_difference(p)
     assert list(differences) == ["states-Q-bf16-vs-Q", "states-Q4-bf16-vs-Q4"]
     assert differences["states-Q4-bf16-vs-Q4"].command[-3:-1] == [str(p.run_dir("Q4")), str(p.run_dir("A"))]

@@ -77,6 +77,7 @@ def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_p
     assert prepare["generated_tokens"] == own["generated_tokens"] > 0
     assert prepare["tokens_per_s"] > 0 and own["tokens_per_s"] > 0 and results["prepare_over_sglang"] > 0
     assert "prepare / SGLang = " in result.stdout and "Paris" in result.stdout
+    assert "regenerating 3 of 3 shards" in (tmp_path / "results.prepare.log").read_text()  # jobs.prepare's own log kept
 
 
 def target_install() -> tuple[str, dict[str, str]]:
