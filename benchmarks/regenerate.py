@@ -28,6 +28,7 @@ from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.session import ray_session, resolve_device
 from jobs.conversations.pipeline import read_inputs
 from jobs.conversations.regenerate import REGENERATOR_CPUS
+from jobs.display.timeline import wall_time_line
 from jobs.prepare import load_config
 from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
@@ -142,7 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "max_new_tokens": args.max_new_tokens, "settings": keys, "sglang": stats["sglang_version"],
         "prepare": {"answers": stats["answers"], "generated_tokens": stats["generated_tokens"],
                     "generation_seconds": round(stats["seconds"], 2), "tokens_per_s": stats["tokens_per_second"],
-                    "shards": stats["shards"], "command_seconds": round(command_seconds, 1)},
+                    "shards": stats["shards"], "command_seconds": round(command_seconds, 1),
+                    "wall_seconds": record["wall_seconds"]},
         "sglang_offline": {"generated_tokens": own["generated_tokens"], "seconds": round(own["seconds"], 2),
                            "tokens_per_s": round(own_rate, 1)},
         "prepare_over_sglang": round(stats["tokens_per_second"] / own_rate, 3),
@@ -152,6 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{stats['shards']} shards of {args.shard_size}, at most {args.max_new_tokens} new tokens, {' '.join(keys)}")
     print(f"  jobs.prepare regenerate=true   {stats['generated_tokens']:>9,} tokens in {stats['seconds']:7.1f} s: "
           f"{stats['tokens_per_second']:>9,.0f} tokens/s (whole command {command_seconds:.0f} s)")
+    print(f"    jobs.prepare's {wall_time_line(record['wall_seconds'])}")
     print(f"  SGLang Engine.generate, once   {own['generated_tokens']:>9,} tokens in {own['seconds']:7.1f} s: "
           f"{own_rate:>9,.0f} tokens/s")
     print(f"  prepare / SGLang = {results['prepare_over_sglang']:.3f}; the same answer text for {same} of {prompts} prompts")

@@ -26,6 +26,7 @@ from jobs.conversations import output as out_dir
 from jobs.conversations.config import PrepareConfig
 from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
 from jobs.display.stages import StageLine
+from jobs.display.timeline import wall_time_line
 from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.rundir.lock import OutputLock
 
@@ -110,6 +111,8 @@ def final_message(record: dict[str, Any]) -> str:
                      f"generation.max_new_tokens) with SGLang {regeneration['sglang_version']}")
     if not record.get("nothing_to_do"):
         lines.append(f"{record['conversations_per_second']} conversations/s; side record: {out / out_dir.RECORD_FILE}")
+        if record.get("wall_seconds"):
+            lines.append(wall_time_line(record["wall_seconds"]))
     lines.append(f"next: python -m jobs.extract model.path={record['model_path']} data.path={out} output.dir=STATES_DIR")
     return "\n".join(lines)
 

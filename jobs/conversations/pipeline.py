@@ -228,6 +228,7 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
         try:
             stats["sglang_version"] = ray.get(actor.sglang_version.remote())  # the engine is up
             stages.close()
+            stages.timeline.enter("regenerating")
             progress = Progress("regenerate", inputs.total, config.progress.interval_s,
                                 already=min(done_before, inputs.total))
             logger.info("regenerating %d of %d shards on %s (tp %d)", len(todo), inputs.shards, device, model.tp_size)
@@ -242,6 +243,7 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
             for answered in pending:
                 _publish_answers(inputs, *answered, stats, progress)
             stats["seconds"] = time.perf_counter() - generating
+            stages.timeline.enter("closing the engine")
             try:
                 ray.get(actor.close.remote(), timeout=60)  # a clean engine shutdown
             except Exception as error:  # the engine goes with the actor either way
@@ -252,6 +254,7 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
             if progress is not None:
                 progress.close()
             ray.kill(actor)
+            stages.timeline.enter("stopping Ray")
     stats["wall_seconds"] = round(time.perf_counter() - started, 1)
     stats["tokens_per_second"] = round(stats["generated_tokens"] / max(stats["seconds"], 1e-9), 1)
     return stats
@@ -309,6 +312,7 @@ def tokenize_and_publish(inputs: Inputs, stages: StageLine) -> dict[str, Any]:
         shard_rows = shards_of(input_rows(inputs, regenerate=False), config.output.shard_size)
     workers = resolve_workers(config.workers, inputs.shards, inputs.total)
     stages.close()
+    stages.timeline.enter("tokenizing and publishing")
     totals, skipped, parts = tokenize_all(inputs, shard_rows, content_hash, workers)
     if not parts:
         skipped.discard()
@@ -326,7 +330,7 @@ def tokenize_and_publish(inputs: Inputs, stages: StageLine) -> dict[str, Any]:
         tokens={"total": totals.tokens, "masked": totals.masked_tokens, "lengths": totals.length_stats(),
                 "max_length": inputs.max_length},
         skipped={"file": out_dir.SKIPPED_FILE if skipped.count else None, "first": skipped.first},
-        parts=parts,
+        parts=parts, wall_seconds=stages.timeline.seconds(),
     )
     out_dir.write_record(out, record)
     return record

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Optional, TextIO
 
 from jobs.display.live import LIVE_REFRESH_S, LiveLine, format_duration
+from jobs.display.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,13 @@ class StageLine:
         self._line: Optional[LiveLine] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.timeline = Timeline()
+        """Every stage shown is a phase of it; the phases after the stages are entered there directly."""
 
     def show(self, stage: str, detail: Optional[Callable[[], str]] = None) -> None:
         """From now on the job is in ``stage`` (``starting Ray``); ``detail``, called at each redraw, says more
         (``0 of 2 extractors ready``)."""
+        self.timeline.enter(stage)
         with self._lock:
             if self._stop.is_set():
                 return

@@ -78,6 +78,12 @@ def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_p
     assert prepare["tokens_per_s"] > 0 and own["tokens_per_s"] > 0 and results["prepare_over_sglang"] > 0
     assert "prepare / SGLang = " in result.stdout and "Paris" in result.stdout
     assert "regenerating 3 of 3 shards" in (tmp_path / "results.prepare.log").read_text()  # jobs.prepare's own log kept
+    wall = prepare["wall_seconds"]  # where the command's wall time went, phase by phase, adding up to its total
+    assert [phase for phase, _ in wall["phases"]] == ["reading the inputs", "starting Ray", "loading the model",
+                                                      "regenerating", "closing the engine", "stopping Ray",
+                                                      "tokenizing and publishing"]
+    assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
+    assert wall["total"] <= prepare["command_seconds"] and "jobs.prepare's wall time" in result.stdout
 
 
 def target_install() -> tuple[str, dict[str, str]]:

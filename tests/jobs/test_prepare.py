@@ -107,7 +107,8 @@ def test_sharegpt_jsonl_becomes_the_parquet_the_extraction_job_reads(capsys, mod
     record = json.loads((out / RECORD_FILE).read_text())
     assert record == {**json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text()), **{
         key: record[key] for key in ("output_path", "started_at", "finished_at", "seconds", "conversations_per_second",
-                                     "command", "workers")}}
+                                     "command", "workers", "wall_seconds")}}
+    assert [phase for phase, _ in record["wall_seconds"]["phases"]] == ["reading the inputs", "tokenizing and publishing"]
     assert (record["workers"], json.loads((tmp_path / "tokens-2" / RECORD_FILE).read_text())["workers"]) == (1, 2)
     assert record["state"] == "complete"
     assert record["counts"] == {"conversations": 30, "kept": 30, "skipped": 0, "skipped_by_kind": {}, "truncated": 0,
