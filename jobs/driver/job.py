@@ -6,9 +6,9 @@ holding no run of other content), the layers (would SGLang capture them), the
 sink (a test write), takes output.dir's lock, checks every done shard's file a
 rerun would trust, and refuses what cannot fit. Then it starts Ray, claims and checks the run's
 directories on every node, cleans them, drives the ``ExtractionRun`` (while
-``ClusterWatch`` watches that the cluster is still there) and records
-how it ended in ``.summary.json``: exit 0 only when every shard this run was to
-write is done (and uploaded, with a sink).
+``ClusterWatch`` watches that the cluster is still there); ``RunEnd``
+(``jobs.driver.ending``) records how it ended in ``.summary.json``: exit 0 only
+when every shard this run was to write is done (and uploaded, with a sink).
 """
 
 from __future__ import annotations
