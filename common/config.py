@@ -1,8 +1,8 @@
 """The ``output`` section's directory, which every command that writes or reads a run has: ``output.dir``,
 declared and checked here once. Each command's ``output`` section extends one of these with its own keys
 (``jobs.outdir.config.OutputConfig``, the job's; ``jobs.status``, ``jobs.verify``, ``jobs.export``,
-``jobs.check_drafter``, ``jobs.check_serving``, which read a run). Here, below ``training/`` and ``jobs/``, so that
-both extend it.
+``jobs.check_drafter``, ``jobs.check_serving``, which read a run); ``output.sink_options`` too, for the job and the
+commands that open a run's uploaded files. Here, below ``training/`` and ``jobs/``, so that both extend them.
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ class RunDir(OutputDir):
 
 
 @dataclasses.dataclass
-class RunFiles(RunDir):
-    """A run's files wherever they are: its directory, and the options to open those uploaded to its sink."""
+class SinkOptions:
+    """``output.sink_options``, declared once for the job (its uploads) and the commands that read a run (the files
+    it uploaded)."""
 
     sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """fsspec options for the run's shards in its sink, as the run had them (the manifest records each uploaded
-    file's URL), or at output.dir given as a URL."""
+    """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint). The job: for its
+    uploads; the commands that read a run: as the run had them, for its shards in its sink (the manifest records
+    each uploaded file's URL) or at output.dir given as a URL."""
+
+
+@dataclasses.dataclass
+class RunFiles(SinkOptions, RunDir):
+    """A run's files wherever they are: its directory, and the options to open those uploaded to its sink."""

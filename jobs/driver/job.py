@@ -6,9 +6,9 @@ holding no run of other content), the layers (would SGLang capture them), the
 sink (a test write), takes output.dir's lock, checks every done shard's file a
 rerun would trust, and refuses what cannot fit. Then it starts Ray, claims and checks the run's
 directories on every node, cleans them, drives the ``ExtractionRun`` (while
-``ClusterWatch`` watches that the cluster is still there) and records
-how it ended in ``.summary.json``: exit 0 only when every shard this run was to
-write is done (and uploaded, with a sink).
+``ClusterWatch`` watches that the cluster is still there); ``RunEnd``
+(``jobs.driver.ending``) records how it ended in ``.summary.json``: exit 0 only
+when every shard this run was to write is done (and uploaded, with a sink).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import ray
 
@@ -29,23 +29,11 @@ from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_dev
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
 from jobs.display.stages import StageLine
+from jobs.driver.context import RunContext
+from jobs.driver.ending import RunEnd, disk_full, nothing_to_do
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
-from jobs.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_FAULT,
-    EXIT_NOT_PASSED,
-    EXIT_OK,
-    EXIT_UPLOADS_FAILED,
-    RERUN,
-    ClusterLost,
-    DiskFull,
-    JobFault,
-    JobInterrupted,
-    JobStopped,
-    is_disk_full,
-    stop_in,
-)
+from jobs.errors import is_disk_full
 from jobs.interrupts import signals_deferred
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import check_capture
@@ -65,19 +53,8 @@ from jobs.rundir.resume import (
     select_planned,
     select_shards,
 )
-from jobs.rundir.summary import (
-    BAD_INPUT,
-    COMPLETE,
-    NOTHING_TO_DO,
-    SHARDS_FAILED,
-    UPLOADS_FAILED,
-    RunSummary,
-    manifest_totals,
-    read_summary,
-    write_drafter_config,
-    write_invalid_rows,
-)
-from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
+from jobs.rundir.summary import RunSummary, read_summary, write_drafter_config, write_invalid_rows
+from storage.manifest import DONE, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
 
 logger = logging.getLogger("jobs.extract")
@@ -94,6 +71,19 @@ def run(config: JobConfig) -> dict:
 
 
 def _run(config: JobConfig, stages: StageLine) -> dict:
+    inputs = _check_before_ray(config, stages)
+    try:
+        with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
+            refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
+            return _run_locked(inputs, lock, stages)
+    except OSError as error:  # a full disk under the job's own files (manifest, claims, lock): exit 3, not a fault
+        if not is_disk_full(error):
+            raise
+        raise disk_full(inputs.output_dir, error) from error
+
+
+def _check_before_ray(config: JobConfig, stages: StageLine) -> RunInputs:
+    """The inputs, read and checked, and every check that needs no lock: output.dir, the layers, the sink."""
     stages.show("reading the inputs")
     inputs = read_inputs(config)
     config = inputs.config
@@ -103,132 +93,130 @@ def _run(config: JobConfig, stages: StageLine) -> dict:
         stages.show("checking the layers SGLang captures")
         check_capture(config.model.path, inputs.layer_ids, config.model.dtype)
     check_sink(config.output.sink, config.output.sink_options, inputs.output_dir, config.output.node_dir)
-    try:
-        with OutputLock(inputs.output_dir, ray_job_submission_id()) as lock:
-            refuse_foreign_output(inputs.output_dir, (inputs.output_dir / MANIFEST_FILE).exists())
-            return _run_locked(inputs, lock, stages)
-    except OSError as error:  # a full disk under the job's own files (manifest, claims, lock): exit 3, not a fault
-        if not is_disk_full(error):
-            raise
-        raise _disk_full(inputs.output_dir, error) from error
+    return inputs
 
 
 def _run_locked(inputs: RunInputs, lock: OutputLock, stages: StageLine) -> dict:
-    config, output_dir = inputs.config, inputs.output_dir
+    """Under output.dir's lock: which shards this run extracts and whether they fit, then Ray and the run."""
+    config = inputs.config
     plan = plan_shards(
         inputs.dataset.lengths, config.data.shard_size, config.extract.max_tokens_per_batch,
         config.extract.max_samples_per_batch,
     )
-    ranges = [(s.index, s.start, s.stop) for s in plan]
-    metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
-    manifest = _resumable_manifest(inputs, ranges)
-    checked_node: Optional[str] = None
-    if manifest is not None:
-        checked_node = _check_files_here(manifest, output_dir, config.output.resume_check == "checksum")
-        selected = {record.index for record in select_shards(manifest, config.shards)}
-        unchecked = any(r.location == LOCAL and r.node != checked_node for r in manifest.in_state(DONE))
-        if not selected and not unchecked and not _uploads_left(manifest, config.output.sink):
-            manifest.close()
-            return {"outcome": NOTHING_TO_DO, "output_dir": str(output_dir), **manifest_totals(manifest)}
-        reclaimable = sum(r.bytes for r in manifest.in_state(DONE) if r.location == LOCAL and r.node == checked_node)
-        manifest.close()
-    else:
-        selected = set(select_planned(config.shards, len(plan)))
-        reclaimable = 0
-    shard_tokens = {s.index: s.tokens for s in plan}
-    summary = RunSummary(config, output_dir, shard_tokens, sorted(selected), inputs.dataset.invalid)
-    before = manifest or Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
-    own = own_files(inputs, ranges, metadata, summary.room(before))
-    summary.own_files = own.total
-    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes, own=own)
-    check_shards_fit([s for s in plan if s.index in selected], budget.where_shards_go(config.output.node_dir), metadata,
-                     reclaimable)
-    write_invalid_rows(output_dir, inputs.dataset.invalid)
+    selection = _select(inputs, plan)
+    if selection.nothing_to_do:
+        return nothing_to_do(inputs.output_dir, selection.before)
+    context = _build_context(inputs, plan, selection, stages)
+    write_invalid_rows(inputs.output_dir, inputs.dataset.invalid)
     stages.show("starting Ray")
-    try:
+    with context.end.stops_recorded():  # a signal while Ray starts (the lock is still held then): recorded too
         with ray_session(config.ray.address):
             try:
-                with ClusterWatch(ray.get_runtime_context().gcs_address):
-                    return _extract(inputs, plan, ranges, budget, checked_node, summary, before, stages)
-            finally:  # before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+                # recorded before Ray shuts down (seconds): `ray job stop` sends SIGKILL 3 s after its SIGTERM
+                with ClusterWatch(ray.get_runtime_context().gcs_address), context.end.stops_recorded():
+                    return _extract(context)
+            finally:  # before Ray shuts down, for the same reason
                 with signals_deferred(reraise=False):
                     lock.release()
-    except BaseException as error:  # a signal while Ray started (the lock is still held then): recorded too
-        _record_early_stop(summary, before, error)
-        raise
 
 
-def _extract(
-    inputs: RunInputs, plan: list[Shard], ranges: list[tuple[int, int, int]], budget: DiskBudget,
-    checked_node: Optional[str], summary: RunSummary, before: Manifest, stages: StageLine,
-) -> dict:
-    """The run on Ray: the directories of every node, the actors, the summary. ``before`` is what output.dir
-    held before (a stop before this run's own manifest is open is recorded against it)."""
+class _Selection(NamedTuple):
+    """What a run under the lock finds before Ray starts: the shards it extracts, what output.dir held."""
+
+    before: Manifest
+    """The manifest output.dir holds (closed), or the plan's when it holds none."""
+    shards: set[int]
+    checked_node: Optional[str]
+    reclaimable: int
+    """Bytes of the done files checked here that this run may extract again (and so delete first)."""
+    nothing_to_do: bool
+
+
+def _select(inputs: RunInputs, plan: list[Shard]) -> _Selection:
+    """The shards this run extracts: those the config selects; with a manifest, after the check of the done
+    files output.dir holds on this host. Nothing to do when none is selected, no done file is left unchecked
+    and none waits for the sink."""
     config, output_dir = inputs.config, inputs.output_dir
-    manifest = before
+    ranges = [(s.index, s.start, s.stop) for s in plan]
+    manifest = _resumable_manifest(inputs, ranges)
+    if manifest is None:
+        before = Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
+        return _Selection(before, set(select_planned(config.shards, len(plan))), None, 0, False)
+    checked_node = _check_files_here(manifest, output_dir, config.output.resume_check == "checksum")
+    selected = {record.index for record in select_shards(manifest, config.shards)}
+    unchecked = any(r.location == LOCAL and r.node != checked_node for r in manifest.in_state(DONE))
+    if not selected and not unchecked and not _uploads_left(manifest, config.output.sink):
+        manifest.close()
+        return _Selection(manifest, selected, checked_node, 0, True)
+    reclaimable = sum(r.bytes for r in manifest.in_state(DONE) if r.location == LOCAL and r.node == checked_node)
+    manifest.close()
+    return _Selection(manifest, selected, checked_node, reclaimable, False)
+
+
+def _build_context(inputs: RunInputs, plan: list[Shard], selection: _Selection, stages: StageLine) -> RunContext:
+    """The run's summary, the bound of its own files and its disk budget; refused when a shard cannot fit."""
+    config, output_dir = inputs.config, inputs.output_dir
+    ranges = [(s.index, s.start, s.stop) for s in plan]
+    metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
+    summary = RunSummary(config, output_dir, {s.index: s.tokens for s in plan}, sorted(selection.shards),
+                         inputs.dataset.invalid)
+    own = own_files(inputs, ranges, metadata, summary.room(selection.before))
+    summary.own_files = own.total
+    budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes, own=own)
+    check_shards_fit([s for s in plan if s.index in selection.shards], budget.where_shards_go(config.output.node_dir),
+                     metadata, selection.reclaimable)
+    end = RunEnd(summary, selection.before, output_dir, config.output.sink)
+    return RunContext(inputs, plan, budget, selection.checked_node, stages, end)
+
+
+def _extract(context: RunContext) -> dict:
+    """The run on Ray: the directories of every node, the actors, the summary."""
+    config, output_dir = context.config, context.output_dir
+    device = resolve_device(config.model.device, config.model.tp_size)
+    spec = build_engine_spec(
+        config.model, config.extract, context.inputs.layer_ids, device, int(context.inputs.dataset.lengths.max()),
+        config.output.state_dtype,
+    )
+    groups = plan_groups(
+        ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
+        config.output.node_dir,
+    )
+    manifest = Manifest.open(output_dir, context.inputs.content(device), context.ranges, RECORDED_SINCE)
+    context.end.track(manifest)
     try:
-        device = resolve_device(config.model.device, config.model.tp_size)
-        spec = build_engine_spec(
-            config.model, config.extract, inputs.layer_ids, device, int(inputs.dataset.lengths.max()),
-            config.output.state_dtype,
-        )
-        groups = plan_groups(
-            ray.nodes(), config.model.dp_size, config.model.tp_size, device, config.output.num_writers, output_dir,
-            config.output.node_dir,
-        )
-        manifest = Manifest.open(output_dir, inputs.content(device), ranges, RECORDED_SINCE)
-        try:
-            stages.show("checking the run's directories")
-            final = _extract_shards(inputs, plan, spec, groups, manifest, budget, checked_node, summary, stages)
-        finally:
-            with signals_deferred(reraise=False):
-                manifest.close()
-    except BaseException as error:
-        _record_early_stop(summary, manifest, error)
-        raise
+        context.stages.show("checking the run's directories")
+        final = _extract_shards(context, spec, groups, manifest)
+    finally:
+        with signals_deferred(reraise=False):
+            manifest.close()
     _count_tokens(output_dir, config.output.sink_options)
     return final
 
 
-def _extract_shards(
-    inputs: RunInputs, plan: list[Shard], spec: EngineSpec, groups: list[NodeGroup], manifest: Manifest,
-    budget: DiskBudget, checked_node: Optional[str], summary: RunSummary, stages: StageLine,
-) -> dict:
+def _extract_shards(context: RunContext, spec: EngineSpec, groups: list[NodeGroup], manifest: Manifest) -> dict:
     """Prepare every node's directory, run the shards, record how the run ended; returns the final summary."""
-    config, output_dir = inputs.config, inputs.output_dir
-    to_run = _prepare_directories(manifest, groups, output_dir, config, checked_node)
+    config, output_dir, end = context.config, context.output_dir, context.end
+    to_run = _prepare_directories(manifest, groups, output_dir, config, context.checked_node)
     logger.info(
         "%d samples, %d tokens in %d shards; this run extracts %d of them -> %s",
-        len(inputs.dataset), int(inputs.dataset.lengths.sum()), len(plan), len(to_run), output_dir,
+        len(context.inputs.dataset), int(context.inputs.dataset.lengths.sum()), len(context.plan), len(to_run),
+        output_dir,
     )
-    shard_tokens = {s.index: s.tokens for s in plan}
     indices = [record.index for record in to_run]
-    summary.select(indices)
     reported = _reported_engine(output_dir)  # before this run's summary replaces the last one
-    summary.start(manifest)
-    progress = RunProgress(manifest, budget, shard_tokens, indices, run=str(output_dir),
-                           interval_s=config.progress.interval_s, sink=summary, stages=stages)
-    extraction = ExtractionRun(spec, inputs.dataset, plan, to_run, config.extract, config.output, output_dir,
-                               manifest, budget, writers_for(groups, len(to_run)), progress, reported)
-    try:
+    end.start(indices)
+    progress = RunProgress(manifest, context.budget, context.shard_tokens, indices, run=str(output_dir),
+                           interval_s=config.progress.interval_s, sink=end.summary, stages=context.stages)
+    extraction = ExtractionRun(context, spec, writers_for(groups, len(to_run)), to_run, manifest, progress, reported)
+    with end.ends_recorded():  # again, with what the wind-down recorded
         with extraction:
-            try:
+            with end.ends_recorded():  # before the wind-down: SIGKILL may follow a stop within seconds
                 extraction.run()
-            except BaseException as error:  # recorded before the wind-down: SIGKILL may follow a stop within seconds
-                _record_end(summary, manifest, *_ending(error, output_dir))
-                raise
         result = extraction.result()
-        summary.include(result.extracted_again)
-        ran = indices + [index for index in result.extracted_again if index not in indices]
-        outcome, code, message = _outcome(manifest, ran, config.output.sink)
+        end.include(result.extracted_again)
+        ending = end.judge(indices + [index for index in result.extracted_again if index not in indices])
         write_drafter_config(output_dir, _drafter_config(config, result.engine))
-    except BaseException as error:  # again, with what the wind-down recorded
-        _record_end(summary, manifest, *_ending(error, output_dir))
-        stop = _as_stop(error, output_dir)
-        if stop is not error:  # a signal seen through a Ray call, or a full disk: their own exit codes
-            raise stop from None
-        raise
-    return summary.finish(manifest, outcome, code, message, result)
+    return end.finish(ending, result)
 
 
 def _count_tokens(output_dir: Path, sink_options: dict) -> None:
@@ -285,57 +273,6 @@ def _prepare_directories(
     return to_run
 
 
-def _ending(error: BaseException, output_dir: Path) -> tuple[str, int, str]:
-    """How a run that raised ``error`` ended: outcome, exit code, message."""
-    error = _as_stop(error, output_dir)
-    if isinstance(error, JobStopped):
-        return error.outcome, error.exit_code, str(error)
-    if isinstance(error, ValueError):  # an input file that changed under the running job: fix it, not a fault
-        return BAD_INPUT, EXIT_BAD_INPUT, str(error)
-    return JobFault.outcome, EXIT_FAULT, f"{type(error).__name__}: {error}"
-
-
-def _as_stop(error: BaseException, output_dir: Path) -> BaseException:
-    """The stop ``error`` stands for: the ``JobInterrupted`` behind it, ``DiskFull`` for a full disk, else itself."""
-    stop = stop_in(error)
-    if stop is error and is_disk_full(error):
-        return _disk_full(output_dir, error)
-    return stop
-
-
-def _disk_full(output_dir: Path, error: BaseException) -> DiskFull:
-    return DiskFull(
-        f"the disk under output.dir={output_dir} is full ({type(error).__name__}: {error}). What is done stays done: "
-        "the manifest keeps every change it recorded and no temp file is left. Free space there (or set output.sink, "
-        "or lower output.disk_budget below the space the disk has), then rerun the same command: it resumes"
-    )
-
-
-def _outcome(manifest: Manifest, to_run: list[int], sink: str) -> tuple[str, int, str]:
-    """Exit 0 only when every shard this run was to write is done (and, with a sink, uploaded)."""
-    records = [manifest.shards[index] for index in to_run]
-    unsettled = [r.index for r in records if r.state not in (DONE, FAILED)]
-    if unsettled:  # the driver's loop ended with shards neither written nor failed: never call that complete
-        raise JobFault(f"shards {_listed(unsettled)} were to be written by this run but are neither done nor "
-                       f"failed. {RERUN}")
-    failed = [r.index for r in records if r.state == FAILED]
-    if failed:
-        return SHARDS_FAILED, EXIT_NOT_PASSED, (
-            f"{len(failed)} of {len(records)} shards failed and wrote no file ({_listed(failed)}); rerun them with "
-            "the same command plus shards=failed")
-    local = [r.index for r in manifest.in_state(DONE) if sink and r.location == LOCAL]
-    if local:
-        return UPLOADS_FAILED, EXIT_UPLOADS_FAILED, (
-            f"{len(local)} shards are written but not in {sink}: {_listed(local)} (kept locally; the last error of "
-            "each is in the manifest). Fix the sink, then rerun the same command: it uploads them")
-    return COMPLETE, EXIT_OK, ""
-
-
-def _listed(shards: list[int], limit: int = 20) -> str:
-    more = f" and {len(shards) - limit} more" if len(shards) > limit else ""
-    return ", ".join(str(index) for index in shards[:limit]) + more
-
-
 def _uploads_left(manifest: Manifest, sink: str) -> bool:
     """Done shards still local while a sink is set: a run is needed to upload them."""
     return bool(sink) and any(record.location == LOCAL for record in manifest.in_state(DONE))
@@ -346,25 +283,6 @@ def _drafter_config(config: JobConfig, engine: Any) -> dict[str, Any]:
     source = {key: getattr(engine, key) for key in (
         "model_architecture", "language_model_architecture", "layer_ids", "layers_to_capture", "sglang_version")}
     return build_drafter_config(text_config(read_config(config.model.path)), engine.drafter_layer_ids, engine.dtype, source)
-
-
-def _record_end(summary: RunSummary, manifest: Manifest, outcome: str, exit_code: int, message: str) -> None:
-    """The summary of a run that ended early, written whole (a second signal waits); failing to write it
-    must not hide why the run ended."""
-    try:
-        with signals_deferred(reraise=False):
-            summary.finish(manifest, outcome, exit_code, message)
-    except OSError as error:
-        logger.error("could not write %s (outcome %s, exit code %d): %s", summary.path, outcome, exit_code, error)
-
-
-def _record_early_stop(summary: RunSummary, manifest: Manifest, error: BaseException) -> None:
-    """A signal (or the cluster lost) before the run's summary started (Ray starting, the looks at every node's
-    directory) ends it as interrupted (or cluster_lost) all the same, recorded against what output.dir holds; a
-    refusal leaves it as it was."""
-    stop = stop_in(error)
-    if not summary.ended and isinstance(stop, (JobInterrupted, ClusterLost)):
-        _record_end(summary, manifest, stop.outcome, stop.exit_code, str(stop))
 
 
 def _resumable_manifest(inputs: RunInputs, plan: list[tuple[int, int, int]]) -> Manifest | None:

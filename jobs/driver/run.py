@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional
 
 from common.checks import format_bytes
-from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.completions import Completions
+from jobs.driver.context import RunContext
 from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.loop import DriverLoop
@@ -48,12 +47,8 @@ from jobs.driver.startup import (
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
 from jobs.errors import ClusterLost, stop_in
-from jobs.inputs.dataset import TokenizedDataset
 from jobs.interrupts import signals_deferred
-from jobs.outdir.budget import DiskBudget
-from jobs.outdir.config import OutputConfig
 from jobs.planning.engine import shard_metadata
-from jobs.planning.shards import Shard
 from storage.manifest import DONE, Manifest, ShardRecord
 from storage.writer import state_bytes_per_token
 
@@ -69,15 +64,16 @@ class ExtractionRun:
     """Extracts ``shards`` over the data-parallel ``groups`` and keeps the manifest and budgets true at every step."""
 
     def __init__(
-        self, spec: EngineSpec, dataset: TokenizedDataset, plan: list[Shard], shards: list[ShardRecord],
-        extract: ExtractConfig, output: OutputConfig, output_dir: Path, manifest: Manifest, budget: DiskBudget,
-        groups: list[NodeGroup], progress: RunProgress, reported_engine: Optional[EngineInfo] = None,
+        self, context: RunContext, spec: EngineSpec, groups: list[NodeGroup], shards: list[ShardRecord],
+        manifest: Manifest, progress: RunProgress, reported_engine: Optional[EngineInfo] = None,
     ) -> None:
-        """``reported_engine``: what the model reported to the run before (its summary), if it did; with it, a run
-        with no shard to extract starts no actor unless a file is lost meanwhile."""
-        self._spec, self._dataset, self._plan, self._shards = spec, dataset, plan, shards
-        self._extract, self._output, self._output_dir = extract, output, output_dir
-        self._manifest, self._budget, self._groups, self._progress = manifest, budget, groups, progress
+        """``context``: the run's inputs, plan and budget; ``shards``: those it extracts. ``reported_engine``: what
+        the model reported to the run before (its summary), if it did; with it, a run with no shard to extract
+        starts no actor unless a file is lost meanwhile."""
+        config = context.config
+        self._spec, self._dataset, self._plan, self._shards = spec, context.inputs.dataset, context.plan, shards
+        self._extract, self._output, self._output_dir = config.extract, config.output, context.output_dir
+        self._manifest, self._budget, self._groups, self._progress = manifest, context.budget, groups, progress
         self._work = PendingWork()
         self._lanes: Optional[Lanes] = None
         self._engine = reported_engine
@@ -85,7 +81,7 @@ class ExtractionRun:
         self._completions: Optional[Completions] = None
         self._uploads: Optional[UploadQueue] = None
         self._uploaders: dict[str, list[Any]] = {}
-        self._disk_wait = DiskWait(output.budget_wait_s, output.rescan_s, progress, self._exhausted)
+        self._disk_wait = DiskWait(self._output.budget_wait_s, self._output.rescan_s, progress, self._exhausted)
         self._stopped: Optional[tuple[CaptureActivity, dict[str, dict[str, float]]]] = None
         self._clock = {"start": 0.0, "first_batch": 0.0, "end": 0.0}
         """perf_counter at the actors' start, the first batch, and the last shard settled."""

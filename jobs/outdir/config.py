@@ -1,5 +1,5 @@
-"""The job's ``output`` section: the output directory (``common.config.OutputDir``), its disk budget, the sink and
-the writers that fill it.
+"""The job's ``output`` section: the output directory (``common.config.OutputDir``), its disk budget, the sink (its
+options: ``common.config.SinkOptions``) and the writers that fill it.
 
 It checks its own keys when built; byte sizes are parsed once, into ``*_bytes`` (``output.disk_budget`` by
 ``parse_disk_budget``, which ``jobs.status`` parses its own with too). It sits low in ``jobs/`` with the
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict
 
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
-from common.config import OutputDir
+from common.config import OutputDir, SinkOptions
 from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, SAME_AS_MODEL, STATE_DTYPES
 
 RESUME_CHECKS = ("size", "checksum")
@@ -45,7 +44,7 @@ def parse_disk_budget(value: str) -> int:
 
 
 @dataclasses.dataclass
-class OutputConfig(OutputDir):
+class OutputConfig(SinkOptions, OutputDir):
     node_dir: str = ""
     """With extractor groups on several nodes: each node's local directory for its shard files, {node} standing
     for the node's name (its eagle3-node label, else its IP), e.g. /mnt/nvme/run1/{node}. Empty: output.dir on every node."""
@@ -60,8 +59,6 @@ class OutputConfig(OutputDir):
     """How often output.dir is re-scanned for shard files deleted by someone else (a trainer consuming them)."""
     sink: str = ""
     """fsspec URL (s3://bucket/prefix, file:///mnt/big): committed shards are uploaded, verified, then deleted locally."""
-    sink_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Keyword arguments for the sink's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
     num_writers: int = 0
     """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor.
     A run starts no more than it has shards to write (a rerun of one shard: one writer)."""

@@ -2,15 +2,17 @@
 
 The kernel lock is the truth: ``fcntl.flock`` on ``output.dir/.job.lock``, kept open
 for the run and released by the kernel when the process ends, however it ends
-(``kill -9`` included). The same file holds a JSON record of the owner (host, pid
-and its start time, Ray job id, start time, command) for the message a second job
+(``kill -9`` included). The same file holds a JSON record of the owner (host, boot,
+pid and its start time, Ray job id, start time, command) for the message a second job
 gets and for ``jobs.status``; the owner removes it when it releases the lock (a refused or
 finished run leaves no lock file). The record is only ever written into a file of the lock's own: one
 created new at that name, or one found there with no other name (a hard link planted there would send
 the record into the file it shares: its name is removed instead).
 
 A record left by an owner that died is stale: the next job takes the lock over
-and logs whose it was. A record whose owner still runs on this host although the
+and logs whose it was. The owner is the process with the recorded pid that started at the recorded clock tick since
+boot (``/proc/PID/stat``), in the recorded boot (``boot_id``): neither moves when the wall clock is set, so a clock
+step never calls a live owner dead, and a later process with that pid (this boot or another) is never taken for it. A record whose owner still runs on this host although the
 kernel lock is free (the lock file was deleted and recreated under it), or whose
 owner runs on another host (this host cannot check), is not taken over.
 
@@ -42,8 +44,6 @@ from jobs.errors import OutputLocked
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".job.lock"
-# A process's start time as psutil reports it, compared with this tolerance (clock ticks).
-START_TIME_TOLERANCE_S = 1.0
 # Overrides whose values the lock's record leaves out (keys, secrets, endpoints of the sink).
 SECRET_KEYS = ("output.sink_options",)
 # How long a refused job waits for the owner's record to appear (it is written right after flock).
@@ -53,9 +53,11 @@ RECORD_WAIT_S = 2.0
 @dataclasses.dataclass(frozen=True)
 class LockOwner:
     host: str
+    boot_id: str
+    """The host's boot the owner ran in (``/proc/sys/kernel/random/boot_id``)."""
     pid: int
-    pid_started: float
-    """The owner process's start time (epoch seconds): tells it apart from a later process with its pid."""
+    pid_start_ticks: int
+    """When the owner process started, in clock ticks since boot: tells it apart from a later process with its pid."""
     ray_job: str
     """Submission id under ``ray job submit``, else ""."""
     started: str
@@ -67,8 +69,9 @@ class LockOwner:
         process = psutil.Process()
         return cls(
             host=socket.gethostname(),
+            boot_id=boot_id(),
             pid=process.pid,
-            pid_started=process.create_time(),
+            pid_start_ticks=start_ticks(process.pid),
             ray_job=ray_job,
             started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             command=shlex.join(_redacted(process.cmdline())),
@@ -82,11 +85,26 @@ class LockOwner:
         """Whether the owner process still runs; None when it runs on another host (cannot tell)."""
         if self.host != socket.gethostname():
             return None
-        try:
-            started = psutil.Process(self.pid).create_time()
-        except psutil.NoSuchProcess:
+        if self.boot_id != boot_id():  # the host booted since: every process of that boot is gone
             return False
-        return abs(started - self.pid_started) <= START_TIME_TOLERANCE_S
+        return start_ticks(self.pid) == self.pid_start_ticks
+
+
+def boot_id() -> str:
+    """This boot of the host: a new random id at every boot."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def start_ticks(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s field 22), None when no process
+    has that pid. Exact and fixed for the process's life: psutil's ``create_time`` adds the boot's wall-clock time,
+    which moves whenever the clock is set."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Fields from the 3rd on follow the command name's closing parenthesis (the name may hold spaces and parentheses).
+    return int(stat.rsplit(b")", 1)[1].split()[19])
 
 
 def _redacted(argv: list[str]) -> list[str]:

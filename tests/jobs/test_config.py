@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import typing
 
 import pytest
 
-from common.config import OutputDir, RunDir
+from common.config import OutputDir, RunDir, SinkOptions
 from extractor.config import ExtractConfig, ModelConfig
 from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from jobs.check_drafter import CheckDrafterConfig
@@ -135,13 +136,21 @@ READING_COMMANDS = {
 """The commands that read a run, and the config each parses."""
 
 
-def test_output_dir_is_one_section_every_command_extends():
+def test_output_dir_and_sink_options_are_one_section_every_command_extends():
     """output.dir is declared once (common.config): the job's output section and every reading command's extend it,
-    and each reading command refuses an empty one with the same line; output.disk_budget is parsed by one function
-    for the job and jobs.status (the same refusal)."""
+    and each reading command refuses an empty one with the same line; so is output.sink_options, for the job and the
+    commands that open a run's uploaded files; output.disk_budget is parsed by one function for the job and
+    jobs.status (the same refusal)."""
     declared = [klass for schema in (JobConfig, *READING_COMMANDS.values())
                 for klass in typing.get_type_hints(schema)["output"].__mro__ if "dir" in vars(klass).get("__annotations__", {})]
     assert set(declared) == {OutputDir}, declared
+    # output.sink_options too: the job's (its uploads) and those of the commands that open a run's uploaded files
+    with_options = [schema for schema in (JobConfig, *READING_COMMANDS.values())
+                    if "sink_options" in {f.name for f in dataclasses.fields(typing.get_type_hints(schema)["output"])}]
+    assert with_options == [JobConfig, VerifyConfig, ExportConfig], with_options
+    declared = [klass for schema in with_options for klass in typing.get_type_hints(schema)["output"].__mro__
+                if "sink_options" in vars(klass).get("__annotations__", {})]
+    assert set(declared) == {SinkOptions}, declared
     for command, schema in READING_COMMANDS.items():
         assert issubclass(typing.get_type_hints(schema)["output"], RunDir), command
         with pytest.raises(ConfigError) as error:

@@ -16,7 +16,7 @@ import pytest
 
 from jobs.cluster.node_disk import CLAIM_FILE, LocalDisk
 from jobs.errors import EXIT_LOCKED, OutputLocked
-from jobs.rundir.lock import LOCK_FILE, LockOwner, OutputLock, read_owner
+from jobs.rundir.lock import LOCK_FILE, LockOwner, OutputLock, read_owner, start_ticks
 from jobs.status import job_state
 from tests.conftest import REPO_ROOT
 from tests.helpers import LOCK_HOLDER
@@ -72,15 +72,14 @@ def record(tmp_path, owner: LockOwner) -> None:
 
 def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, caplog):
     me = LockOwner.this_process(ray_job="")
-    record(tmp_path, dataclasses.replace(me, pid_started=me.pid_started - 3600))  # same pid, other process
+    record(tmp_path, dataclasses.replace(me, pid_start_ticks=me.pid_start_ticks - 1))  # same pid, other process
     with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"), OutputLock(tmp_path):
         pass
     assert "taking over the lock" in caplog.text
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        started = psutil.Process(sleeper.pid).create_time()
-        record(tmp_path, dataclasses.replace(LockOwner.this_process(ray_job=""), pid=sleeper.pid, pid_started=started))
+        record(tmp_path, dataclasses.replace(me, pid=sleeper.pid, pid_start_ticks=start_ticks(sleeper.pid)))
         with pytest.raises(OutputLocked, match=rf"which still runs although its lock on {LOCK_FILE} is gone"):
             OutputLock(tmp_path).acquire()
     finally:
@@ -90,6 +89,32 @@ def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, 
     record(tmp_path, dataclasses.replace(me, host="other-host"))
     with pytest.raises(OutputLocked, match=r"That is another host, which this one cannot check.*delete .*.job.lock"):
         OutputLock(tmp_path).acquire()
+
+
+def test_a_live_owner_stays_alive_across_a_clock_step_and_a_later_boot_is_not_its(tmp_path, holder, monkeypatch,
+                                                                                  caplog):
+    """The wall clock set an hour forward while a job runs (NTP stepping it, a VM resumed): the kernel moves the
+    boot's wall-clock time (/proc/stat btime) with it, and a start time read as wall-clock seconds (psutil's
+    create_time: ticks since boot + btime) with it. The owner is the same process all the same: judged by its
+    start in ticks since boot, it is alive. A record of this pid and start tick from another boot is not."""
+    owner = read_owner(tmp_path)
+    assert owner is not None and owner.pid == holder.pid and owner.is_alive()
+    stepped = psutil.boot_time() + 3600
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)
+    assert abs(psutil.Process(holder.pid).create_time() - psutil.boot_time()) > 3000, "the clock step is seen"
+    assert owner.is_alive()
+    assert job_state(tmp_path, None).startswith(f"job: RUNNING, pid {holder.pid}")
+    with pytest.raises(OutputLocked, match=f"pid {holder.pid} on "):
+        OutputLock(tmp_path).check_free()
+
+    holder.kill()
+    holder.wait()
+    record(tmp_path, dataclasses.replace(owner, pid=os.getpid(), pid_start_ticks=start_ticks(os.getpid()),
+                                         boot_id="00000000-0000-0000-0000-000000000000"))
+    assert read_owner(tmp_path).is_alive() is False
+    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"), OutputLock(tmp_path):
+        pass
+    assert f"taking over the lock on {tmp_path} from pid {os.getpid()}" in caplog.text
 
 
 def owner(run_id: str) -> dict[str, str]:
