@@ -68,6 +68,7 @@ def run(config: JobConfig) -> dict:
         return _run(config, stages)
     finally:  # before the command's last lines and any error: the live line is erased
         stages.close()
+        logger.info("%s", stages.timeline.line())  # the summary's wall_seconds end with the run; this with Ray too
 
 
 def _run(config: JobConfig, stages: StageLine) -> dict:
@@ -118,6 +119,7 @@ def _run_locked(inputs: RunInputs, lock: OutputLock, stages: StageLine) -> dict:
             finally:  # before Ray shuts down, for the same reason
                 with signals_deferred(reraise=False):
                     lock.release()
+                stages.timeline.enter("stopping Ray")
 
 
 class _Selection(NamedTuple):
@@ -159,7 +161,7 @@ def _build_context(inputs: RunInputs, plan: list[Shard], selection: _Selection, 
     ranges = [(s.index, s.start, s.stop) for s in plan]
     metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
     summary = RunSummary(config, output_dir, {s.index: s.tokens for s in plan}, sorted(selection.shards),
-                         inputs.dataset.invalid)
+                         inputs.dataset.invalid, stages.timeline)
     own = own_files(inputs, ranges, metadata, summary.room(selection.before))
     summary.own_files = own.total
     budget = DiskBudget(output_dir, config.output.disk_budget_bytes, config.output.min_free_bytes, own=own)
@@ -189,6 +191,7 @@ def _extract(context: RunContext) -> dict:
     finally:
         with signals_deferred(reraise=False):
             manifest.close()
+    context.stages.timeline.enter("counting tokens")
     _count_tokens(output_dir, config.output.sink_options)
     return final
 

@@ -304,6 +304,7 @@ class RunProgress:
         self.metrics.stop_holding()
         if self.stages is not None:
             self.stages.close()
+            self.stages.timeline.enter("extracting")
         self.meter = RateMeter(RATE_WINDOW_S, time.monotonic())
         if self.interactive:
             self.live = LiveLine(self.stream)

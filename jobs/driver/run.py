@@ -74,6 +74,7 @@ class ExtractionRun:
         self._spec, self._dataset, self._plan, self._shards = spec, context.inputs.dataset, context.plan, shards
         self._extract, self._output, self._output_dir = config.extract, config.output, context.output_dir
         self._manifest, self._budget, self._groups, self._progress = manifest, context.budget, groups, progress
+        self._timeline = context.stages.timeline
         self._work = PendingWork()
         self._lanes: Optional[Lanes] = None
         self._engine = reported_engine
@@ -96,6 +97,7 @@ class ExtractionRun:
         lost there is no actor to stop or ask: a shard a writer published unrecorded, and the temp files of open
         ones, are removed by the next run's start."""
         ended_early = error is not None
+        self._timeline.enter("winding down")
         lanes = self._lanes if self._lanes is not None else Lanes([], self._output_dir)
         if error is not None and isinstance(stop_in(error), ClusterLost):  # the actors went with the cluster
             with signals_deferred(reraise=False):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jobs.config import JobConfig
+from jobs.display.timeline import Timeline
 from jobs.inputs.dataset import InvalidRow
 from storage.atomic import remove_quietly, replace_atomically, reserve_space, swap_in
 from storage.manifest import DONE, FAILED, SINK, Manifest
@@ -119,9 +120,11 @@ class RunSummary:
 
     def __init__(
         self, config: JobConfig, output_dir: Path, shard_tokens: dict[int, int], to_run: list[int],
-        invalid: Sequence[InvalidRow] = (),
+        invalid: Sequence[InvalidRow] = (), timeline: Optional[Timeline] = None,
     ) -> None:
+        """``timeline``: the command's phases, recorded as ``wall_seconds`` (up to the run's end) when given."""
         self.config = config
+        self.timeline = timeline
         self.invalid = list(invalid)
         self.path = output_dir / SUMMARY_FILE
         self.reserve = output_dir / SUMMARY_RESERVE_FILE
@@ -222,6 +225,7 @@ class RunSummary:
             },
             "tokens_per_second": round(run_tokens / seconds, 1) if seconds > 0 else 0.0,
             "progress": self.progress,
+            **({"wall_seconds": self.timeline.seconds()} if self.timeline is not None and outcome != RUNNING else {}),
             "invalid_rows": {
                 "count": len(self.invalid),
                 "first": [dataclasses.asdict(row) for row in self.invalid[:INVALID_ROWS_IN_SUMMARY]],

@@ -65,6 +65,12 @@ def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
     assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert summary["outcome"] == "complete" and summary["this_run"]["tokens"] == summary["tokens"]
     assert summary["tokens_per_second"] == round(summary["tokens"] / summary["this_run"]["seconds"], 1)
+    # where the command's wall time went up to the run's end, phase by phase, adding up to the total
+    wall = summary["wall_seconds"]
+    assert [phase for phase, _ in wall["phases"]] == [
+        "reading the inputs", "checking the layers SGLang captures", "starting Ray", "checking the run's directories",
+        "loading the model", "starting the writers", "extracting", "winding down"]
+    assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
     assert_reads_as_parquet_dataset(out, len(dataset))
 
     samples = read_all(out)
