@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import fsspec
 import pytest
-import ray
 
 from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
 from jobs.errors import BudgetExhausted
 from jobs.extract import run
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.consumed import consume_shard
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
-from tests.conftest import REPO_ROOT
-from tests.helpers import DiskSampler, checksum_of, copy_of, job_config, own_files_bytes, python_env, read_all
+from tests.helpers import DiskSampler, checksum_of, copy_of, job_config, own_files_bytes, read_all
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 20
@@ -163,39 +157,6 @@ def test_consumer_deleting_shards_frees_the_budget(ray_cluster, llama_fp32, demo
     for name, data in seen.items():
         (out / name).write_bytes(data)
     assert_sample_ids_complete(read_all(out))
-
-
-def test_sigkilled_driver_resumes_without_duplicates(ray_cluster, llama_fp32, tmp_path):
-    many = build_synthetic_dataset(tmp_path / "many.parquet", num_samples=160, min_len=20, max_len=60, seed=11)
-    out = tmp_path / "out"
-    address = ray.get_runtime_context().gcs_address
-    args = [
-        f"model.path={llama_fp32}", f"data.path={many}", f"output.dir={out}", "data.shard_size=4",
-        "model.device=cpu", "output.min_free=1GB", "output.max_inflight_batches=1",
-        "extract.max_tokens_per_batch=64", f"ray.address={address}",
-    ]
-    env = python_env()  # ray.address names the session's cluster
-    driver = subprocess.Popen([sys.executable, "-m", "jobs.extract", *args], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    killed_after = None
-    while time.monotonic() < deadline and driver.poll() is None:
-        try:
-            done = sum(r["state"] == DONE for r in read_manifest(out)["shards"])
-        except (ValueError, KeyError):  # no manifest yet
-            done = 0
-        if done >= 2:
-            driver.send_signal(signal.SIGKILL)
-            killed_after = done
-            break
-        time.sleep(0.05)  # 40 shards: the kill lands early whatever the delay
-    driver.wait(timeout=60)
-    assert killed_after is not None, "the driver finished or never started before it could be killed"
-    assert read_manifest(out)["shards"]  # readable after the kill
-    summary = run(job_config(llama_fp32, many, out, "data.shard_size=4", "extract.max_tokens_per_batch=64"))
-    assert summary["shards_done"] == 40 and summary["shards_failed"] == {}
-    assert_sample_ids_complete(read_all(out), count=160)
-    assert not list(out.glob("*.tmp"))
 
 
 def test_rerun_failed_shard_only(ray_cluster, llama_fp32, demo_dataset, tmp_path):
