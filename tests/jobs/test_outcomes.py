@@ -280,7 +280,7 @@ def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, ll
     next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
     jobs.verify calls such a file missing. A consumer's own declaration still counts."""
     out = copy_of(finished_run, tmp_path)
-    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN)
+    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN, "output.num_writers=1")  # records, not writers
     files = sorted(out.glob("shard-*.parquet"))
     samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
 
