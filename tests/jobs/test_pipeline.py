@@ -145,7 +145,8 @@ def test_one_command_writes_what_the_three_commands_write(killed_then_resumed, t
     # The three commands on the same model and conversations, the states kept (no consume).
     model, conversations = demo / "model-llama-chatml", demo / f"conversations-{CONVERSATIONS}.jsonl"
     tokens, states, three = tmp_path / "tokens", tmp_path / "states", tmp_path / "three-specforge"
-    assert prepare_command.main([f"model.path={model}", f"data.path={conversations}", f"output.dir={tokens}"]) == 0
+    assert prepare_command.main([f"model.path={model}", f"data.path={conversations}", f"output.dir={tokens}",
+                                 "output.shard_size=20"]) == 0  # three parts: the extraction reads across them
     assert extract_command.main([f"model.path={model}", f"data.path={tokens}", f"output.dir={states}",
                                  f"data.shard_size={SHARD_SIZE}"]) == 0
     assert export_command.main([f"output.dir={states}", "to=specforge", f"dest={three}"]) == 0
@@ -153,7 +154,9 @@ def test_one_command_writes_what_the_three_commands_write(killed_then_resumed, t
 
     # The extraction read what jobs.prepare wrote: sample id = row across the parts = conversation_id, each
     # sample's tokens and loss mask as prepared, a state per token.
-    prepared = pa.concat_tables(pq.read_table(path) for path in sorted(tokens.glob("part-*.parquet")))
+    parts = sorted(tokens.glob("part-*.parquet"))
+    assert len(parts) == 3
+    prepared = pa.concat_tables(pq.read_table(path) for path in parts)
     assert prepared.column("conversation_id").to_pylist() == list(range(CONVERSATIONS))
     samples = read_all(states)
     assert sorted(samples) == list(range(CONVERSATIONS))
