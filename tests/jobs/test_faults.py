@@ -35,7 +35,7 @@ from jobs.planning.engine import planned_metadata
 from jobs.planning.shards import plan_shards
 from jobs.rundir.summary import read_summary
 from storage.consumed import consume_shard
-from storage.manifest import DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
+from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
 from tests.helpers import assert_every_sample_once, assert_run_verifies, checksum_of, own_files_bytes
 
@@ -362,13 +362,16 @@ def test_an_extractor_then_a_writer_sigkilled_mid_shard_are_recovered_in_the_sam
 def test_faults_while_waiting_for_disk_lose_no_shard(faulted_run, dataset):
     """The faults of ``faulted_run`` come while the run waits for disk before most shards: neither must send a
     shard back as the next one is opened (one shard never written, the run saying complete, exit 0): every shard
-    is written exactly once, in the same run."""
+    is written exactly once, in the same run. The trainer consuming shard files (declared, then deleted:
+    ``storage.consumed``) is what keeps the budget of 1.5 shards flowing: the run notices them consumed as it goes."""
     run = faulted_run
     assert run.extractor_killed and run.writing is not None, "a fault did not happen"
     summary = read_summary(run.out)
     assert run.code == EXIT_OK, summary["message"]
     records = read_manifest(run.out)["shards"]
     assert [r["state"] for r in records] == [DONE] * SHARDS
+    locations = [r["location"] for r in records]
+    assert locations.count(CONSUMED) >= 3 and set(locations) <= {CONSUMED, LOCAL}, locations
     assert summary["shards_done"] == summary["plan"]["shards"] == SHARDS
     assert attempts(run.out)[run.writing.shard] >= 2, "the killed writer's shard was not written again"
     assert summary["disk_budget"]["blocked_seconds"] > 0, "the run never waited for disk: the case is not covered"

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from jobs.errors import EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from jobs.export import main as export_main
 from jobs.extract import main
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
@@ -149,9 +150,11 @@ def plant(directory: Path, names, victim: Path) -> None:
         path.symlink_to(victim)
 
 
-def export_command(out: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.export", f"output.dir={out}", "to=specforge", f"dest={dest}",
-                           *extra], cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300)
+def export_command(capsys, out: Path, dest: Path, *extra: str) -> tuple[int, str]:
+    """``jobs.export`` in this process (its exit code and its stderr): torch, which it imports, is loaded here."""
+    capsys.readouterr()
+    code = export_main([f"output.dir={out}", "to=specforge", f"dest={dest}", *extra])
+    return code, capsys.readouterr().err
 
 
 def verify_command(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -160,7 +163,7 @@ def verify_command(out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_links_are_never_followed_and_a_consumed_export_is_checked(
-    ray_cluster, llama_fp32, demo_dataset, finished_run, tmp_path,
+    ray_cluster, llama_fp32, demo_dataset, finished_run, tmp_path, capsys,
 ):
     """Links planted at every name a rerun (of a copy of a finished run), then ``jobs.export consume=true``, write:
     the rerun and the export complete, the files the links point to are untouched, no link is left. Then a byte
@@ -184,8 +187,8 @@ def test_links_are_never_followed_and_a_consumed_export_is_checked(
     plant(out, [".manifest.json.tmp", ".manifest.journal"], victim)
     plant(dest, ["..export_state.json.tmp", "rows_0-2000/.data_0.ckpt.tmp", ".export-files/.shard-00000.json.tmp"],
           victim)
-    exported = export_command(out, dest, "consume=true")
-    assert exported.returncode == EXIT_OK, exported.stderr[-3000:]
+    code, errors = export_command(capsys, out, dest, "consume=true")
+    assert code == EXIT_OK, errors[-3000:]
     assert victim.read_bytes() == b"not the job's\n"
     assert [p for p in [*out.rglob("*"), *dest.rglob("*")] if p.is_symlink()] == []
     assert not list(out.glob("shard-*.parquet"))
@@ -208,9 +211,9 @@ def test_links_are_never_followed_and_a_consumed_export_is_checked(
     assert f"{dest}/{first_ckpt}: its checksum is not the one recorded when shard-00000.parquet was exported" \
         in checked.stdout, checked.stdout
     assert "rerun the job's command with shards=[0]" in checked.stdout
-    rerun = export_command(out, dest, "consume=true")
-    assert rerun.returncode == 4, rerun.stderr[-3000:]
-    assert f"{dest}/{first_ckpt}: its checksum is not the one recorded" in rerun.stderr, rerun.stderr[-3000:]
+    code, errors = export_command(capsys, out, dest, "consume=true")
+    assert code == 4, errors[-3000:]
+    assert f"{dest}/{first_ckpt}: its checksum is not the one recorded" in errors, errors[-3000:]
 
 
 def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links(tmp_path):

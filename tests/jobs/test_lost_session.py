@@ -24,7 +24,7 @@ from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, PENDING, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import alive, assert_every_sample_once, descendants, python_env
+from tests.helpers import alive, assert_every_sample_once, descendants, python_env, session_ray_address
 
 LONG_SAMPLES = 300
 SHARD_SIZE = 4
@@ -98,9 +98,9 @@ def done_count(out: Path) -> int:
         return 0
 
 
-def test_sighup_then_the_head_stopped_each_end_the_run_and_a_plain_rerun_resumes_it(llama_fp32, long_dataset,
-                                                                                    tmp_path):
-    """One output.dir through both losses, each run the same plain command on a private cluster of its own:
+def test_sighup_then_the_head_stopped_each_end_the_run_and_a_plain_rerun_resumes_it(ray_cluster, llama_fp32,
+                                                                                    long_dataset, tmp_path):
+    """One output.dir through both losses, each the same plain command on a private cluster of its own:
 
     1. A dropped SSH session: SIGHUP to the job's whole process group, the private Ray cluster it started
        included. The cluster does not die under the driver; the run winds down as on Ctrl-C: exit 129.
@@ -108,8 +108,9 @@ def test_sighup_then_the_head_stopped_each_end_the_run_and_a_plain_rerun_resumes
        GCS of its cluster (what ``ray stop`` sends it): the driver notices within seconds, not when Ray ends it
        after a minute (exit 1, the summary still ``running``); the summary says ``cluster_lost``, exit 4; the
        manifest keeps every done shard; ``shards=failed`` does not say "nothing to do" while shards are pending.
-    3. The plain rerun completes the run, every sample once.
-    Each ends with its summary and exit code, the lock released and no process of the run left."""
+    3. The same command completes the run, every sample once (joined to this session's cluster: where its cluster
+       comes from is not the point of this step, and a private one costs a cluster's start).
+    The first two end with their summary and exit code, the lock released and no process of the run left."""
     out = tmp_path / "out"
     args = job_args(llama_fp32, long_dataset, out)
     with open(tmp_path / "stderr-sighup", "w+") as stderr:
@@ -155,7 +156,7 @@ def test_sighup_then_the_head_stopped_each_end_the_run_and_a_plain_rerun_resumes
         assert failed_only.returncode == EXIT_BAD_INPUT, failed_only.stdout + failed_only.stderr[-3000:]
         assert f"none failed, but {pending} of {len(records)} are still pending" in failed_only.stderr
         assert "Rerun without shards=failed" in failed_only.stderr
-    rerun = extract(args)
+    rerun = extract(args, f"ray.address={session_ray_address()}")
     assert rerun.returncode == EXIT_OK, rerun.stderr[-3000:]
     assert_every_sample_once(out, long_dataset)
     assert LOST_AFTER_S < RAY_OWN_LIMIT_S / 2

@@ -18,6 +18,7 @@ from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
+from storage.token_freq import count_tokens, read_token_freq
 from tests.conftest import REPO_ROOT, ray_temp_dir
 from tests.helpers import DiskSampler, assert_every_sample_once, assert_run_verifies, python_env
 
@@ -55,6 +56,8 @@ def two_nodes(head_a):
 
 
 def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nodes, llama_fp32, tmp_path):
+    """Each node extracts and writes under its own budget on its own directory, uploading to a file:// sink (the same
+    with an S3 sink on one node: tests/jobs/test_budget_resume.py)."""
     cluster, node_ids = two_nodes
     data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=5)
     out, sink = tmp_path / "out", tmp_path / "sink"
@@ -93,6 +96,8 @@ def test_two_nodes_each_extract_and_write_locally_under_their_own_budget(two_nod
     assert not list(out.glob("shard-*.parquet"))  # nothing was written on the driver's own output.dir
     assert_every_sample_once(sink, data)
     assert_run_verifies(out)
+    # the token counts for speculators' vocabulary were made at the end, from the shards in the sink
+    assert read_token_freq(out) == count_tokens(sink) and sum(read_token_freq(out).values()) > 0
 
     # status shows each node
     status = subprocess.run([sys.executable, "-m", "jobs.status", f"output.dir={out}"], cwd=REPO_ROOT, env=env,

@@ -280,7 +280,7 @@ def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, ll
     next run while its file is there, or once the file is gone (then the shard was lost, and is written again);
     jobs.verify calls such a file missing. A consumer's own declaration still counts."""
     out = copy_of(finished_run, tmp_path)
-    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN)
+    config = job_config(llama_fp32, demo_dataset, out, *FINISHED_RUN, "output.num_writers=1")  # records, not writers
     files = sorted(out.glob("shard-*.parquet"))
     samples = {path.name: sorted(s.sample_id for s in ShardReader(path)) for path in files}
 
@@ -328,7 +328,7 @@ def test_a_checkpoint_replaced_at_the_same_path_is_refused(ray_cluster, demo_dat
     to do, and jobs.verify notes it. A run recorded before the identity was resumes, and records it."""
     model = build_tiny_model(tmp_path / "model", arch="llama", dtype="float32", seed=1)
     out = tmp_path / "out"
-    args = base_args(model, demo_dataset, out)
+    args = [*base_args(model, demo_dataset, out), "output.num_writers=1"]  # its three shards: one writer's start
     assert run(load_config(args))["shards_done"] == 3
     snapshot = json.loads((out / MANIFEST_FILE).read_text())
     identity = snapshot["content"].pop("model.checkpoint")  # as a run recorded before the identity wrote it

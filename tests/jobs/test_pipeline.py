@@ -1,6 +1,7 @@
 """``python -m jobs.pipeline``: conversations to SpecForge's files in one command, as a real process on the demo's
 conversations and tiny chat model (CPU, real SGLang, joining this session's Ray cluster). A SIGKILL in the middle of
-the extraction is resumed by the same command with every sample exported once; the files of that run are the three
+the extraction (its driver, in the command's process) is resumed by the same command with every sample exported once,
+no shard failed and no temp file left; the files of that run are the three
 commands' (prepare, extract, export) bit for bit, one copy of the states is left, and a rerun has nothing to do."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -20,9 +23,17 @@ from jobs import export as export_command
 from jobs import extract as extract_command
 from jobs import prepare as prepare_command
 from jobs.pipeline import main as pipeline_main
+from jobs.rundir.summary import read_summary
 from storage.manifest import CONSUMED, DONE, read_manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import python_env, same, session_ray_address, specforge_files, specforge_item
+from tests.helpers import (
+    python_env,
+    read_all,
+    same,
+    session_ray_address,
+    specforge_files,
+    specforge_item,
+)
 from training import peer_formats
 from training.dataset import HiddenStatesDataset
 
@@ -99,7 +110,7 @@ def killed_then_resumed(ray_cluster, tmp_path_factory) -> Resumed:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    before = {r["index"] for r in read_manifest(out / "states")["shards"] if r["state"] == DONE}
+    before = {r["index"] for r in read_manifest(out / "states")["shards"] if r["state"] == DONE}  # readable after it
     print(f"killed with {len(before)} of {SHARDS} shards done")
     exported = (out / "specforge").exists()
     return Resumed(demo, out, before, exported, run(command))
@@ -115,11 +126,14 @@ def test_killed_mid_extraction_the_same_command_resumes(killed_then_resumed):
     records = {r["index"]: r for r in read_manifest(resumed.out / "states")["shards"]}
     assert all(records[index]["attempts"] == 1 for index in resumed.done_before_kill), \
         "shards done before the kill ran again"
+    assert read_summary(resumed.out / "states")["shards_failed"] == {}
+    assert not list((resumed.out / "states").glob("*.tmp")), "a temp file of the killed driver was left"
     assert_only_the_export_holds_the_states(resumed.out, SHARDS)
 
 
 def test_one_command_writes_what_the_three_commands_write(killed_then_resumed, tmp_path, capsys):
-    """The command's files (its extraction resumed after a kill) are the three commands' run without a stop."""
+    """The command's files (its extraction resumed after a kill) are the three commands' run without a stop; that
+    extraction holds, sample by sample, the tokens and loss masks jobs.prepare wrote."""
     demo, out, ran = killed_then_resumed.demo, killed_then_resumed.out, killed_then_resumed.rerun
     assert ran.returncode == 0, ran.stderr[-4000:]
     print(ran.stdout)
@@ -131,11 +145,25 @@ def test_one_command_writes_what_the_three_commands_write(killed_then_resumed, t
     # The three commands on the same model and conversations, the states kept (no consume).
     model, conversations = demo / "model-llama-chatml", demo / f"conversations-{CONVERSATIONS}.jsonl"
     tokens, states, three = tmp_path / "tokens", tmp_path / "states", tmp_path / "three-specforge"
-    assert prepare_command.main([f"model.path={model}", f"data.path={conversations}", f"output.dir={tokens}"]) == 0
+    assert prepare_command.main([f"model.path={model}", f"data.path={conversations}", f"output.dir={tokens}",
+                                 "output.shard_size=20"]) == 0  # three parts: the extraction reads across them
     assert extract_command.main([f"model.path={model}", f"data.path={tokens}", f"output.dir={states}",
                                  f"data.shard_size={SHARD_SIZE}"]) == 0
     assert export_command.main([f"output.dir={states}", "to=specforge", f"dest={three}"]) == 0
     capsys.readouterr()
+
+    # The extraction read what jobs.prepare wrote: sample id = row across the parts = conversation_id, each
+    # sample's tokens and loss mask as prepared, a state per token.
+    parts = sorted(tokens.glob("part-*.parquet"))
+    assert len(parts) == 3
+    prepared = pa.concat_tables(pq.read_table(path) for path in parts)
+    assert prepared.column("conversation_id").to_pylist() == list(range(CONVERSATIONS))
+    samples = read_all(states)
+    assert sorted(samples) == list(range(CONVERSATIONS))
+    for sample_id, sample in samples.items():
+        assert sample.input_ids.tolist() == prepared.column("input_ids")[sample_id].as_py()
+        assert sample.loss_mask.tolist() == prepared.column("loss_mask")[sample_id].as_py()
+        assert sample.aux_hidden_states.shape[0] == len(sample.input_ids)
 
     # The same files, bit for bit, and what SpecForge's loader makes of them is the run's shards' view.
     assert relative_files(dest) == relative_files(three)

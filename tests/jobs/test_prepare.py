@@ -4,10 +4,11 @@ half-written). The command's own main() runs in this process (real subprocesses 
 memory of one huge row); the model is the demo's tiny Llama with a ChatML tokenizer trained here
 (jobs.conversations.demo), built once for the module.
 
-Then what follows jobs.prepare: the extraction job (SGLang's ModelRunner) reads what it wrote, conversation_id
-column included; and regeneration through the real engine (sglang.Engine in a Ray actor, on CPU) answers the
-prompts again, a prepare killed after its first published shard resuming from the shards it had answered (the
-tiny model's answers are noise, the mechanics are real; benchmarks.regenerate shows SmolLM2's)."""
+Then what follows jobs.prepare: regeneration through the real engine (sglang.Engine in a Ray actor, on CPU)
+answers the prompts again, a prepare killed after its first published shard resuming from the shards it had
+answered (the tiny model's answers are noise, the mechanics are real; benchmarks.regenerate shows SmolLM2's). The
+extraction job reading what jobs.prepare wrote, conversation_id column included: tests/jobs/test_pipeline.py, on
+its three commands' run."""
 
 from __future__ import annotations
 
@@ -27,14 +28,13 @@ import ray
 from extractor.generator import GeneratorSpec, _engine_args
 from jobs.conversations.demo import build_chat_model, write_conversations
 from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
-from jobs.driver.job import run as extract
 from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
 from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.inputs.demo import build_tiny_model, prepare_demo
 from jobs.inputs.demo_chat import CHATML, demo_conversations
 from jobs.prepare import main
 from tests.conftest import REPO_ROOT
-from tests.helpers import job_config, python_env, read_all
+from tests.helpers import python_env
 
 SKIP_HINT = "-- data.on_invalid=skip leaves such rows out and lists them in"
 
@@ -378,22 +378,6 @@ def test_an_input_edited_in_place_at_the_same_size_is_another_input(model, tmp_p
     data.write_bytes(original)
     again = prepare_process()
     assert again.returncode == EXIT_OK and "nothing to do" in again.stdout, again.stdout + again.stderr[-3000:]
-
-
-def test_prepared_conversations_extract_to_states(ray_cluster, capsys, model, tmp_path):
-    data = write_conversations(tmp_path / "chat.jsonl", 20, seed=5)
-    tokens = tmp_path / "tokens"
-    code, errors = prepare(capsys, model, data, tokens, "output.shard_size=8")
-    assert code == EXIT_OK, errors[-2000:]
-    summary = extract(job_config(model, tokens, tmp_path / "states", "model.dtype=float32"))
-    assert summary["samples"] == 20
-    prepared = parts_table(tokens)
-    samples = read_all(tmp_path / "states")
-    assert sorted(samples) == list(range(20))  # sample id = row across the parts = conversation_id here
-    for sample_id, sample in samples.items():
-        assert sample.input_ids.tolist() == prepared.column("input_ids")[sample_id].as_py()
-        assert sample.loss_mask.tolist() == prepared.column("loss_mask")[sample_id].as_py()
-        assert sample.aux_hidden_states.shape[0] == len(sample.input_ids)
 
 
 HUGE_CHARS = 10_000_000

@@ -40,7 +40,7 @@ from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
-from tests.helpers import user_env
+from tests.helpers import session_ray_address, user_env
 
 DASHBOARD = REPO_ROOT / "dashboards" / "eagle3.json"
 
@@ -363,18 +363,19 @@ def seconds_of(duration: str) -> float:
     return parts.get("h", 0) * 3600 + parts.get("m", 0) * 60 + parts.get("s", 0)
 
 
-def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
+def test_extract_and_export_show_progress_on_a_terminal(ray_cluster, tmp_path):
     """`python -m jobs.extract` on the demo (batches of at most 512 tokens: shards of several batches) under a
-    pseudo-terminal of 120 columns, as docs/operations.md shows it: from the start a live line says the stage
+    pseudo-terminal of 120 columns, as docs/operations.md shows it, joined to this session's Ray cluster (what the
+    line shows is the point, not where the cluster comes from): from the start a live line says the stage
     (reading the inputs, starting Ray, loading the model with what the extractor's load does), then a bar with
     tokens counted batch by batch (seen between 0 and the total while the first shard is still open), the ETA
     known from the first batch on and never twice the one before (the rate averages since the first batch, over 30 s
     windows). Every frame fits the 120 columns; the last one stays; no progress log lines. The same command again
     under a terminal that reports no size: its stage within 80 columns, nothing to do. Then `jobs.export` of that
     run under a terminal that reports no size (80 columns), and one of 120: its bar, within the width."""
-    code, screen = run_under_a_terminal(
-        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
-         "extract.max_tokens_per_batch=512"], tmp_path, columns=120)
+    command = [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
+               "extract.max_tokens_per_batch=512", f"ray.address={session_ray_address()}"]
+    code, screen = run_under_a_terminal(command, tmp_path, columns=120)
     assert code == 0, screen[-3000:]
     stages = ("reading the inputs (", "checking the layers SGLang captures (", "starting Ray (",
               "checking the run's directories (", "loading the model (", "starting the writers (")
@@ -396,9 +397,7 @@ def test_extract_and_export_show_progress_on_a_terminal(tmp_path):
     assert re.search(re.escape(bars[-1][0]) + r"\x1b\[K\r\n", screen)  # the last line stays (the pty: \n -> \r\n)
     assert not re.search(r"INFO jobs\.driver\.(progress|stages): ", screen)
     # The same command again, on a terminal that reports no size: its stage in 80 columns, then nothing to do.
-    code, screen = run_under_a_terminal(
-        [sys.executable, "-m", "jobs.extract", f"demo.dir={tmp_path / 'demo'}", "progress.interval_s=0.2",
-         "extract.max_tokens_per_batch=512"], tmp_path, columns=0)
+    code, screen = run_under_a_terminal(command, tmp_path, columns=0)
     assert code == 0 and "nothing to do: all 3 shards" in screen, screen[-3000:]
     drawn = [frame for frame in live_frames(screen) if frame.startswith(stages)]
     assert drawn and drawn[0].startswith("reading the inputs (") and max(map(len, drawn)) <= 79, drawn

@@ -84,7 +84,8 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     caplog.set_level(logging.INFO)
     out = tmp_path / "out"
     args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
-            "model.device=cpu", "model.dtype=float32", "output.min_free=0", "extract.max_restarts=1"]
+            "model.device=cpu", "model.dtype=float32", "output.min_free=0", "extract.max_restarts=1",
+            "output.num_writers=1"]  # the extractor's restart is the point: a second writer is a second actor's start
     with KillWhileLoading() as killer:
         code = main(args)
     assert killer.killed is not None, "no extractor was seen loading its model"
