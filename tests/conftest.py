@@ -19,6 +19,11 @@ from typing import Iterator
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No workers started ahead of need in the clusters the tests start (their session clusters and the private ones of
+# the commands they run: the variable reaches the raylet). Ray prestarts one per logical CPU when the first driver
+# connects; those no actor or task takes sit idle, each having imported Ray, polling until the cluster stops.
+# Without it a worker starts when an actor or task asks for one.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: HF datasets reads local files only
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 

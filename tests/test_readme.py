@@ -34,7 +34,8 @@ def shell(command: str, cwd: Path, env: dict[str, str], timeout: float = 900) ->
 
 def user_shell(**extra: str) -> dict[str, str]:
     """A user's shell: no Ray address, no test-session switches, no path into the checkout the tests run from."""
-    dropped = ("RAY_ADDRESS", "PYTHONPATH", "VIRTUAL_ENV", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    dropped = ("RAY_ADDRESS", "PYTHONPATH", "VIRTUAL_ENV", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+               "RAY_prestart_worker_first_driver")
     return {**{key: value for key, value in os.environ.items() if key not in dropped}, **extra}
 
 

@@ -26,8 +26,18 @@ MIN_AGREEMENT = 0.6
 as the bf16 model does; measured 0.70, 106 of 151 (this test prints it)."""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """This file's torch work (quantizing, decompressing, two models' forwards) on one thread: on the 2-core
+    machine, beside the suite's other worker and its actors, two OpenMP threads wait on each other, spinning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def int4(tmp_path_factory) -> Path:
+def int4(tmp_path_factory, one_torch_thread) -> Path:
     out = shared_dir(tmp_path_factory) / "smollm2-int4"
     with made_once(out) as needed:
         if needed:

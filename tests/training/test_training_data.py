@@ -1,7 +1,7 @@
 """From shards to a trainer: the dataset over a run, the SpecForge and speculators exports, one pre-norm run
-serving both, docs/training.md's training example. Three real runs of the job on a tiny Llama (bf16
-post-norm, bf16 pre-norm, fp8 pre-norm), built once; the sample with id 5 is an invalid row the runs
-skip, so sample ids have a gap."""
+serving both, docs/training.md's training example. Three real runs of the job on a tiny Llama's layout, built
+once: bf16 post-norm and bf16 pre-norm through SGLang, fp8 pre-norm from the synthetic engine; the sample with
+id 5 is an invalid row the runs skip, so sample ids have a gap."""
 
 from __future__ import annotations
 
@@ -63,7 +63,10 @@ def runs(ray_cluster, llama_fp32, data, tmp_path_factory) -> dict[str, Path]:
     settings = {
         "post": ["extract.last_hidden_state=post_norm"],
         "pre": [],  # the default: pre_norm
-        "fp8": ["extract.last_hidden_state=pre_norm", "output.state_dtype=float8_e4m3fn"],
+        # what the fp8 tests read is the stored fp8 values and their scales, not the model's states: the synthetic
+        # states of the model's layout, quantized by the same host copy (no SGLang start; tests/jobs/test_job.py
+        # stores the model's fp8 states)
+        "fp8": ["extract.last_hidden_state=pre_norm", "output.state_dtype=float8_e4m3fn", "model.engine=synthetic"],
     }
     for name, extra in settings.items():  # one writer: which writer wrote a shard is not what these tests read
         summary = run(job_config(llama_fp32, data, root / name, "model.dtype=bfloat16", "data.on_invalid=skip",
