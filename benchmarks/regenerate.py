@@ -92,6 +92,7 @@ def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -
     sampling = dict(config.generation.sampling_params(), stop_token_ids=sorted(chat.stop_ids))
     params = [dict(sampling, max_new_tokens=min(config.generation.max_new_tokens, context - len(ids))) for ids in prompts]
     spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
+    started = time.perf_counter()
     actor = ray.remote(OfflineEngine).options(
         num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
     try:
@@ -99,7 +100,8 @@ def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -
         ray.get(actor.close.remote(), timeout=60)
     finally:
         ray.kill(actor)
-    return {"seconds": seconds, "generated_tokens": sum(len(ids) for ids in outputs),
+    return {"seconds": seconds, "wall_seconds": time.perf_counter() - started,
+            "generated_tokens": sum(len(ids) for ids in outputs),
             "answers": [chat.decode(ids) for ids in outputs]}
 
 
@@ -146,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "shards": stats["shards"], "command_seconds": round(command_seconds, 1),
                     "wall_seconds": record["wall_seconds"]},
         "sglang_offline": {"generated_tokens": own["generated_tokens"], "seconds": round(own["seconds"], 2),
-                           "tokens_per_s": round(own_rate, 1)},
+                           "tokens_per_s": round(own_rate, 1), "wall_seconds": round(own["wall_seconds"], 1)},
+        "command_over_sglang_wall": round(command_seconds / own["wall_seconds"], 3),
         "prepare_over_sglang": round(stats["tokens_per_second"] / own_rate, 3),
         "same_answers": same,
     }
@@ -157,6 +160,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"    jobs.prepare's {wall_time_line(record['wall_seconds'])}")
     print(f"  SGLang Engine.generate, once   {own['generated_tokens']:>9,} tokens in {own['seconds']:7.1f} s: "
           f"{own_rate:>9,.0f} tokens/s")
+    print(f"    SGLang alone from the actor's start to the engine's shutdown: {own['wall_seconds']:.0f} s; the whole "
+          f"jobs.prepare command takes {results['command_over_sglang_wall']:.2f} x that")
     print(f"  prepare / SGLang = {results['prepare_over_sglang']:.3f}; the same answer text for {same} of {prompts} prompts")
     for question, answer in list(zip(asked, answers))[:4]:
         print(f"  {question!r} -> {answer!r}")

@@ -84,6 +84,7 @@ def test_regeneration_gives_sglangs_own_answers_and_is_measured_against_it(tmp_p
                                                       "tokenizing and publishing"]
     assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
     assert wall["total"] <= prepare["command_seconds"] and "jobs.prepare's wall time" in result.stdout
+    assert own["wall_seconds"] > own["seconds"] and results["command_over_sglang_wall"] > 0  # both whole, side by side
 
 
 def target_install() -> tuple[str, dict[str, str]]:
