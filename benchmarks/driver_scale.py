@@ -37,7 +37,7 @@ from jobs.config import load_config
 from jobs.extract import run
 from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.outdir.budget import DiskBudget
-from jobs.planning.shards import Shard, plan_shards
+from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.status import status_report
 from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE, Manifest
 
@@ -134,7 +134,7 @@ def rows_step(context: Context) -> None:
 def manifest_step(context: Context) -> None:
     directory = context.work / "output"
     directory.mkdir()
-    plan = [(shard.index, shard.start, shard.stop) for shard in context.plan]
+    plan = shard_ranges(context.plan)
     manifest = Manifest.open(directory, {"data.fingerprint": "benchmark"}, plan)
     started = time.perf_counter()
     for shard in context.plan:

@@ -11,7 +11,7 @@ from jobs.display.stages import StageLine
 from jobs.driver.ending import RunEnd
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.inputs import RunInputs
-from jobs.planning.shards import Shard
+from jobs.planning.shards import Shard, shard_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RunContext:
     @property
     def ranges(self) -> list[tuple[int, int, int]]:
         """(index, start, stop) of every shard: what the manifest records of the plan."""
-        return [(shard.index, shard.start, shard.stop) for shard in self.plan]
+        return shard_ranges(self.plan)
 
     @property
     def shard_tokens(self) -> dict[int, int]:

@@ -42,7 +42,7 @@ from jobs.planning.engine import build_engine_spec, planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink
-from jobs.planning.shards import Shard, plan_shards
+from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import (
     check_done_files,
@@ -139,7 +139,7 @@ def _select(inputs: RunInputs, plan: list[Shard]) -> _Selection:
     files output.dir holds on this host. Nothing to do when none is selected, no done file is left unchecked
     and none waits for the sink."""
     config, output_dir = inputs.config, inputs.output_dir
-    ranges = [(s.index, s.start, s.stop) for s in plan]
+    ranges = shard_ranges(plan)
     manifest = _resumable_manifest(inputs, ranges)
     if manifest is None:
         before = Manifest(output_dir / MANIFEST_FILE, {}, {i: ShardRecord(i, a, b) for i, a, b in ranges})
@@ -158,7 +158,7 @@ def _select(inputs: RunInputs, plan: list[Shard]) -> _Selection:
 def _build_context(inputs: RunInputs, plan: list[Shard], selection: _Selection, stages: StageLine) -> RunContext:
     """The run's summary, the bound of its own files and its disk budget; refused when a shard cannot fit."""
     config, output_dir = inputs.config, inputs.output_dir
-    ranges = [(s.index, s.start, s.stop) for s in plan]
+    ranges = shard_ranges(plan)
     metadata = planned_metadata(config, inputs.checkpoint, inputs.layer_ids)
     summary = RunSummary(config, output_dir, {s.index: s.tokens for s in plan}, sorted(selection.shards),
                          inputs.dataset.invalid, stages.timeline)

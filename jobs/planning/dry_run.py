@@ -27,7 +27,7 @@ from jobs.planning.engine import planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes
-from jobs.planning.shards import Shard, plan_shards
+from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
 from jobs.rundir.summary import RunSummary
@@ -141,7 +141,7 @@ def dry_run(config: JobConfig) -> DryRun:
         selected, done = set(select_planned(config.shards, len(plan))), {}
     metadata = planned_metadata(config, checkpoint, inputs.layer_ids)
     bytes_per_token = state_bytes_per_token(metadata)
-    ranges = [(shard.index, shard.start, shard.stop) for shard in plan]
+    ranges = shard_ranges(plan)
     before = manifest or Manifest(inputs.output_dir / MANIFEST_FILE, {}, {r[0]: ShardRecord(*r) for r in ranges})
     summary = RunSummary(config, inputs.output_dir, {s.index: s.tokens for s in plan}, sorted(selected),
                          dataset.invalid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
@@ -33,6 +34,11 @@ def plan_shards(
         batches = _pack(ends[start : stop + 1] - ends[start], max_tokens_per_batch, max_samples_per_batch)
         shards.append(Shard(index, start, stop, int(ends[stop] - ends[start]), tuple(batches)))
     return shards
+
+
+def shard_ranges(plan: Sequence[Shard]) -> list[tuple[int, int, int]]:
+    """(index, start, stop) of every shard: what the manifest records of the plan."""
+    return [(shard.index, shard.start, shard.stop) for shard in plan]
 
 
 def pack_batches(lengths: np.ndarray, max_tokens: int, max_samples: int) -> list[tuple[int, int]]:
