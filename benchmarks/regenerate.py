@@ -131,7 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"output.shard_size={args.shard_size}", *args.set]
     with ray_session(""):
         prepare_log = Path(args.out).with_suffix(".prepare.log") if args.out else work / "prepare.log"
-        command_seconds, record = run_prepare(model, data, work / f"regenerated-{int(time.time())}", keys, prepare_log)
+        regenerated_dir = work / f"regenerated-{int(time.time())}"
+        command_seconds, record = run_prepare(model, data, regenerated_dir, keys, prepare_log)
         own = sglang_offline(keys, model, data, asked)
     out = Path(record["output_path"])
     stats = record["regeneration_stats"]

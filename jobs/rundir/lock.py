@@ -12,9 +12,9 @@ the record into the file it shares: its name is removed instead).
 A record left by an owner that died is stale: the next job takes the lock over
 and logs whose it was. The owner is the process with the recorded pid that started at the recorded clock tick since
 boot (``/proc/PID/stat``), in the recorded boot (``boot_id``): neither moves when the wall clock is set, so a clock
-step never calls a live owner dead, and a later process with that pid (this boot or another) is never taken for it. A record whose owner still runs on this host although the
-kernel lock is free (the lock file was deleted and recreated under it), or whose
-owner runs on another host (this host cannot check), is not taken over.
+step never calls a live owner dead, and a later process with that pid (this boot or another) is never taken for it.
+A record whose owner still runs on this host although the kernel lock is free (the lock file was deleted and
+recreated under it), or whose owner runs on another host (this host cannot check), is not taken over.
 
 flock is reliable on local filesystems, the job's NVMe. On NFS it depends on the
 server and mount options (``nolock`` makes it host-local), so two hosts sharing an
