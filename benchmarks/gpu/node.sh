@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu/node.sh install WHEELHOUSE SITE [JIT_CACHE]   the wheelhouse's GPU lock into SITE, then
 #        its acceptance lock (if built with --extra acceptance) leaving out what the image already has; a
-#        JIT cache tarball (flashinfer, tvm-ffi, triton; made by save-jit-cache) unpacked into $HOME;
+#        JIT cache tarball (flashinfer, tvm-ffi, sglang, triton; made by save-jit-cache) unpacked into $HOME;
 #        then an import check that prints the versions
 #   bash benchmarks/gpu/node.sh run SITE BENCHMARK [ARGS...]           python3 -m benchmarks.BENCHMARK --device cuda
 #        ARGS with SITE first on the path; its log and JSON go to $OUT, the output shows the machine and the
@@ -21,7 +21,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON:-python3}
-jit_dirs=(.cache/flashinfer .cache/tvm-ffi .triton)
+jit_dirs=(.cache/flashinfer .cache/tvm-ffi .cache/sglang .triton)
 
 usage() {
   sed -n '5,20p' "$0" | sed 's/^# //' >&2
