@@ -35,6 +35,11 @@ install() {
     bash "$root/scripts/wheelhouse.sh" install "$wheelhouse" --target "$site" --python "$python" --lock acceptance \
       --keep-installed
   fi
+  # pip stamps every file it installs with the install's time, so the ninja builds behind flashinfer's and
+  # tvm-ffi's JIT kernels would find each cached kernel older than the headers it was compiled from and
+  # compile it again (2026-12-04: 118 s in the first CUDA graph, with the kernels in the cache). The site's
+  # files get one old time instead: a cached kernel is then newer than its sources, as on the machine that built it.
+  find "$site" -exec touch -h -d @946684800 {} +
   if [ -n "$jit_cache" ]; then
     tar xzf "$jit_cache" -C "$HOME"
     echo "node: JIT caches from $jit_cache in $HOME"
