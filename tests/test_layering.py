@@ -1,8 +1,9 @@
 """The layout's rules, read from the source (ast, no import runs): who may import whom.
 
 - Only ``extractor/`` imports SGLang.
-- ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``,
-  ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs``.
+- ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``, ``conversations``,
+  ``inputs``, ``runtime``, ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs`` or
+  ``conversations``.
 - ``common/`` (the shared config checks) imports nothing of the project; ``runtime/`` (what a command runs on:
   exit codes, signals, the Ray session, the display, output.dir's lock) of the project only ``common``.
 - Two packages of commands: ``jobs/`` (the extraction job, and every command) and ``conversations/`` (the
