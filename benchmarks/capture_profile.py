@@ -39,9 +39,9 @@ from extractor.actor import Extractor
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids
 from extractor.types import CapturedBatch, EngineSpec
+from inputs.dataset import open_tokenized_dataset
+from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
-from jobs.inputs.dataset import open_tokenized_dataset
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
 from testbeds.shapes import SHAPES

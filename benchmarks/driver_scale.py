@@ -33,9 +33,9 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.config import load_config
 from jobs.extract import run
-from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.status import status_report

@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
+from inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.config import load_config
 from jobs.driver.job import run
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from storage import ShardReader
 from training.final_state import FinalNorm, find_final_norm
 

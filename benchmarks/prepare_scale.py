@@ -24,7 +24,7 @@ from typing import Optional
 import psutil
 
 from common.pythonpath import checkout_first
-from jobs.inputs.demo_chat import demo_conversations
+from inputs.demo_chat import demo_conversations
 from testbeds.smollm2 import checkpoint_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

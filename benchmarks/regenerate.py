@@ -24,12 +24,12 @@ from typing import Any, Optional
 import ray
 
 from common.pythonpath import checkout_first
+from conversations.pipeline import read_inputs
+from conversations.regenerate import REGENERATOR_CPUS
 from extractor.checkpoint import read_checkpoint_info
-from jobs.cluster.session import ray_session, resolve_device
-from jobs.conversations.pipeline import read_inputs
-from jobs.conversations.regenerate import REGENERATOR_CPUS
-from jobs.display.timeline import wall_time_line
 from jobs.prepare import load_config
+from runtime.cluster.session import ray_session, resolve_device
+from runtime.display.timeline import wall_time_line
 from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

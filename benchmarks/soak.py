@@ -48,10 +48,10 @@ from benchmarks.workdir import work_dir, write_results
 from common.checks import format_bytes, parse_bytes
 from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.nodes import NODE_LABEL
-from jobs.cluster.session import ray_session
 from jobs.config import load_config
 from jobs.driver.job import run
 from jobs.rundir.summary import SUMMARY_FILE
+from runtime.cluster.session import ray_session
 from storage.consumed import RECORD_GLOB
 from storage.manifest import MANIFEST_FILE, MANIFEST_JOURNAL_FILE
 from testbeds.shapes import SHAPES

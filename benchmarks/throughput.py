@@ -36,15 +36,15 @@ from benchmarks.workdir import work_dir, write_results
 from extractor.checkpoint import read_checkpoint_info
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.types import CaptureActivity, EngineSpec, TokenBatch
+from inputs.dataset import open_tokenized_dataset
+from inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.actors.extractor import ExtractorHost, start_extractor
-from jobs.cluster.session import ray_session, resolve_device
 from jobs.config import load_config
 from jobs.driver import startup
 from jobs.extract import run
-from jobs.inputs.dataset import open_tokenized_dataset
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
+from runtime.cluster.session import ray_session, resolve_device
 from storage.consumed import consume_shard
 from testbeds.shapes import SHAPES
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput import build_model
-from jobs.cluster.session import ray_session
+from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
 from jobs.extract import run
-from jobs.inputs.demo import build_synthetic_dataset
+from runtime.cluster.session import ray_session
 from storage import ShardReader
 
 

@@ -28,9 +28,9 @@ from extractor.drafter_check import DrafterCapture, TargetModel
 from extractor.drafter_config import IDS_KEY, vllm_style_ids
 from jobs.cli import console_entry, run_command
 from jobs.config import CommandParser, build_config, describe, program_name
-from jobs.errors import EXIT_NOT_PASSED, EXIT_OK
 from jobs.planning.capture import drafter_captures
 from jobs.rundir.summary import SUMMARY_FILE
+from runtime.errors import EXIT_NOT_PASSED, EXIT_OK
 from storage import ShardReader
 
 logger = logging.getLogger("jobs.check_drafter")

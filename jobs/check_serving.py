@@ -28,8 +28,8 @@ from extractor.checkpoint import read_config, text_config
 from extractor.serving import ServingSettings, classify, parse_serving, refuse_unknown_flags, resolved_dtype
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
 from jobs.planning.content import recorded_model_path
+from runtime.errors import EXIT_NOT_PASSED, EXIT_OK, ConfigError
 from storage.manifest import read_manifest
 
 logger = logging.getLogger("jobs.check_serving")

@@ -5,7 +5,7 @@ Each command (``jobs.prepare``, ``jobs.extract``, ``jobs.pipeline``, ``jobs.plan
 hands it to ``run_command``:
 
 - SIGTERM, SIGINT and SIGHUP raise ``JobInterrupted`` while the body runs (exit 143 / 130 / 129), except
-  inside the sections ``jobs.interrupts.signals_deferred`` runs whole; the handlers found before are put
+  inside the sections ``runtime.interrupts.signals_deferred`` runs whole; the handlers found before are put
   back after, however the body ends.
 - A ``ValueError`` (``ConfigError`` included) is a refusal: ``error: <message>`` on
   stderr, one line, exit 2. The message names the key, file or row and the fix.
@@ -19,8 +19,8 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobStopped, stop_in
-from jobs.interrupts import signals_deferred, signals_stop
+from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobStopped, stop_in
+from runtime.interrupts import signals_deferred, signals_stop
 
 logger = logging.getLogger("jobs.cli")
 

@@ -1,7 +1,7 @@
 """The job config: dataclass defaults < YAML file (``--config``) < ``key=value`` overrides.
 
 Each section sits beside the code it configures (``extractor.config``,
-``jobs.inputs.config``, ``jobs.outdir.config``, ``jobs.display.config``, ``jobs.cluster.config``) and checks
+``inputs.config``, ``jobs.outdir.config``, ``runtime.display.config``, ``runtime.cluster.config``) and checks
 its own keys in ``__post_init__`` (with ``common.checks``):
 OmegaConf's structured merge checks every value's type and refuses unknown
 keys, then building the dataclasses runs every section's checks. Whatever is
@@ -31,9 +31,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from common.checks import is_int
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.cluster.config import RayConfig
-from jobs.display.config import ProgressConfig
-from jobs.errors import (
+from inputs.config import DataConfig, DemoConfig
+from jobs.outdir.config import OutputConfig
+from runtime.cluster.config import RayConfig
+from runtime.display.config import ProgressConfig
+from runtime.errors import (
     EXIT_BAD_INPUT,
     EXIT_BUDGET_EXHAUSTED,
     EXIT_FAULT,
@@ -44,8 +46,6 @@ from jobs.errors import (
     ConfigError,
     exit_codes,
 )
-from jobs.inputs.config import DataConfig, DemoConfig
-from jobs.outdir.config import OutputConfig
 
 T = TypeVar("T")
 

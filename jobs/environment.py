@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from jobs.errors import EXIT_BAD_INPUT
+from runtime.errors import EXIT_BAD_INPUT
 
 REQUIRED_MODULES = {
     "torch": "torch", "transformers": "transformers", "ray": "ray", "pyarrow": "pyarrow", "fsspec": "fsspec",

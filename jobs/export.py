@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
-from jobs.rundir.lock import OutputLock
+from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
+from runtime.lock import OutputLock
 from training.export import ExportConfig, prepare, write
 
 logger = logging.getLogger("jobs.export")

@@ -4,7 +4,7 @@ With neither ``model.path`` nor ``data.path`` it runs the embedded demo: a
 tiny random Llama and a synthetic dataset, made locally. Submit to a cluster
 with ``ray job submit --working-dir . -- python -m jobs.extract ...`` and
 absolute paths. Rerunning the same command resumes; ``shards=failed`` or
-``shards=[3,17]`` reruns only those shards. Exit codes: ``jobs.errors``.
+``shards=[3,17]`` reruns only those shards. Exit codes: ``runtime.errors``.
 The job itself: ``jobs.driver.job.run``.
 """
 
@@ -18,8 +18,8 @@ from typing import Sequence
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import load_config
 from jobs.driver.job import run
-from jobs.errors import EXIT_OK
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
+from runtime.errors import EXIT_OK
 
 logger = logging.getLogger("jobs.extract")
 

@@ -7,7 +7,7 @@ with each step's own code. At the end ``output.dir/<to>`` holds the only copy of
 layout the trainer reads. Each step resumes as it does alone: rerun the same command after any stop and
 the finished steps say there is nothing to do, the one that was going resumes. With neither
 ``model.path`` nor ``data.path`` it runs on the prepare demo's tiny chat model and conversations.
-Exit codes (``jobs.errors``): those of the step that stopped.
+Exit codes (``runtime.errors``): those of the step that stopped.
 """
 
 from __future__ import annotations
@@ -20,14 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from common.config import RunFiles
-from extractor.checkpoint import local_checkpoint, read_checkpoint_info
-from extractor.config import ExtractConfig, ModelConfig, SGLangModelConfig
-from extractor.layers import check_layer_ids, default_layer_ids
-from jobs.cli import DETAILED, console_entry, run_command
-from jobs.cluster.config import RayConfig
-from jobs.cluster.session import inside_ray_job
-from jobs.config import JobConfig, absolute_paths, parse_command
-from jobs.conversations.config import (
+from conversations.config import (
     ConversationDataConfig,
     GenerationConfig,
     PrepareConfig,
@@ -36,9 +29,22 @@ from jobs.conversations.config import (
     PrepareOutputConfig,
     PrepareProgressConfig,
 )
-from jobs.display.config import ProgressConfig
+from extractor.checkpoint import local_checkpoint, read_checkpoint_info
+from extractor.config import ExtractConfig, ModelConfig, SGLangModelConfig
+from extractor.layers import check_layer_ids, default_layer_ids
+from inputs.config import DataConfig
+from jobs.cli import DETAILED, console_entry, run_command
+from jobs.config import JobConfig, absolute_paths, parse_command
 from jobs.driver.job import run as extract
-from jobs.errors import (
+from jobs.export import export
+from jobs.extract import final_message as extract_message
+from jobs.outdir.config import OutputConfig
+from jobs.prepare import prepare
+from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
+from runtime.cluster.config import RayConfig
+from runtime.cluster.session import inside_ray_job
+from runtime.display.config import ProgressConfig
+from runtime.errors import (
     EXIT_BAD_INPUT,
     EXIT_BUDGET_EXHAUSTED,
     EXIT_FAULT,
@@ -47,12 +53,6 @@ from jobs.errors import (
     EXIT_OK,
     exit_codes,
 )
-from jobs.export import export
-from jobs.extract import final_message as extract_message
-from jobs.inputs.config import DataConfig
-from jobs.outdir.config import OutputConfig
-from jobs.prepare import prepare
-from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 from training.export import ExportConfig
 from training.final_state import FINAL_STATE, FORMATS, SPECFORGE, served_exports
 
@@ -200,7 +200,7 @@ def load_config(argv: Sequence[str]) -> PipelineConfig:
 def resolve(config: PipelineConfig) -> PipelineConfig:
     """The demo's model and conversations made (once), local paths absolute, a hub id its local snapshot."""
     if config.is_demo:
-        from jobs.conversations.demo import demo_config
+        from conversations.demo import demo_config
 
         made = demo_config(config.step_prepare())
         config = dataclasses.replace(

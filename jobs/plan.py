@@ -14,8 +14,8 @@ from typing import Sequence
 from common.checks import format_bytes
 from jobs.cli import console_entry, run_command
 from jobs.config import JobConfig, parse_command
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, exit_codes
 from jobs.planning.dry_run import DryRun, dry_run
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, exit_codes
 
 DESCRIPTION = (
     "Dry run: what `python -m jobs.extract` would do with the same config, from config.json and the dataset "

@@ -2,11 +2,11 @@
 
 Conversations (ShareGPT or OpenAI messages; JSONL, Parquet, Arrow) -> the tokenized Parquet
 ``jobs.extract`` reads, rendered with the checkpoint's chat template and an exact assistant-only
-loss mask (``jobs.conversations``). With ``regenerate=true`` the target answers the prompts again
+loss mask (``conversations``). With ``regenerate=true`` the target answers the prompts again
 through SGLang first. With neither ``model.path`` nor ``data.path`` it runs the demo: a tiny chat
 model and conversations made locally. Rerunning the same command resumes (or says it is done).
 
-Exit codes (``jobs.errors``): 0 done, 2 bad config or input (the message names the file, row and
+Exit codes (``runtime.errors``): 0 done, 2 bad config or input (the message names the file, row and
 reason), 4 a fault (rerun: it resumes), 5 output.dir in use by another prepare, 130/143 stopped by
 a signal (rerun: it resumes).
 """
@@ -18,17 +18,17 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from conversations import output as out_dir
+from conversations.config import PrepareConfig
+from conversations.pipeline import read_inputs, tokenize_and_publish
 from extractor.checkpoint import local_checkpoint
 from jobs.cli import DETAILED, console_entry, run_command
-from jobs.cluster.session import inside_ray_job, ray_job_submission_id
 from jobs.config import absolute_paths, parse_command
-from jobs.conversations import output as out_dir
-from jobs.conversations.config import PrepareConfig
-from jobs.conversations.pipeline import read_inputs, tokenize_and_publish
-from jobs.display.stages import StageLine
-from jobs.display.timeline import wall_time_line
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
-from jobs.rundir.lock import OutputLock
+from runtime.cluster.session import inside_ray_job, ray_job_submission_id
+from runtime.display.stages import StageLine
+from runtime.display.timeline import wall_time_line
+from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
+from runtime.lock import OutputLock
 
 DESCRIPTION = (
     "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
@@ -63,7 +63,7 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
     """Read and check everything, then write under output.dir's lock; returns the side record. What it does is
-    shown from the start: each stage until the first bar (``jobs.display.stages``), then the bar."""
+    shown from the start: each stage until the first bar (``runtime.display.stages``), then the bar."""
     stages = StageLine(config.progress.interval_s)
     stages.show("reading the inputs")
     try:
@@ -74,7 +74,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
 
 def _prepare_showing(config: PrepareConfig, stages: StageLine) -> dict[str, Any]:
     if config.is_demo:
-        from jobs.conversations.demo import demo_config
+        from conversations.demo import demo_config
 
         config = demo_config(config)
     config = resolve_paths(config, inside_ray_job())

@@ -23,9 +23,7 @@ from jobs.cli import console_entry, run_command
 from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import parse_command
 from jobs.driver.progress import ProgressSnapshot
-from jobs.errors import EXIT_OK
 from jobs.outdir.config import OutputConfig, parse_disk_budget
-from jobs.rundir.lock import LOCK_FILE, read_owner
 from jobs.rundir.summary import (
     DRAFTER_CONFIG_FILE,
     INVALID_ROWS_FILE,
@@ -34,6 +32,8 @@ from jobs.rundir.summary import (
     SUMMARY_RESERVE_FILE,
     read_summary,
 )
+from runtime.errors import EXIT_OK
+from runtime.lock import LOCK_FILE, read_owner
 from storage.consumed import RECORD_GLOB
 from storage.manifest import (
     CONSUMED,

@@ -21,10 +21,10 @@ from common.checks import format_bytes
 from common.config import RunFiles
 from jobs.cli import console_entry, run_command
 from jobs.config import parse_command
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.planning.content import checkpoint_notes, expected_metadata
-from jobs.rundir.lock import read_owner
 from jobs.rundir.summary import read_invalid_rows, read_summary
+from runtime.errors import EXIT_OK, EXIT_VERIFY_FAILED
+from runtime.lock import read_owner
 from storage.verify import Problem, VerifyReport, verify_run
 
 

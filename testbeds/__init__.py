@@ -5,7 +5,7 @@
 - ``testbeds.shapes``: config.json shapes of models too large to run here (Llama-8B, a reduced
   DeepSeek-V3, Kimi-K2.5 and its reduced depth), for SGLang's dummy weights and the meta device.
 
-The tiny random-weight models come from ``jobs.inputs.demo`` (the demo builds them too). This package
+The tiny random-weight models come from ``inputs.demo`` (the demo builds them too). This package
 sits below the tests and the benchmarks, which both import it; it imports nothing of them, nor of the
 job (tests/test_layering.py).
 """

@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.paths import REPO_ROOT  # noqa: E402
 
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
+from inputs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ LONGEST_FILES = (
     "tests/jobs/test_entry.py",
     "tests/jobs/test_outcomes.py",
     "tests/jobs/test_faults.py",
-    "tests/jobs/test_prepare.py",
+    "tests/conversations/test_prepare.py",
     "tests/test_readme.py",
     "tests/jobs/test_multinode.py",
     "tests/jobs/test_job.py",

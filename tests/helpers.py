@@ -34,9 +34,9 @@ import xxhash
 
 from extractor.drafter_config import IDS_KEY as IDS
 from extractor.types import CapturedBatch, EngineInfo, EngineSpec, TokenBatch
+from inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.actors.extractor import fetch_batch, start_extractor
 from jobs.config import load_config
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
 from storage import ShardReader, ShardWriter
 from testbeds.smollm2 import checkpoint_dir
 from tests.paths import REPO_ROOT
@@ -188,7 +188,7 @@ def assert_every_sample_once(output_dir: Path | Sequence[Path], dataset_path: Pa
     """The shard files under ``output_dir`` (one directory or several: one per node) hold every sample
     of the dataset exactly once, and no temp file of a shard remains; a run's directory (one with a
     manifest) also passes ``jobs.verify --deep``."""
-    from jobs.inputs.dataset import open_tokenized_dataset
+    from inputs.dataset import open_tokenized_dataset
     from storage.manifest import MANIFEST_FILE
     from storage.writer import TEMP_GLOB
 
@@ -261,9 +261,9 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 def own_files_bytes(config) -> int:
     """The most the job's own files take in output.dir for a run of ``config``, as the job fixes it before Ray
     (``jobs.rundir.bookkeeping``): what a budget needs besides room for its shards."""
+    from jobs.planning.engine import planned_metadata
     from jobs.planning.inputs import read_inputs
     from jobs.planning.own_files import own_files
-    from jobs.planning.engine import planned_metadata
     from jobs.planning.shards import plan_shards
     from jobs.rundir.summary import RunSummary
     from storage.manifest import MANIFEST_FILE, Manifest, ShardRecord
@@ -445,7 +445,7 @@ def alive(processes: dict[int, psutil.Process]) -> list[str]:
 LOCK_HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from jobs.rundir.lock import OutputLock
+from runtime.lock import OutputLock
 with OutputLock(__import__("pathlib").Path(sys.argv[1]), ray_job="raysubmit_holder"):
     print("held", flush=True)
     time.sleep(600)

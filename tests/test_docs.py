@@ -25,7 +25,8 @@ PAGES = [README, *DOCS]
 README_LIMIT = 12_000
 """Bytes: the README is the first screen (what it is, the two commands, a real run, where to read on)."""
 
-PACKAGES = ("benchmarks", "common", "extractor", "jobs", "storage", "testbeds", "tests", "training")
+PACKAGES = ("benchmarks", "common", "conversations", "extractor", "inputs", "jobs", "runtime", "storage", "testbeds",
+            "tests", "training")
 PROJECT_DIRS = (*PACKAGES, ".ci", "conf", "dashboards", "docs", "requirements", "scripts")
 SGLANG_DIRS = ("models", "model_runner_components", "model_loader", "model_executor", "python")
 """Roots of SGLang's source tree (``python/sglang/srt/...``) that the pages name SGLang's files under."""
@@ -132,7 +133,7 @@ RUN_AS_PRINTED = {
 NOT_RUNNABLE_HERE = {
     "bash scripts/test.sh": "it is the suite itself (CI runs it: .ci/run)",
     "python -m jobs.prepare model.path=/models/target data.path=chat.jsonl output.dir=/data/tokens":
-        "a checkpoint at /models/target; tests/jobs/test_prepare.py runs prepare -> extract on a tiny one",
+        "a checkpoint at /models/target; tests/conversations/test_prepare.py runs prepare -> extract on a tiny one",
     "python -m jobs.extract model.path=/models/target data.path=/data/tokens output.dir=/data/states":
         "the same placeholder checkpoint",
     "python -m jobs.verify output.dir=/data/states": "the run of the line before",

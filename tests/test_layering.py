@@ -1,12 +1,18 @@
 """The layout's rules, read from the source (ast, no import runs): who may import whom.
 
 - Only ``extractor/`` imports SGLang.
-- ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``,
-  ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs``.
-- ``common/`` (the shared config checks) imports nothing of the project.
+- ``storage/`` (the on-disk format, imported by writer processes) imports nothing of ``jobs``, ``conversations``,
+  ``inputs``, ``runtime``, ``training`` or ``extractor``; ``training/`` (what consumes a run) nothing of ``jobs`` or
+  ``conversations``.
+- ``common/`` (the shared config checks) imports nothing of the project; ``runtime/`` (what a command runs on:
+  exit codes, signals, the Ray session, the display, output.dir's lock) of the project only ``common``.
+- Two packages of commands: ``jobs/`` (the extraction job, and every command) and ``conversations/`` (the
+  conversations pipeline ``jobs.prepare`` runs). ``conversations`` imports nothing of ``jobs``; what both share sits
+  below both: ``runtime/``, and ``inputs/`` (the files behind ``data.path``, the demos), which imports nothing of
+  either.
 - The driver (``jobs.driver``) is imported, of the rest of the product, only by the commands at the top of
   ``jobs/`` (``jobs.extract``, ``jobs.pipeline``, ``jobs.status``): all else in ``jobs/`` sits below it.
-- Config modules import no implementation: only other config modules, ``jobs.errors``, the
+- Config modules import no implementation: only other config modules, ``runtime.errors``, the
   shared checks and the format's names (``storage.schema``).
 - No import circles, counting every import: ``if TYPE_CHECKING:`` (a circle of types is still a circle)
   and inside functions (an import deferred to a call is still an arrow back); a package's ``__init__``
@@ -26,11 +32,11 @@ from pathlib import Path
 
 from tests.conftest import REPO_ROOT
 
-PACKAGES = ("common", "extractor", "jobs", "storage", "training")
+PACKAGES = ("common", "conversations", "extractor", "inputs", "jobs", "runtime", "storage", "training")
 """The product: what ``pip install`` installs."""
 AROUND = ("testbeds", "benchmarks", "tests")
 """What sits around the product: the models it is tried on, its benchmarks, its tests."""
-CONFIG_MAY_IMPORT = ("common.checks", "jobs.errors", "storage.schema")
+CONFIG_MAY_IMPORT = ("common.checks", "runtime.errors", "storage.schema")
 TESTBEDS_MAY_IMPORT = ("storage",)
 BENCHMARK_TESTS = {
     "benchmarks.test_benchmarks": ("benchmarks.throughput",),
@@ -82,7 +88,7 @@ def test_only_the_extractor_imports_sglang():
 
 
 def test_storage_imports_only_itself():
-    others = ("jobs", "training", "extractor")
+    others = ("conversations", "extractor", "inputs", "jobs", "runtime", "training")
     assert _violations(
         lambda name, imported: _within(name, "storage") and any(_within(imported, p) for p in others)) == []
 
@@ -92,8 +98,25 @@ def test_common_imports_nothing_of_the_project():
         _within(imported, p) for p in PACKAGES if p != "common")) == []
 
 
+def test_runtime_imports_of_the_project_only_common():
+    assert _violations(lambda name, imported: _within(name, "runtime") and any(
+        _within(imported, p) for p in PACKAGES if p not in ("runtime", "common"))) == []
+
+
+def test_conversations_import_nothing_of_the_job():
+    """``jobs.prepare`` and ``jobs.pipeline`` import the conversations pipeline: an import back would be a circle of
+    packages."""
+    assert _violations(lambda name, imported: _within(name, "conversations") and _within(imported, "jobs")) == []
+
+
+def test_inputs_import_neither_package_of_commands():
+    assert _violations(lambda name, imported: _within(name, "inputs") and any(
+        _within(imported, p) for p in ("jobs", "conversations"))) == []
+
+
 def test_training_imports_nothing_of_the_job():
-    assert _violations(lambda name, imported: _within(name, "training") and _within(imported, "jobs")) == []
+    assert _violations(lambda name, imported: _within(name, "training") and any(
+        _within(imported, p) for p in ("jobs", "conversations"))) == []
 
 
 def test_config_modules_import_no_implementation():
@@ -143,8 +166,8 @@ def _is_command(name: str) -> bool:
 
 def test_only_the_commands_import_the_driver():
     """The driver (``jobs.driver``) runs one extraction: of the rest of the product only the commands above it import
-    it; the config tree, what plans a run, the actors, ``jobs.conversations``, the display (``jobs.display``) and
-    the output directory's budget and config (``jobs.outdir``) all sit below it."""
+    it; the config tree, what plans a run, the actors and the output directory's budget and config
+    (``jobs.outdir``) all sit below it, and so do ``conversations``, ``inputs`` and ``runtime``."""
     assert _violations(lambda name, imported: _within(imported, "jobs.driver") and not _within(name, "jobs.driver")
                        and not _is_command(name)) == []
     assert _violations(lambda name, imported: _within(name, "jobs.outdir") and any(
@@ -184,6 +207,12 @@ def test_the_rules_see_real_imports():
     """The checks above would notice: extractor does import SGLang and jobs' config imports other config."""
     modules = _modules()
     assert any(_within(i, "sglang") for i in _imports(modules["extractor.sglang_compat"]))
+    # the regeneration's SGLang is extractor.generator's, which conversations.regenerate runs in its actor
+    assert "sglang" in _imports(modules["extractor.generator"])
+    assert "extractor.generator" in _imports(modules["conversations.regenerate"])
+    assert "runtime.cluster.session" in _imports(modules["conversations.pipeline"])
+    assert "inputs.files" in _imports(modules["conversations.reader"])
+    assert "conversations.pipeline" in _imports(modules["jobs.prepare"])
     assert "extractor.config" in _imports(modules["jobs.config"])
     assert "common.checks" in modules and "storage.schema" in _imports(modules["jobs.outdir.config"])
     assert "jobs.outdir.budget" in _imports(modules["jobs.planning.preflight"])

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from packaging.requirements import Requirement
 
-from jobs.errors import EXIT_BAD_INPUT
+from runtime.errors import EXIT_BAD_INPUT
 from storage.manifest import DONE, read_manifest
 from tests.conftest import REPO_ROOT, clone_checkout, free_port, ray_temp_dir, readme_commands
 from tests.helpers import assert_run_verifies, read_all

@@ -46,6 +46,7 @@ from storage.schema import ShardMetadata
 from storage.token_freq import TokenCounter, token_freq_bytes
 from training import peer_formats
 from training.consume import ShardConsumer, check_consumed, check_space
+from training.destination import Destination, is_temp
 from training.export_job import (
     ROWS_DIR,
     ExportConfig,
@@ -56,7 +57,6 @@ from training.export_job import (
     id_ranges,
     rows_file,
 )
-from training.destination import Destination, is_temp
 from training.final_state import FinalNorm, final_norm_for
 from training.peer_formats import SPECFORGE, SPECULATORS
 
@@ -143,7 +143,7 @@ def _require(*modules: str) -> None:
 
 def export(config: ExportConfig) -> dict[str, Any]:
     """Check, then write every file not there yet; returns the report (samples, bytes, seconds, rates, peak RSS).
-    With ``consume``, the caller holds the run's lock (``jobs.export`` does: ``jobs.rundir.lock.OutputLock``)."""
+    With ``consume``, the caller holds the run's lock (``jobs.export`` does: ``runtime.lock.OutputLock``)."""
     return write(prepare(config))
 
 

@@ -30,7 +30,7 @@ from extractor.types import (
     TokenBatch,
     unreported,
 )
-from jobs.errors import RERUN, JobFault
+from runtime.errors import RERUN, JobFault
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import ray
 
 from extractor.types import CapturedBatch, TokenBatch, split_flat
 from jobs.actors.cpus import WriterCpus, place_this_process
-from jobs.errors import RERUN, JobFault, is_disk_full
+from runtime.errors import RERUN, JobFault, is_disk_full
 from storage import ShardFileInfo, ShardMetadata, ShardWriter, shard_file_name
 from storage.writer import StageClock, temp_file_name
 

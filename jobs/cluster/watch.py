@@ -4,7 +4,7 @@ When the head's GCS stops (``ray stop`` on the head, a crash, a reboot), nothing
 wait, and after ``gcs_rpc_server_reconnect_timeout_s`` (60 s) Ray ends the driver's process from inside (exit 1,
 no Python code run), leaving the summary saying ``running`` and the lock's record behind. ``ClusterWatch`` connects
 to the GCS's port every ``CHECK_S``; once it has refused (or timed out) for ``LOST_AFTER_S`` it stops the main
-thread with ``ClusterLost`` (``jobs.interrupts.stop_main``), which winds the run down without asking Ray anything
+thread with ``ClusterLost`` (``runtime.interrupts.stop_main``), which winds the run down without asking Ray anything
 more: the summary, the manifest and the lock are written and released well before Ray's own end comes.
 """
 
@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Optional
 
-from jobs.errors import RERUN, ClusterLost
-from jobs.interrupts import stop_main
+from runtime.errors import RERUN, ClusterLost
+from runtime.interrupts import stop_main
 
 CHECK_S = 1.0
 LOST_AFTER_S = 10.0

@@ -30,7 +30,7 @@ from jobs.driver.work import (
     Work,
     error_text,
 )
-from jobs.errors import DiskFull, is_disk_full
+from runtime.errors import DiskFull, is_disk_full
 
 logger = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 from jobs.config import JobConfig
-from jobs.display.stages import StageLine
 from jobs.driver.ending import RunEnd
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.inputs import RunInputs
 from jobs.planning.shards import Shard, shard_ranges
+from runtime.display.stages import StageLine
 
 
 @dataclasses.dataclass(frozen=True)

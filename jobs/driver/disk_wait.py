@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from common.checks import format_bytes
 from jobs.driver.lanes import Lane
 from jobs.driver.progress import RunProgress
-from jobs.errors import BudgetExhausted
+from runtime.errors import BudgetExhausted
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,16 @@ import logging
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from jobs.errors import (
+from jobs.rundir.summary import (
+    BAD_INPUT,
+    COMPLETE,
+    NOTHING_TO_DO,
+    SHARDS_FAILED,
+    UPLOADS_FAILED,
+    RunSummary,
+    manifest_totals,
+)
+from runtime.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAULT,
     EXIT_NOT_PASSED,
@@ -32,16 +41,7 @@ from jobs.errors import (
     is_disk_full,
     stop_in,
 )
-from jobs.interrupts import signals_deferred
-from jobs.rundir.summary import (
-    BAD_INPUT,
-    COMPLETE,
-    NOTHING_TO_DO,
-    SHARDS_FAILED,
-    UPLOADS_FAILED,
-    RunSummary,
-    manifest_totals,
-)
+from runtime.interrupts import signals_deferred
 from storage.manifest import DONE, FAILED, LOCAL, Manifest
 
 logger = logging.getLogger("jobs.extract")

@@ -25,16 +25,12 @@ from extractor.drafter_config import build_drafter_config
 from extractor.types import EngineInfo, EngineSpec
 from jobs.cluster.node_disk import LocalDisk, read_claim
 from jobs.cluster.nodes import NodeGroup, plan_groups, writers_for
-from jobs.cluster.session import ray_job_submission_id, ray_session, resolve_device
 from jobs.cluster.watch import ClusterWatch
 from jobs.config import JobConfig
-from jobs.display.stages import StageLine
 from jobs.driver.context import RunContext
 from jobs.driver.ending import RunEnd, disk_full, nothing_to_do
 from jobs.driver.progress import RunProgress
 from jobs.driver.run import ExtractionRun
-from jobs.errors import is_disk_full
-from jobs.interrupts import signals_deferred
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import check_capture
 from jobs.planning.content import RECORDED_SINCE, resumed_device
@@ -43,7 +39,6 @@ from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink
 from jobs.planning.shards import Shard, plan_shards, shard_ranges
-from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import (
     check_done_files,
     claim_directory,
@@ -54,6 +49,11 @@ from jobs.rundir.resume import (
     select_shards,
 )
 from jobs.rundir.summary import RunSummary, read_summary, write_drafter_config, write_invalid_rows
+from runtime.cluster.session import ray_job_submission_id, ray_session, resolve_device
+from runtime.display.stages import StageLine
+from runtime.errors import is_disk_full
+from runtime.interrupts import signals_deferred
+from runtime.lock import OutputLock
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
 from storage.token_freq import TOKEN_FREQ_FILE, maybe_write_token_freq
 

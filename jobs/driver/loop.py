@@ -22,7 +22,7 @@ from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
-from jobs.interrupts import raise_if_stopped
+from runtime.interrupts import raise_if_stopped
 
 
 class DriverLoop:

@@ -1,6 +1,6 @@
 """The run's progress, told three ways: Ray metrics, ``.summary.json``, and a line on the terminal or in the log.
 
-Before the first batch the job's stages (``jobs.display.stages``) hold the line; from the first batch the
+Before the first batch the job's stages (``runtime.display.stages``) hold the line; from the first batch the
 driver tells ``RunProgress`` what happens (tokens written, batch by batch; a shard settled; a wait for disk
 budget) and calls ``tick()`` from its loops. A tick reads the manifest and the disk budget (the
 truth, owned by the driver) into a ``ProgressSnapshot`` and reports it: Ray metrics every
@@ -23,9 +23,9 @@ import time
 from typing import Any, Callable, Optional, Protocol, Sequence, TextIO
 
 from common.checks import format_bytes
-from jobs.display.live import LIVE_REFRESH_S, LiveLine, format_duration
-from jobs.display.stages import StageLine
 from jobs.outdir.budget import DiskBudget
+from runtime.display.live import LIVE_REFRESH_S, LiveLine, format_duration
+from runtime.display.stages import StageLine
 from storage.manifest import DONE, FAILED, Manifest
 
 logger = logging.getLogger(__name__)

@@ -46,9 +46,9 @@ from jobs.driver.startup import (
 )
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
-from jobs.errors import ClusterLost, stop_in
-from jobs.interrupts import signals_deferred
 from jobs.planning.engine import shard_metadata
+from runtime.errors import ClusterLost, stop_in
+from runtime.interrupts import signals_deferred
 from storage.manifest import DONE, Manifest, ShardRecord
 from storage.writer import state_bytes_per_token
 

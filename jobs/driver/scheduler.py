@@ -20,13 +20,13 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from inputs.dataset import TokenizedDataset
 from jobs.actors.writer import BatchRows
 from jobs.driver.lanes import Lane, Lanes, ShardAttempt
 from jobs.driver.progress import RunProgress
 from jobs.driver.work import Append, Discard, Finish, PendingWork
-from jobs.errors import RERUN, JobFault
-from jobs.inputs.dataset import TokenizedDataset
 from jobs.planning.shards import Shard
+from runtime.errors import RERUN, JobFault
 from storage import ShardFileInfo
 from storage.manifest import DONE, FAILED, LOCAL, PENDING, Manifest, ShardRecord
 

@@ -19,15 +19,15 @@ from common.checks import format_bytes
 from extractor.config import ExtractConfig
 from extractor.types import CaptureActivity, EngineInfo, EngineSpec
 from jobs.actors import uploader
-from jobs.actors.extractor import ExtractorHost
 from jobs.actors.cpus import writer_cpus
+from jobs.actors.extractor import ExtractorHost
 from jobs.actors.writer import WriterPool, WriterSettings
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.lanes import Lane, Lanes, ShardAttempt
-from jobs.errors import JobFault
 from jobs.outdir.budget import DiskBudget
 from jobs.outdir.config import OutputConfig
 from jobs.planning.engine import shard_metadata
+from runtime.errors import JobFault
 from storage.writer import state_bytes_per_token
 
 logger = logging.getLogger(__name__)

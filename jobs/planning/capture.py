@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.pythonpath import checkout_first
-from jobs.errors import ConfigError
+from runtime.errors import ConfigError
 from storage.atomic import replace_atomically
 
 logger = logging.getLogger(__name__)

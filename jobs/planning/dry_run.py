@@ -16,11 +16,9 @@ import logging
 from typing import Any, Optional
 
 from common.checks import format_bytes
+from inputs.dataset import EXCEEDS_CONTEXT
 from jobs.cluster.nodes import plan_groups, this_host
-from jobs.cluster.session import starts_private_cluster, this_host_cpus
 from jobs.config import JobConfig
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
-from jobs.inputs.dataset import EXCEEDS_CONTEXT
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.capture import ProbeFailed, capture_plan
 from jobs.planning.engine import planned_metadata
@@ -28,9 +26,11 @@ from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, free_bytes
 from jobs.planning.shards import Shard, plan_shards, shard_ranges
-from jobs.rundir.lock import OutputLock
 from jobs.rundir.resume import refuse_foreign_output, select_planned, select_shards
 from jobs.rundir.summary import RunSummary
+from runtime.cluster.session import starts_private_cluster, this_host_cpus
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, BudgetExhausted, ConfigError
+from runtime.lock import OutputLock
 from storage.manifest import DONE, LOCAL, MANIFEST_FILE, Manifest, ShardRecord, read_manifest
 from storage.writer import state_bytes_per_token
 from training.final_state import served_exports

@@ -21,14 +21,14 @@ from extractor.checkpoint import (
 )
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.serving import ServingSettings, effective_model, parse_serving
+from inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.cluster.node_disk import read_claim
-from jobs.cluster.session import inside_ray_job
 from jobs.config import JobConfig, resolve_paths
-from jobs.errors import ConfigError
-from jobs.inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.planning.content import CHECKPOINT, RECORDED_SINCE, resumed_device, run_content
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
+from runtime.cluster.session import inside_ray_job
+from runtime.errors import ConfigError
 from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
 
 logger = logging.getLogger(__name__)

@@ -24,14 +24,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from common.checks import format_bytes
 from extractor.config import ModelConfig
+from inputs.demo import prepare_demo
+from inputs.files import GLOB_CHARS
 from jobs.config import JobConfig
-from jobs.errors import BudgetExhausted, ConfigError
-from jobs.inputs.demo import prepare_demo
-from jobs.inputs.files import GLOB_CHARS
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.content import recorded_model_path
 from jobs.planning.shards import Shard
-from jobs.rundir.lock import LOCK_FILE
+from runtime.errors import BudgetExhausted, ConfigError
+from runtime.lock import LOCK_FILE
 from storage import ShardMetadata
 from storage.manifest import MANIFEST_FILE, read_manifest
 from storage.sink import probe as probe_sink

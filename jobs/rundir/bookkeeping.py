@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from common.checks import format_bytes
 from extractor.checkpoint import read_config, text_config
 from extractor.drafter_config import build_drafter_config
-from jobs.rundir.lock import LockOwner
+from runtime.lock import LockOwner
 from storage.manifest import MANIFEST_FILE, MANIFEST_JOURNAL_FILE, TEXT_LIMITS, V1_BACKUP_SUFFIX, size_bound
 
 BLOCK_BYTES = 4096
@@ -74,7 +74,7 @@ class OwnFiles:
 
 
 def lock_bytes() -> int:
-    """output.dir's lock with this process's owner record (``jobs.rundir.lock``)."""
+    """output.dir's lock with this process's owner record (``runtime.lock``)."""
     record = dataclasses.asdict(LockOwner.this_process("x" * SUBMISSION_ID_BYTES))
     return on_disk(len(json.dumps(record, indent=1).encode()) + 1)
 

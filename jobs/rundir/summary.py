@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from inputs.dataset import InvalidRow
 from jobs.config import JobConfig
-from jobs.display.timeline import Timeline
-from jobs.inputs.dataset import InvalidRow
+from runtime.display.timeline import Timeline
 from storage.atomic import remove_quietly, replace_atomically, reserve_space, swap_in
 from storage.manifest import DONE, FAILED, SINK, Manifest
 from storage.nonfinite import KEPT, SKIPPED

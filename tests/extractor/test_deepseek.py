@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from inputs.demo import build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
-from jobs.inputs.demo import build_tiny_model
 from jobs.rundir.summary import read_summary
 from storage import ShardReader
 from tests.helpers import (

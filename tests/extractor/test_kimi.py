@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from extractor.drafter_config import build_drafter_config
 from extractor.sglang_compat import SUPPORTED_SGLANG_VERSIONS
-from jobs.errors import EXIT_NOT_PASSED
 from jobs.extract import DRAFTER_CONFIG_FILE, run
+from runtime.errors import EXIT_NOT_PASSED
 from storage import ShardReader
 from storage.manifest import read_manifest
 from storage.writer import state_bytes_per_token

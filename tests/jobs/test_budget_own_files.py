@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from inputs.demo import build_synthetic_dataset
 from jobs.driver import job
-from jobs.errors import EXIT_BAD_INPUT
 from jobs.extract import main, run
-from jobs.inputs.demo import build_synthetic_dataset
+from runtime.errors import EXIT_BAD_INPUT
 from storage.consumed import RECORD_BYTES, consume_shard
 from storage.manifest import (
     CONSUMED,

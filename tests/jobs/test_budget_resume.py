@@ -10,10 +10,10 @@ import pytest
 
 from common.checks import format_bytes
 from jobs.cluster.node_disk import LocalDisk
-from jobs.errors import BudgetExhausted
 from jobs.extract import run
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
+from runtime.errors import BudgetExhausted
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name

@@ -15,10 +15,10 @@ import pytest
 
 from extractor.checkpoint import text_config
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
-from jobs.errors import EXIT_BAD_INPUT
-from jobs.errors import EXIT_NOT_PASSED as EXIT_MISMATCH
+from inputs.demo import build_synthetic_dataset, build_tiny_model
 from jobs.extract import DRAFTER_CONFIG_FILE, run
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
+from runtime.errors import EXIT_BAD_INPUT
+from runtime.errors import EXIT_NOT_PASSED as EXIT_MISMATCH
 from testbeds.shapes import KIMI_K25
 from tests.conftest import REPO_ROOT
 from tests.helpers import check_drafter, job_config, python_env, vllm_style, with_ids

@@ -14,19 +14,19 @@ import typing
 import pytest
 
 from common.config import OutputDir, RunDir, SinkOptions
+from conversations.config import PrepareConfig
 from extractor.config import ExtractConfig, ModelConfig
-from jobs.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from jobs.actors.cpus import format_cores
 from jobs.check_drafter import CheckDrafterConfig
 from jobs.check_serving import CheckServingConfig
 from jobs.config import JobConfig, build_config, config_keys, load_config, resolve_paths
-from jobs.conversations.config import PrepareConfig
-from jobs.actors.cpus import format_cores
-from jobs.errors import ConfigError
 from jobs.outdir.config import OutputConfig, parse_disk_budget
 from jobs.planning.preflight import refuse_pickled_weights
 from jobs.prepare import load_config as load_prepare_config
 from jobs.status import StatusConfig
 from jobs.verify import VerifyConfig
+from runtime.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from runtime.errors import ConfigError
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 from training.export_job import ExportConfig

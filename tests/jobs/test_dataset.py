@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.inputs import files as input_files
-from jobs.inputs.dataset import InvalidRow, open_tokenized_dataset
+from inputs import files as input_files
+from inputs.dataset import InvalidRow, open_tokenized_dataset
 
 VOCAB = 1000
 
@@ -268,7 +268,7 @@ def test_rows_read_only_their_segments_and_the_object_pickles_small(tmp_path, mo
     dataset = open_tokenized_dataset(str(path), VOCAB, 100)
     reads = []
     original = input_files.read_segment
-    monkeypatch.setattr("jobs.inputs.dataset.read_segment", lambda fs, file, key, size: reads.append(key) or original(fs, file, key, size))
+    monkeypatch.setattr("inputs.dataset.read_segment", lambda fs, file, key, size: reads.append(key) or original(fs, file, key, size))
     ids, _ = dataset.rows(1490, 1510)
     assert reads == [2, 3]  # row groups [1000, 1500) and [1500, 2000) only
     assert [i.tolist() for i in ids] == [r["input_ids"] for r in rows[1490:1510]]

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from inputs.dataset import open_tokenized_dataset
 from jobs.actors.writer import ExtractorLost, ShardFailed
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.completions import Completions
@@ -32,10 +33,9 @@ from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork
-from jobs.errors import BudgetExhausted, JobFault
-from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import plan_shards
+from runtime.errors import BudgetExhausted, JobFault
 from storage import ShardFileInfo, checksum, shard_file_name
 from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest

@@ -21,12 +21,12 @@ import psutil
 import pytest
 import ray
 
+from inputs.demo import build_synthetic_dataset
 from jobs.driver.progress import METRICS, RUN_LABEL
-from jobs.errors import EXIT_BAD_INPUT, EXIT_LOCKED
-from jobs.inputs.demo import build_synthetic_dataset
-from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
+from runtime.errors import EXIT_BAD_INPUT, EXIT_LOCKED
+from runtime.lock import LOCK_FILE
 from storage.manifest import DONE, LOCAL, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT, free_port, ray_temp_dir, readme_commands

@@ -25,15 +25,15 @@ import psutil
 import pytest
 import ray
 
+from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
 from jobs.extract import main
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.outdir.budget import DiskBudget
-from jobs.planning.inputs import read_inputs
 from jobs.planning.engine import planned_metadata
+from jobs.planning.inputs import read_inputs
 from jobs.planning.shards import plan_shards
 from jobs.rundir.summary import read_summary
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_OK, EXIT_UPLOADS_FAILED
 from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token

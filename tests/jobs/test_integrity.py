@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import EXIT_BUDGET_EXHAUSTED, EXIT_OK
+from inputs.demo import build_synthetic_dataset
 from jobs.export import main as export_main
 from jobs.extract import main
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
+from runtime.errors import EXIT_BUDGET_EXHAUSTED, EXIT_OK
 from storage.manifest import DONE, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
@@ -220,9 +220,9 @@ def test_the_writers_of_prepare_and_of_an_export_replace_or_refuse_planted_links
     """jobs.prepare's files (its record, parts, skipped rows, regenerated answers) and an export's files go through
     temp names where a planted link is replaced, never followed; a directory below dest (or prepare's
     ``_regenerated``) that is a link is refused, naming it."""
-    from jobs.conversations import output
-    from jobs.conversations.reader import RowSource
-    from jobs.conversations.template import Encoded
+    from conversations import output
+    from conversations.reader import RowSource
+    from conversations.template import Encoded
     from training.destination import Destination
 
     victim = tmp_path / "victim"

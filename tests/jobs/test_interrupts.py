@@ -1,4 +1,4 @@
-"""jobs.interrupts with real signals sent to this process: where a signal stops a command, the sections it never
+"""runtime.interrupts with real signals sent to this process: where a signal stops a command, the sections it never
 cuts short, and a stop that an ``except Exception`` swallowed."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from jobs.errors import ClusterLost, JobInterrupted
-from jobs.interrupts import signals_deferred, raise_if_stopped, signals_stop, stop_main
+from runtime.errors import ClusterLost, JobInterrupted
+from runtime.interrupts import signals_deferred, raise_if_stopped, signals_stop, stop_main
 
 
 def send(signum: int) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from extractor.quantize import quantize_fp8
+from inputs.dataset import open_tokenized_dataset
 from jobs.extract import run
-from jobs.inputs.dataset import open_tokenized_dataset
 from jobs.planning.shards import pack_batches
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE, read_summary
 from storage import ShardReader

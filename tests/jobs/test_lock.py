@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from jobs.cluster.node_disk import CLAIM_FILE, LocalDisk
-from jobs.errors import EXIT_LOCKED, OutputLocked
-from jobs.rundir.lock import LOCK_FILE, LockOwner, OutputLock, read_owner, start_ticks
 from jobs.status import job_state
+from runtime.errors import EXIT_LOCKED, OutputLocked
+from runtime.lock import LOCK_FILE, LockOwner, OutputLock, read_owner, start_ticks
 from tests.conftest import REPO_ROOT
 from tests.helpers import LOCK_HOLDER
 
@@ -51,7 +51,7 @@ def test_a_second_job_is_told_who_holds_the_lock(tmp_path, holder):
 def test_stale_record_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, holder, caplog):
     holder.kill()
     holder.wait()
-    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"):
+    with caplog.at_level(logging.WARNING, logger="runtime.lock"):
         with OutputLock(tmp_path) as lock:
             assert read_owner(tmp_path) == lock.owner
     assert f"taking over the lock on {tmp_path} from pid {holder.pid}" in caplog.text
@@ -73,7 +73,7 @@ def record(tmp_path, owner: LockOwner) -> None:
 def test_reused_pid_is_stale_but_a_live_owner_without_the_lock_is_not(tmp_path, caplog):
     me = LockOwner.this_process(ray_job="")
     record(tmp_path, dataclasses.replace(me, pid_start_ticks=me.pid_start_ticks - 1))  # same pid, other process
-    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"), OutputLock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="runtime.lock"), OutputLock(tmp_path):
         pass
     assert "taking over the lock" in caplog.text
 
@@ -112,7 +112,7 @@ def test_a_live_owner_stays_alive_across_a_clock_step_and_a_later_boot_is_not_it
     record(tmp_path, dataclasses.replace(owner, pid=os.getpid(), pid_start_ticks=start_ticks(os.getpid()),
                                          boot_id="00000000-0000-0000-0000-000000000000"))
     assert read_owner(tmp_path).is_alive() is False
-    with caplog.at_level(logging.WARNING, logger="jobs.rundir.lock"), OutputLock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="runtime.lock"), OutputLock(tmp_path):
         pass
     assert f"taking over the lock on {tmp_path} from pid {os.getpid()}" in caplog.text
 

@@ -17,11 +17,11 @@ from typing import Callable
 import psutil
 import pytest
 
+from inputs.demo import build_synthetic_dataset
 from jobs.cluster.watch import LOST_AFTER_S
-from jobs.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK
-from jobs.inputs.demo import build_synthetic_dataset
-from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
+from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_OK
+from runtime.lock import LOCK_FILE
 from storage.manifest import DONE, PENDING, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import alive, assert_every_sample_once, descendants, python_env, session_ray_address

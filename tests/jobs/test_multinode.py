@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
+from inputs.demo import build_synthetic_dataset
 from jobs.cluster.node_disk import CLAIM_FILE
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.rundir.summary import read_summary
 from storage.manifest import DONE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq

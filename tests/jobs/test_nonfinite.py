@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.extract import run
 from jobs.rundir.summary import NOTHING_TO_DO
 from jobs.verify import main as verify_main
+from runtime.errors import EXIT_OK, EXIT_VERIFY_FAILED
 from storage import ShardReader, shard_file_name
 from storage.manifest import read_manifest
 from tests.helpers import flip_middle, job_config, read_all

@@ -20,13 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from inputs.dataset import open_tokenized_dataset
+from inputs.demo import build_tiny_model
 from jobs.config import load_config
 from jobs.driver.job import run
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE, EXIT_VERIFY_FAILED
-from jobs.inputs.dataset import open_tokenized_dataset
-from jobs.inputs.demo import build_tiny_model
-from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_SIGNAL_BASE, EXIT_VERIFY_FAILED
+from runtime.lock import LOCK_FILE
 from storage import ShardReader
 from storage.checksum import of_bytes
 from storage.consumed import consume_shard, record_name

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, ConfigError
 from jobs.extract import main as extract
 from jobs.extract import run
 from jobs.plan import main
 from jobs.planning.inputs import read_inputs
 from jobs.planning.shards import pack_batches, plan_shards
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_LOCKED, EXIT_OK, ConfigError
 from storage import ShardReader
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 from storage.writer import state_bytes_per_token
@@ -138,7 +138,7 @@ def test_the_plan_says_which_exports_the_run_serves(capsys, llama_fp32, demo_dat
     """The default (pre-norm) run serves both trainers, SpecForge's with the checkpoint's own final norm, found
     before the run starts (Kimi-K2.5's under its language model's prefix, eps from text_config); a post-norm run
     serves SpecForge only, and the plan says so."""
-    from jobs.inputs.demo import build_tiny_model
+    from inputs.demo import build_tiny_model
 
     kimi = build_tiny_model(tmp_path / "kimi", arch="kimi_k25", num_layers=4, dtype="bfloat16")
     for model, weight, eps in ((llama_fp32, "model.norm.weight", "1e-06"),

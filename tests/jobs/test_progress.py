@@ -25,8 +25,6 @@ import time
 import pytest
 
 from common.checks import format_bytes
-from jobs.display.live import LiveLine, format_duration
-from jobs.display.stages import StageLine
 from jobs.driver.progress import (
     METRICS,
     RATE_WINDOW_S,
@@ -38,6 +36,8 @@ from jobs.driver.progress import (
 from jobs.outdir.budget import DiskBudget
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
+from runtime.display.live import LiveLine, format_duration
+from runtime.display.stages import StageLine
 from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import session_ray_address, user_env
@@ -283,13 +283,13 @@ def test_stages_show_from_the_start_then_hand_over_to_the_runs_line(tmp_path, ca
     """Before the first batch: without a terminal, each stage is logged as it begins, with its detail; on a
     terminal it is the live line, which the run's own line (the bar) replaces at the first batch; a log record
     meanwhile prints whole; nothing is shown once the stages are closed."""
-    with caplog.at_level(logging.INFO, logger="jobs.display.stages"):
+    with caplog.at_level(logging.INFO, logger="runtime.display.stages"):
         stages = StageLine(interval_s=3600, interactive=False)
         stages.show("starting Ray")
         stages.show("loading the model", lambda: "0 of 2 extractors ready (node a: importing SGLang)")
         stages.close()
         stages.show("too late")
-    assert [r.getMessage() for r in caplog.records if r.name == "jobs.display.stages"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "runtime.display.stages"] == [
         "starting Ray (0s)", "loading the model (0s): 0 of 2 extractors ready (node a: importing SGLang)"]
 
     screen = io.StringIO()
@@ -298,7 +298,7 @@ def test_stages_show_from_the_start_then_hand_over_to_the_runs_line(tmp_path, ca
     try:
         stages = StageLine(interval_s=3600, stream=screen, interactive=True)
         stages.show("starting Ray")
-        logging.getLogger("jobs.cluster.session").warning("a record while the stage shows")
+        logging.getLogger("runtime.cluster.session").warning("a record while the stage shows")
         manifest = Manifest.open(tmp_path, {"k": 1}, [(0, 0, 4)])
         progress = RunProgress(manifest, DiskBudget(tmp_path, 10**6, 0), {0: 60}, [0], run="r", interval_s=3600,
                                interactive=True, stream=screen, stages=stages)

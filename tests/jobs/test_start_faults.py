@@ -20,11 +20,11 @@ from typing import Optional
 import psutil
 import pytest
 
-from jobs.errors import EXIT_OK
+from inputs.demo import build_synthetic_dataset
 from jobs.extract import main
-from jobs.inputs.demo import build_synthetic_dataset
-from jobs.rundir.lock import LOCK_FILE
 from jobs.rundir.summary import read_summary
+from runtime.errors import EXIT_OK
+from runtime.lock import LOCK_FILE
 from tests.conftest import REPO_ROOT
 from tests.helpers import alive, assert_every_sample_once, descendants, python_env
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from extractor.config import NONFINITE_ACTIONS
-from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
 from jobs.planning.content import expected_metadata
 from jobs.rundir.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
+from runtime.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
 from storage import ShardMetadata, ShardReader, ShardWriter, nonfinite, shard_file_name
 from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
 from storage.nonfinite import NonFiniteStates

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.inputs.demo import build_synthetic_dataset, build_tiny_model
+from inputs.demo import build_synthetic_dataset, build_tiny_model
 from storage.manifest import MANIFEST_FILE, MANIFEST_VERSION, V1_BACKUP_SUFFIX, read_manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env, session_ray_address

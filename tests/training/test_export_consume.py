@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from inputs.demo import build_synthetic_dataset
 from jobs import export as export_job
-from jobs.errors import EXIT_FAULT, EXIT_LOCKED, EXIT_OK
 from jobs.extract import run
-from jobs.inputs.demo import build_synthetic_dataset
 from jobs.status import status_report
+from runtime.errors import EXIT_FAULT, EXIT_LOCKED, EXIT_OK
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq

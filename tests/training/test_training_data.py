@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from inputs.demo import build_synthetic_dataset
 from jobs import export as export_job
 from jobs.config import load_config
 from jobs.extract import run
-from jobs.inputs.demo import build_synthetic_dataset
 from storage import ShardReader
 from storage.manifest import DONE, SINK, Manifest, read_manifest
 from tests.conftest import REPO_ROOT
@@ -37,9 +37,9 @@ from tests.helpers import (
     speculators_dataset,
 )
 from training import peer_formats
-from training.peer_formats import SPECFORGE_MAX_LEN
 from training.dataset import HiddenStatesDataset, collate
 from training.destination import Destination
+from training.peer_formats import SPECFORGE_MAX_LEN
 
 SKIPPED_ROW = 5
 SAMPLES = 21

@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from jobs.conversations.reader import ASSISTANT, USER
+from conversations.reader import ASSISTANT, USER
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.inputs.config import DEMO_ARCHS
-from jobs.inputs.demo_chat import DEMO_VOCAB_SIZE, build_chat_tokenizer
+from inputs.config import DEMO_ARCHS
+from inputs.demo_chat import DEMO_VOCAB_SIZE, build_chat_tokenizer
 
 logger = logging.getLogger(__name__)
 

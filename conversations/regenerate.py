@@ -31,9 +31,9 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import ray
 
+from conversations.reader import ASSISTANT, OPENAI, USER, ConversationRow, RowSource, check_ending, to_messages
+from conversations.template import ChatTemplate, Messages
 from extractor.generator import FINISH_LENGTH, Generator, GeneratorSpec
-from jobs.conversations.reader import ASSISTANT, OPENAI, USER, ConversationRow, RowSource, check_ending, to_messages
-from jobs.conversations.template import ChatTemplate, Messages
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ tokenizer worker), whatever the size of the input. Every row is accounted for: k
 or too long (truncated, or dropped and listed).
 
 With ``regenerate=true`` a first pass has the target answer the shards not answered yet
-(``jobs.conversations.regenerate``), and the tokenizing pass reads those answers instead of the
+(``conversations.regenerate``), and the tokenizing pass reads those answers instead of the
 input's.
 """
 
@@ -22,17 +22,13 @@ from typing import Any, Iterator, Optional
 
 import ray
 
-from extractor.checkpoint import read_checkpoint_info, read_config, text_config
-from extractor.generator import GeneratorSpec
-from extractor.serving import ServingSettings, effective_model, parse_serving
-from jobs.cluster.session import ray_session, resolve_device
-from jobs.conversations import output as out_dir
-from jobs.conversations.config import PrepareConfig
-from jobs.conversations.progress import Progress
-from jobs.conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
-from jobs.conversations.regenerate import regenerated_rows, shards_at_once, start_regenerator
-from jobs.conversations.template import ChatTemplate
-from jobs.conversations.tokenize import (
+from conversations import output as out_dir
+from conversations.config import PrepareConfig
+from conversations.progress import Progress
+from conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
+from conversations.regenerate import regenerated_rows, shards_at_once, start_regenerator
+from conversations.template import ChatTemplate
+from conversations.tokenize import (
     ShardOutcome,
     TokenizeSpec,
     Totals,
@@ -40,8 +36,12 @@ from jobs.conversations.tokenize import (
     resolve_workers,
     tokenize_shards,
 )
-from jobs.display.stages import StageLine
-from jobs.inputs.files import InputFile, resolve_files
+from extractor.checkpoint import read_checkpoint_info, read_config, text_config
+from extractor.generator import GeneratorSpec
+from extractor.serving import ServingSettings, effective_model, parse_serving
+from inputs.files import InputFile, resolve_files
+from runtime.cluster.session import ray_session, resolve_device
+from runtime.display.stages import StageLine
 from storage import checksum
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from typing import Optional
 
 import psutil
 
-from jobs.errors import OutputLocked
+from runtime.errors import OutputLocked
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 
 from common.checks import check_choice, check_int, check_number, check_seconds, is_int
 from extractor.config import SGLangModelConfig
-from jobs.cluster.config import RayConfig
-from jobs.inputs.config import ON_INVALID
+from inputs.config import ON_INVALID
+from runtime.cluster.config import RayConfig
 
 FORMATS = ("auto", "sharegpt", "openai")
 OTHER_ROLES = ("fail", "drop", "keep")

@@ -21,7 +21,7 @@ import signal
 import threading
 from typing import Any, Iterator, Optional
 
-from jobs.errors import JobInterrupted, JobStopped
+from runtime.errors import JobInterrupted, JobStopped
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

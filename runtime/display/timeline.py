@@ -1,7 +1,7 @@
 """Where a command's wall time went: its phases one after another, each from its start to the next one's.
 
 A command's wall time is more than its steady state: starting Ray, loading the model, the engine's shutdown. The
-phases are the stages a command shows (``jobs.display.stages``) and those after them that a bar shows instead
+phases are the stages a command shows (``runtime.display.stages``) and those after them that a bar shows instead
 (regenerating, tokenizing); a phase entered twice adds up. The table goes into the command's record and its last
 lines, so that a slow command says which part was slow.
 """

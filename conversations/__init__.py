@@ -1,7 +1,7 @@
 """From chat conversations to the tokenized Parquet ``jobs.extract`` reads (the ``jobs.prepare`` command).
 
 - ``config``: the command's config sections, each checking its own keys.
-- ``reader``: conversation rows out of ``data.path`` (the files ``jobs.inputs.files`` finds), the schema
+- ``reader``: conversation rows out of ``data.path`` (the files ``inputs.files`` finds), the schema
   (ShareGPT or OpenAI) detected per file or named, each row checked and normalised to messages.
 - ``template``: the checkpoint's tokenizer and chat template; a conversation's ids and its exact
   assistant-only loss mask, from prefix renderings of the template (no string search).
@@ -15,4 +15,7 @@
 - ``demo``: a chat tokenizer trained locally for the demo's tiny model, and conversations for it.
 
 Nothing here imports SGLang: ``extractor.generator`` does, inside the regeneration actor only.
+Nothing here imports ``jobs``: its commands (``jobs.prepare``, ``jobs.pipeline``) import this package, and what
+both share sits below both, in ``runtime`` (exit codes, signals, the Ray session, the display, output.dir's lock)
+and ``inputs`` (the files behind ``data.path``, the demos' models).
 """

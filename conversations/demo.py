@@ -1,4 +1,4 @@
-"""The prepare demo: a tiny chat model (random weights, the demo's chat tokenizer, ``jobs.inputs.demo_chat``) and
+"""The prepare demo: a tiny chat model (random weights, the demo's chat tokenizer, ``inputs.demo_chat``) and
 conversations to render with it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import logging
 from pathlib import Path
 
-from jobs.conversations.config import PrepareConfig
-from jobs.inputs.demo import build_tiny_model
-from jobs.inputs.demo_chat import CHATML, TEMPLATES, build_chat_tokenizer, demo_conversations
+from conversations.config import PrepareConfig
+from inputs.demo import build_tiny_model
+from inputs.demo_chat import CHATML, TEMPLATES, build_chat_tokenizer, demo_conversations
 
 logger = logging.getLogger(__name__)
 

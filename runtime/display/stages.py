@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Callable, Optional, TextIO
 
-from jobs.display.live import LIVE_REFRESH_S, LiveLine, format_duration
-from jobs.display.timeline import Timeline
+from runtime.display.live import LIVE_REFRESH_S, LiveLine, format_duration
+from runtime.display.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each row has ``input_ids`` (list of integers) and optionally ``loss_mask``
 (0/1 integers, same length). One streaming pass over the files
-(``jobs.inputs.files``) checks every row with vectorised Arrow/NumPy
+(``inputs.files``) checks every row with vectorised Arrow/NumPy
 operations, block by block, and keeps only what planning needs: each kept
 row's length and sample id (its global row index across the files), a
 fingerprint of every token and mask, and an index of segments (row group,
@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from extractor.types import TokenBatch, split_flat
-from jobs.inputs.config import ON_INVALID
-from jobs.inputs.files import (
+from inputs.config import ON_INVALID
+from inputs.files import (
     INPUT_IDS,
     LARGE_ROW_GROUP_ROWS,
     LOSS_MASK,

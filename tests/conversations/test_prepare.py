@@ -2,7 +2,7 @@
 case with its message and exit code, max_length, the output directory's rules (refusals, resume, nothing
 half-written). The command's own main() runs in this process (real subprocesses check the exit code and the
 memory of one huge row); the model is the demo's tiny Llama with a ChatML tokenizer trained here
-(jobs.conversations.demo), built once for the module.
+(conversations.demo), built once for the module.
 
 Then what follows jobs.prepare: regeneration through the real engine (sglang.Engine in a Ray actor, on CPU)
 answers the prompts again, a prepare killed after its first published shard resuming from the shards it had
@@ -25,14 +25,14 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from conversations.demo import build_chat_model, write_conversations
+from conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
 from extractor.generator import GeneratorSpec, _engine_args
-from jobs.conversations.demo import build_chat_model, write_conversations
-from jobs.conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
-from jobs.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
-from jobs.inputs.dataset import open_tokenized_dataset
-from jobs.inputs.demo import build_tiny_model, prepare_demo
-from jobs.inputs.demo_chat import CHATML, demo_conversations
+from inputs.dataset import open_tokenized_dataset
+from inputs.demo import build_tiny_model, prepare_demo
+from inputs.demo_chat import CHATML, demo_conversations
 from jobs.prepare import main
+from runtime.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 

@@ -22,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.conversations.reader import RowSource
-from jobs.conversations.template import Encoded
-from jobs.rundir.lock import LOCK_FILE
+from conversations.reader import RowSource
+from conversations.template import Encoded
+from runtime.lock import LOCK_FILE
 from storage.atomic import fsync_path, open_new, remove_quietly, write_synced
 
 RECORD_FILE = "_prepare.json"

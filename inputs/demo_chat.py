@@ -12,7 +12,7 @@ one with its own special tokens:
   eos ``<|eot_id|>``, generation_config eos ``[<|end_of_text|>, <|eot_id|>]``).
 
 The tests use both as the second template family beside SmolLM2's real tokenizer. The extraction demo's model
-gets the ChatML one (``jobs.inputs.demo``), the prepare demo's too (``jobs.conversations.demo``).
+gets the ChatML one (``inputs.demo``), the prepare demo's too (``conversations.demo``).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import psutil
 import ray
 
 from common.pythonpath import checkout_first
-from jobs.errors import ClusterLost, ConfigError, stop_in
-from jobs.interrupts import SIGNALS, signals_deferred
+from runtime.errors import ClusterLost, ConfigError, stop_in
+from runtime.interrupts import SIGNALS, signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def ray_session(address: str) -> Iterator[None]:
     """Run the body connected to Ray (see the module docstring for which cluster); disconnect after, and shut
     a private cluster down with every process it started (also when its head was lost: ``ClusterLost``). Starting
     and stopping run whole: a signal meanwhile is held until Ray is up (then raised: the body never runs) or down
-    (``jobs.interrupts.signals_deferred``)."""
+    (``runtime.interrupts.signals_deferred``)."""
     if ray.is_initialized():
         yield
         return

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from jobs.conversations import output as out_dir
-from jobs.conversations.reader import ConversationRow, RowSource
-from jobs.conversations.template import ChatTemplate, Encoded
+from conversations import output as out_dir
+from conversations.reader import ConversationRow, RowSource
+from conversations.template import ChatTemplate, Encoded
 
 ENCODE_BATCH = 512
 """Conversations rendered and tokenized at once (bounds the renderings held in memory)."""

@@ -1,5 +1,5 @@
 """The loss mask of jobs.prepare, on real tokenizers: SmolLM2-135M-Instruct's (ChatML, from its checkpoint)
-and two trained here with real families' templates (jobs.conversations.demo: ChatML, and Llama-3-Instruct's
+and two trained here with real families' templates (conversations.demo: ChatML, and Llama-3-Instruct's
 verbatim). Every case checks the round trip: the ids are apply_chat_template's, each run of masked tokens
 decodes to one assistant answer and its end-of-turn token, and the tokens before it are exactly the prompt
 the model answers (apply_chat_template with add_generation_prompt)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer
-from jobs.conversations.reader import to_messages
-from jobs.conversations.template import ChatTemplate, Encoded
+from conversations.reader import to_messages
+from conversations.template import ChatTemplate, Encoded
+from inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer
 from testbeds.smollm2 import checkpoint_dir
 
 SYSTEM = {"role": "system", "content": "You are terse."}

@@ -1,6 +1,6 @@
 """Conversation rows out of ``data.path``: records read in file order, each checked and normalised to messages.
 
-The files are the ones ``jobs.inputs.files.resolve_files`` finds for the extraction job (a file, a
+The files are the ones ``inputs.files.resolve_files`` finds for the extraction job (a file, a
 directory, a glob, an HF ``save_to_disk`` directory, an fsspec URL), sorted by path, so a
 conversation's id (its row index across the files) is the same on every run.
 
@@ -27,7 +27,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from jobs.inputs.files import ARROW_FILE, JSONL, PARQUET, InputFile, open_arrow, open_parquet
+from inputs.files import ARROW_FILE, JSONL, PARQUET, InputFile, open_arrow, open_parquet
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 SHAREGPT, OPENAI = "sharegpt", "openai"
@@ -110,7 +110,7 @@ def _jsonl_records(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[t
     with fs.open(file.path, "rb") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
-                continue  # JSON Lines' blank lines hold no record (as jobs.inputs.files counts them)
+                continue  # JSON Lines' blank lines hold no record (as inputs.files counts them)
             try:  # without its line end, the parser's positions are columns of this line
                 record, error = json.loads(line.rstrip(b"\r\n")), None
             except ValueError as why:

@@ -116,7 +116,7 @@ def is_disk_full(error: BaseException) -> bool:
 
 def stop_in(error: BaseException) -> BaseException:
     """The stop behind ``error``: the ``JobInterrupted`` of a signal, or the ``ClusterLost`` a watcher raised in the
-    main thread (``jobs.interrupts.stop_main``), if one caused it, else ``error``.
+    main thread (``runtime.interrupts.stop_main``), if one caused it, else ``error``.
 
     Both are raised by a handler wherever the main thread is; inside a Ray call (waiting on a
     model load, say) CPython reports that as ``SystemError: ... returned a result with an
