@@ -2,7 +2,10 @@
 as people write them ("1.3TB" in, "1.3 TB" out).
 
 Each raises ``ValueError("section.key=value: what is wrong (what it means)")``, which
-the config loader turns into a one-line ``ConfigError`` (exit code 2). Numbers must
+the config loader turns into a one-line ``ConfigError`` (exit code 2). A key with a fixed set of
+values is typed with a ``typing.Literal`` alias next to its section (in ``storage.schema`` where the
+format shares it); the alias is the one list of its values (``choices``), which OmegaConf checks in a
+merge and ``check_choice`` in ``__post_init__``, so a section built in Python is checked too. Numbers must
 be finite: ``nan`` compares false with everything, so a wait bounded by it would
 never end, and ``inf`` would make an interval that never comes.
 """
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+import typing
+from typing import Any
 
 _UNITS = {
     "": 1, "B": 1,
@@ -54,10 +58,16 @@ def check_number(key: str, value: object, minimum: float, meaning: str = "") -> 
         raise ValueError(f"{key}={value!r}: must be a finite number >= {minimum:g}{_because(meaning)}")
 
 
-def check_choice(key: str, value: object, choices: Sequence[str], meaning: str = "") -> None:
-    """One of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{key}={value!r}: use one of {', '.join(choices)}{_because(meaning)}")
+def choices(kind: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` alias, in its order: ``Literal["auto", "cpu"]`` -> ``("auto", "cpu")``."""
+    return typing.get_args(kind)
+
+
+def check_choice(key: str, value: object, kind: Any, meaning: str = "") -> None:
+    """One of the values of the ``Literal`` alias ``kind``."""
+    options = choices(kind)
+    if value not in options:
+        raise ValueError(f"{key}={value!r}: use one of {', '.join(options)}{_because(meaning)}")
 
 
 def parse_bytes(value: str | int, key: str) -> int:

@@ -7,18 +7,18 @@ Built by ``jobs.config.build_config`` like the extraction job's: each section ch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Literal
 
 from common.checks import check_choice, check_int, check_number, check_seconds, is_int
 from extractor.config import SGLangModelConfig
-from inputs.config import ON_INVALID
+from inputs.config import OnInvalid
 from runtime.cluster.config import RayConfig
 
-FORMATS = ("auto", "sharegpt", "openai")
-OTHER_ROLES = ("fail", "drop", "keep")
+ConversationFormat = Literal["auto", "sharegpt", "openai"]
+OtherRoles = Literal["fail", "drop", "keep"]
 """What happens to a turn of another role (tool, function, ipython, observation, function_call):
 the row is invalid (fail), the turn is left out (drop), or it is rendered, never in the loss mask (keep)."""
-ON_TOO_LONG = ("truncate", "drop")
+OnTooLong = Literal["truncate", "drop"]
 
 
 @dataclasses.dataclass
@@ -53,29 +53,29 @@ class ConversationDataConfig:
     path: str = ""
     """Conversations: a .jsonl, .parquet or .arrow file, a directory or glob of them, an HF datasets
     save_to_disk directory, or an fsspec URL (s3://...)."""
-    format: str = "auto"
+    format: ConversationFormat = "auto"
     """auto | sharegpt (conversations: [{from, value}]) | openai (messages: [{role, content}]). auto: per file,
     from its columns (Parquet, Arrow) or its first record that has either field (JSONL)."""
-    other_roles: str = "fail"
+    other_roles: OtherRoles = "fail"
     """Turns of another role (tool, function, ipython, observation, function_call): fail (the row is invalid),
     drop (the turn is left out) or keep (rendered under its role, never in the loss mask)."""
-    on_invalid: str = "fail"
+    on_invalid: OnInvalid = "fail"
     """A bad row (missing field, unknown role, empty turn, not ending with an assistant turn, not renderable):
     fail (stop, naming file, row and reason; exit 2) or skip (leave it out, listed in output.dir/_skipped_rows.jsonl)."""
     max_length: int = 0
     """Longest tokenized conversation kept; 0: the model's max_position_embeddings (what jobs.extract accepts)."""
-    on_too_long: str = "truncate"
+    on_too_long: OnTooLong = "truncate"
     """A conversation longer than max_length: truncate (keep its first max_length tokens; dropped if no assistant
     token is left) or drop (leave it out, listed in _skipped_rows.jsonl)."""
     storage_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments for data.path's fsspec filesystem (e.g. client_kwargs for an S3 endpoint)."""
 
     def __post_init__(self) -> None:
-        check_choice("data.format", self.format, FORMATS)
-        check_choice("data.other_roles", self.other_roles, OTHER_ROLES)
-        check_choice("data.on_invalid", self.on_invalid, ON_INVALID)
+        check_choice("data.format", self.format, ConversationFormat)
+        check_choice("data.other_roles", self.other_roles, OtherRoles)
+        check_choice("data.on_invalid", self.on_invalid, OnInvalid)
         check_int("data.max_length", self.max_length, 0, "a token count; 0: the model's max_position_embeddings")
-        check_choice("data.on_too_long", self.on_too_long, ON_TOO_LONG)
+        check_choice("data.on_too_long", self.on_too_long, OnTooLong)
 
 
 @dataclasses.dataclass

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from common.checks import check_choice, check_int, check_number, is_int
+from storage.schema import NonfiniteAction
 
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("bfloat16", "float16", "float32")
-ENGINES = ("sglang", "synthetic")
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+Engine = Literal["sglang", "synthetic"]
 # Which final hidden state to store: the residual stream entering the model's final norm
 # (speculators' verifier state; SpecForge's export applies the norm), after it (SpecForge's target), or none.
 FINAL_STATES = ("post_norm", "pre_norm", "none")
-# What happens to a sample whose captured states hold NaN or Inf (the writer acts on the
-# extractor's per-sample flags): its shard fails, it is left out, or it is written flagged.
-NONFINITE_ACTIONS = ("fail", "skip", "keep")
 # extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
 _BOOLEAN_FINAL_STATES = {"true": "post_norm", "false": "none"}
 
@@ -60,9 +58,9 @@ class SGLangModelConfig:
     """A hub id as path: fetch what the local Hugging Face cache lacks of it first (huggingface_hub's download into
     HF_HUB_CACHE, once, on the machine the command runs on), then read it there; HF_HUB_OFFLINE=1 or false: the cache
     only, and an id not in it is refused with the command that downloads it. jobs.plan fetches its config.json only."""
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """SGLang's compute dtype, which jobs.extract also stores the states in: bfloat16 | float16 | float32."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto | cpu | cuda. auto picks cuda when the Ray cluster has tp_size GPUs."""
     tp_size: int = 1
     """Tensor-parallel ranks of the SGLang engine, one process each; on GPU, this many GPUs of one node."""
@@ -85,8 +83,8 @@ class SGLangModelConfig:
 
     def __post_init__(self) -> None:
         serving_command(self.serving)
-        check_choice("model.device", self.device, DEVICES)
-        check_choice("model.dtype", self.dtype, DTYPES)
+        check_choice("model.device", self.device, Device)
+        check_choice("model.dtype", self.dtype, Dtype)
         check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(
@@ -106,7 +104,7 @@ class ModelConfig(SGLangModelConfig):
     """Longest sample the runner accepts; default: the model's max_position_embeddings."""
     load_format: str = "auto"
     """SGLang load format; `dummy` builds random weights from config.json alone (benchmarks)."""
-    engine: str = "sglang"
+    engine: Engine = "sglang"
     """sglang | synthetic. synthetic runs no model: random states of the checkpoint's shape, copied from
     device memory like real ones, to measure what the pipeline (object store, writers, disk) carries."""
     synthetic_tokens_per_s: float = 0.0
@@ -122,7 +120,7 @@ class ModelConfig(SGLangModelConfig):
             )
         if not self.load_format:
             raise ValueError("model.load_format is empty: use auto (or an SGLang load format such as dummy)")
-        check_choice("model.engine", self.engine, ENGINES)
+        check_choice("model.engine", self.engine, Engine)
         check_number("model.synthetic_tokens_per_s", self.synthetic_tokens_per_s, 0, "0: unpaced")
 
 
@@ -138,7 +136,7 @@ class ExtractConfig:
     """Token budget of one packed EXTEND batch; a longer sample runs alone."""
     max_samples_per_batch: int = 256
     """Cap on requests in one batch (sizes SGLang's request pool)."""
-    on_nonfinite: str = "fail"
+    on_nonfinite: NonfiniteAction = "fail"
     """A sample whose states hold NaN/Inf (checked on the device, per layer): fail (its shard fails, naming the
     sample, shard and layer), skip (left out; listed in the manifest and .summary.json) or keep (written, flagged
     in the manifest)."""
@@ -157,7 +155,7 @@ class ExtractConfig:
             )
         check_int("extract.max_tokens_per_batch", self.max_tokens_per_batch, 1)
         check_int("extract.max_samples_per_batch", self.max_samples_per_batch, 1)
-        check_choice("extract.on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS, (
+        check_choice("extract.on_nonfinite", self.on_nonfinite, NonfiniteAction, (
             "fail stops the shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged"))
         check_int("extract.max_restarts", self.max_restarts, 0, "0: never restart")
         check_int("extract.max_attempts", self.max_attempts, 1)

@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from common.checks import choices
 from extractor.types import TokenBatch, split_flat
-from inputs.config import ON_INVALID
+from inputs.config import OnInvalid
 from inputs.files import (
     INPUT_IDS,
     LARGE_ROW_GROUP_ROWS,
@@ -192,8 +193,8 @@ def open_tokenized_dataset(
 ) -> TokenizedDataset:
     """Find, check and index every row of ``data.path``; raises ValueError naming the first bad row
     (``on_invalid=fail``) or records bad rows and leaves them out (``skip``)."""
-    if on_invalid not in ON_INVALID:
-        raise ValueError(f"data.on_invalid={on_invalid!r}: use fail or skip")
+    if on_invalid not in choices(OnInvalid):
+        raise ValueError(f"data.on_invalid={on_invalid!r}: use {' or '.join(choices(OnInvalid))}")
     started = time.perf_counter()
     fs, files = resolve_files(path, storage_options)
     scanner = _Scanner(vocab_size, max_length, on_invalid)

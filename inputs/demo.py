@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from inputs.config import DEMO_ARCHS
+from common.checks import choices
+from inputs.config import DemoArch
 from inputs.demo_chat import DEMO_VOCAB_SIZE, build_chat_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def _tiny_config(arch: str, num_layers: int, hidden_size: int, dtype: str, q_lor
         return transformers.DeepseekV3Config(
             **_deepseek_v3_shape(q_lora_rank), **{**common, "num_key_value_heads": 4, "max_position_embeddings": 131072}
         )
-    raise ValueError(f"demo.arch={arch!r}: use one of {', '.join(DEMO_ARCHS)}")
+    raise ValueError(f"demo.arch={arch!r}: use one of {', '.join(choices(DemoArch))}")
 
 
 def _deepseek_v3_shape(q_lora_rank: int | None) -> dict:

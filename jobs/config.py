@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from common.checks import is_int
 from extractor.config import ExtractConfig, ModelConfig
@@ -211,6 +211,9 @@ def _is_list_key(schema: type, key: str) -> bool:
 
 
 def _explain(error: OmegaConfBaseException, schema: type, prog: str, given: Sequence[str]) -> str:
+    refusal = _choice_refusal(error)
+    if refusal is not None:
+        return refusal
     key = str(getattr(error, "full_key", None) or getattr(error, "key", None) or "")
     if isinstance(error, ConfigKeyError) or "not in" in _first_line(error):
         # OmegaConf names the first unknown part; the user wrote the whole dotted key
@@ -219,6 +222,33 @@ def _explain(error: OmegaConfBaseException, schema: type, prog: str, given: Sequ
         hint = f"; did you mean {close[0]}?" if close else ""
         return f"unknown key {key}{hint} ({prog} --help lists every key)"
     return f"{key}: {_first_line(error)}" if key else _first_line(error)
+
+
+@dataclasses.dataclass
+class _Text:
+    value: str = ""
+
+
+def _choice_refusal(error: OmegaConfBaseException) -> str | None:
+    """A value OmegaConf refused for a key typed with a ``Literal`` alias, in the words of the key's section.
+
+    OmegaConf checks the Literal in the merge, before any section is built; the key's one message is its section's
+    own check (``check_choice``, with what the choice means), from the command line, a file or Python alike. So the
+    value is taken as a ``str`` key takes it (``true`` -> 'True'; a list or null refused as such a key refuses it)
+    and the section is built with it. None: not such a refusal."""
+    section, key = getattr(error, "object_type", None), getattr(error, "key", None)
+    if not (isinstance(error, ValidationError) and isinstance(section, type) and dataclasses.is_dataclass(section)
+            and isinstance(key, str)
+            and typing.get_origin(typing.get_type_hints(section).get(key)) is typing.Literal):
+        return None
+    try:
+        text = OmegaConf.merge(OmegaConf.structured(_Text), {"value": getattr(error, "value", None)})
+        section(**{key: text.value})
+    except OmegaConfBaseException as refused:
+        return f"{getattr(error, 'full_key', key)}: {_first_line(refused)}"
+    except ValueError as refused:
+        return str(refused)
+    return None
 
 
 def _first_line(error: BaseException) -> str:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, get_args
 
 import fsspec
 import xxhash
 
-from storage.schema import CHECKSUM_ALGORITHMS as ALGORITHMS
+from storage.schema import ChecksumAlgorithm
 from storage.schema import DEFAULT_CHECKSUM as DEFAULT_ALGORITHM
 
+ALGORITHMS: tuple[str, ...] = get_args(ChecksumAlgorithm)
 READ_CHUNK_BYTES = 8 * 1024 * 1024
 SEPARATOR = ":"
 

@@ -13,14 +13,14 @@ expected to hold NaN/Inf. ``has_nonfinite`` finds them in stored bytes (``verify
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import numpy as np
 
-from storage.schema import FP8, ShardMetadata
+from storage.schema import FP8, NonfiniteAction, ShardMetadata
 
-FAIL, SKIP, KEEP = "fail", "skip", "keep"
-ACTIONS = (FAIL, SKIP, KEEP)
+ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
+FAIL, SKIP, KEEP = ACTIONS
 SKIPPED, KEPT = "skipped", "kept"
 """``action`` of a manifest record: the sample was left out of the file, or written with its NaN/Inf."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import typing
+from typing import Literal
 
 import pyarrow as pa
 
@@ -71,22 +73,24 @@ _JSON_ONLY = {_FLAT: False}
 
 # Storable element types and their bytes (the names are torch's: the reader maps them back).
 MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
-FP8 = "float8_e4m3fn"
-# Element type of the stored states: the model's own (bit-exact with SGLang), or fp8 with a
-# float32 scale per token and layer (half the bytes through the host copy, object store and disk).
-SAME_AS_MODEL = "model"
-STATE_DTYPES = (SAME_AS_MODEL, FP8)
+# Element type of the stored states (output.state_dtype): the model's own (bit-exact with SGLang), or fp8 with
+# a float32 scale per token and layer (half the bytes through the host copy, object store and disk).
+StateDtype = Literal["model", "float8_e4m3fn"]
+SAME_AS_MODEL, FP8 = typing.get_args(StateDtype)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
 FINAL_STATES = ("post_norm", "pre_norm", "none")
 # Checksums of the files (``storage.checksum``): the manifest, the exports and their lists record
 # them as "<algorithm>:<hex>"; new files get output.checksum's algorithm.
-CHECKSUM_ALGORITHMS = ("xxh3_128", "sha256")
-DEFAULT_CHECKSUM = "xxh3_128"
+ChecksumAlgorithm = Literal["xxh3_128", "sha256"]
+# What the writer does with a sample whose captured states hold NaN or Inf (extract.on_nonfinite; the writer acts
+# on the extractor's per-sample flags): its shard fails, it is left out, or it is written flagged.
+NonfiniteAction = Literal["fail", "skip", "keep"]
+DEFAULT_CHECKSUM: ChecksumAlgorithm = "xxh3_128"
 
 
 def stored_dtype(state_dtype: str, model_dtype: str) -> str:
-    """The element type the states are stored in for a ``STATE_DTYPES`` choice and the model's dtype."""
+    """The element type the states are stored in for a ``StateDtype`` choice and the model's dtype."""
     return model_dtype if state_dtype == SAME_AS_MODEL else state_dtype
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from typing import Literal
+
 from common.checks import check_choice, check_int, check_seconds, parse_bytes
 from common.config import OutputDir, SinkOptions
-from storage.schema import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, SAME_AS_MODEL, STATE_DTYPES
+from storage.schema import DEFAULT_CHECKSUM, SAME_AS_MODEL, ChecksumAlgorithm, StateDtype
 
-RESUME_CHECKS = ("size", "checksum")
+ResumeCheck = Literal["size", "checksum"]
 AUTO = "auto"
 WRITER_CPUS = (AUTO, "all")
 
@@ -68,10 +70,10 @@ class OutputConfig(SinkOptions, OutputDir):
     """Tries per shard's upload in one run; after the last the shard stays local, listed, and the run exits 7."""
     max_inflight_batches: int = 0
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
-    resume_check: str = "size"
+    resume_check: ResumeCheck = "size"
     """What a rerun checks of every done shard's file before it trusts it: size (present, of its recorded size) or
     checksum (also its recorded checksum; reads every file once). A file that fails is extracted again."""
-    checksum: str = DEFAULT_CHECKSUM
+    checksum: ChecksumAlgorithm = DEFAULT_CHECKSUM
     """Checksum of every shard file, computed as it is written, recorded in the manifest and checked by the
     sink upload, resume_check=checksum and jobs.verify: xxh3_128 (xxhash; ~15x less CPU) or sha256 (what
     sha256sum prints). Files are always checked with the algorithm they were recorded with."""
@@ -80,7 +82,7 @@ class OutputConfig(SinkOptions, OutputDir):
     of its extractors + 2 (left to their forward threads, the driver and Ray), writers at nice 5; all cores on
     CPU or on a node with fewer than 4 cores beyond those. all: no pinning. Or a core list for every node, e.g.
     8-15. The summary's nodes.<node>.writer_cpus says what each node's writers got."""
-    state_dtype: str = SAME_AS_MODEL
+    state_dtype: StateDtype = SAME_AS_MODEL
     """model (bit-exact with SGLang) | float8_e4m3fn: states quantized on the device with one float32 scale
     per token and layer (amax / 448), half the bytes; readers get the model dtype back, dequantized."""
 
@@ -96,9 +98,9 @@ class OutputConfig(SinkOptions, OutputDir):
         check_int("output.num_uploaders", self.num_uploaders, 1, "at least one uploader carries shards to the sink")
         check_int("output.upload_attempts", self.upload_attempts, 1)
         check_int("output.max_inflight_batches", self.max_inflight_batches, 0, "0 picks writers + 2")
-        check_choice("output.state_dtype", self.state_dtype, STATE_DTYPES)
-        check_choice("output.resume_check", self.resume_check, RESUME_CHECKS)
-        check_choice("output.checksum", self.checksum, CHECKSUM_ALGORITHMS)
+        check_choice("output.state_dtype", self.state_dtype, StateDtype)
+        check_choice("output.resume_check", self.resume_check, ResumeCheck)
+        check_choice("output.checksum", self.checksum, ChecksumAlgorithm)
         if self.writer_cpus not in WRITER_CPUS:
             parse_cpu_list(self.writer_cpus, "output.writer_cpus")
         if self.sink_options and not self.sink:

@@ -23,6 +23,7 @@ from jobs.config import JobConfig, build_config, config_keys, load_config, resol
 from jobs.outdir.config import OutputConfig, parse_disk_budget
 from jobs.planning.preflight import refuse_pickled_weights
 from jobs.prepare import load_config as load_prepare_config
+from jobs.reference import COMMANDS
 from jobs.status import StatusConfig
 from jobs.verify import VerifyConfig
 from runtime.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
@@ -164,6 +165,47 @@ def test_output_dir_and_sink_options_are_one_section_every_command_extends():
     assert build_config(StatusConfig, None, ["output.dir=/run"], prog="p").output.disk_budget_bytes is None
 
 
+def _choice_keys(schema: type, prefix: str = "") -> list[tuple[str, type, str]]:
+    """Every key of a config tree typed with a ``Literal`` alias: (dotted key, its section, the field's name)."""
+    found: list[tuple[str, type, str]] = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[field.name]):
+            found += _choice_keys(hints[field.name], f"{prefix}{field.name}.")
+        elif typing.get_origin(hints[field.name]) is typing.Literal:
+            found.append((f"{prefix}{field.name}", schema, field.name))
+    return found
+
+
+CHOICE_KEYS = [(command.modules[0], command.schema, *key) for command in COMMANDS for key in _choice_keys(command.schema)]
+
+
+def test_choice_keys_are_typed_with_their_choices():
+    keys = {key for module, _, key, _, _ in CHOICE_KEYS if module == "jobs.extract"}
+    assert keys == {"model.dtype", "model.device", "model.engine", "data.on_invalid", "extract.on_nonfinite",
+                    "output.resume_check", "output.checksum", "output.state_dtype", "demo.arch"}
+    assert {key for module, _, key, _, _ in CHOICE_KEYS if module == "jobs.prepare"} == {
+        "model.dtype", "model.device", "data.format", "data.other_roles", "data.on_invalid", "data.on_too_long"}
+
+
+@pytest.mark.parametrize("module, schema, key, section, name", CHOICE_KEYS,
+                         ids=[f"{module}:{key}" for module, _, key, _, _ in CHOICE_KEYS])
+def test_a_bad_choice_gets_the_sections_own_line(module, schema, key, section, name, tmp_path):
+    """OmegaConf refuses a value outside a key's Literal before the section is built; the command still says
+    what the section's own check says of it (built in Python: the same line), from the command line or a file."""
+    with pytest.raises(ValueError) as built:
+        section(**{name: "bogus"})
+    with pytest.raises(ConfigError) as given:
+        build_config(schema, None, [f"{key}=bogus"], prog=module)
+    assert str(given.value) == str(built.value)
+    assert str(given.value).startswith(f"{key}='bogus': use ")
+    assert all(choice in str(given.value) for choice in typing.get_args(typing.get_type_hints(section)[name]))
+    top, leaf = key.rsplit(".", 1)
+    (tmp_path / "c.yaml").write_text(f"{top}:\n  {leaf}: 7\n")
+    with pytest.raises(ConfigError, match=rf"^{key}='7': use "):  # an int, taken as text as a str key takes it
+        build_config(schema, str(tmp_path / "c.yaml"), [], prog=module)
+
+
 def test_sections_check_themselves_when_built_in_python():
     with pytest.raises(ValueError, match="model.tp_size=0"):
         ModelConfig(tp_size=0)
@@ -198,6 +240,7 @@ def test_help_lists_every_key_with_its_meaning():
     ("jobs.extract", ["model.pth=x"], "unknown key model.pth; did you mean model.path?"),
     ("jobs.extract", ["--config", "/nonexistent/run.yaml"], "--config /nonexistent/run.yaml: no such file"),
     ("jobs.extract", ["data.shard_size=0"], "data.shard_size=0: must be an integer >= 1"),
+    ("jobs.prepare", ["data.format=xml"], "data.format='xml': use one of auto, sharegpt, openai"),
     ("jobs.status", ["output.dri=/x"], "unknown key output.dri; did you mean output.dir?"),
     ("jobs.status", ["output.dir=/nonexistent"], "/nonexistent: no .manifest.json"),
 ])

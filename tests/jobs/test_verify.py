@@ -8,11 +8,12 @@ import re
 import shutil
 import subprocess
 import sys
+import typing
 
 import numpy as np
 import pytest
 
-from extractor.config import NONFINITE_ACTIONS
+from extractor.config import ExtractConfig
 from jobs.planning.content import expected_metadata
 from jobs.rundir.summary import INVALID_ROWS_FILE
 from jobs.verify import main as verify_main
@@ -20,6 +21,7 @@ from runtime.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED
 from storage import ShardMetadata, ShardReader, ShardWriter, nonfinite, shard_file_name
 from storage.manifest import DONE, FAILED, LOCAL, SINK, Manifest
 from storage.nonfinite import NonFiniteStates
+from storage.schema import NonfiniteAction
 from storage.verify import verify_run
 
 HIDDEN = 32
@@ -220,7 +222,9 @@ def test_shards_in_the_sink_are_checked_where_they_are(tmp_path, capsys):
 
 
 def test_writer_fails_skips_or_keeps_nonfinite_samples(tmp_path):
-    assert NONFINITE_ACTIONS == nonfinite.ACTIONS  # the config section offers what the writer does
+    # the config section offers what the writer does: one list of the actions
+    assert typing.get_type_hints(ExtractConfig)["on_nonfinite"] is NonfiniteAction
+    assert nonfinite.ACTIONS == typing.get_args(NonfiniteAction) == ("fail", "skip", "keep")
     with pytest.raises(NonFiniteStates, match=r"shard-00000.parquet: sample 2 has NaN/Inf in layer 2 \(and 1 more"):
         write_shard(tmp_path / shard_file_name(0), metadata(), [0, 1, 2, 3], nan_samples={2, 3})
     assert not list(tmp_path.iterdir())  # nothing published, no temp file left
