@@ -277,7 +277,7 @@ def _error(error: Exception) -> str:
 PLAIN_MODEL_TYPES = ("", "llama")
 """config.json model_types (``""``: no config.json) that have no tokenizer class of their own in transformers'
 AutoTokenizer table and are not on its list of checkpoints whose tokenizer_config.json names the wrong class:
-AutoTokenizer takes the class tokenizer_config.json names (tests/jobs/test_prepare_template.py checks both)."""
+AutoTokenizer takes the class tokenizer_config.json names (tests/conversations/test_prepare_template.py checks both)."""
 PLAIN_CLASSES = {"TokenizersBackend": "TokenizersBackend", "PreTrainedTokenizerFast": "TokenizersBackend",
                  "GPT2Tokenizer": "GPT2Tokenizer", "GPT2TokenizerFast": "GPT2Tokenizer"}
 """tokenizer_config.json's tokenizer_class -> the class AutoTokenizer loads for it (SmolLM2's and Llama-3's)."""
