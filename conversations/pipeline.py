@@ -20,13 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import ray
-
 from conversations import output as out_dir
 from conversations.config import PrepareConfig
 from conversations.progress import Progress
 from conversations.reader import MAX_CHARS_PER_TOKEN, ConversationRow, count_rows, read_conversations
-from conversations.regenerate import regenerated_rows, shards_at_once, start_regenerator
 from conversations.template import ChatTemplate
 from conversations.tokenize import (
     ShardOutcome,
@@ -40,7 +37,6 @@ from extractor.checkpoint import read_checkpoint_info, read_config, text_config
 from extractor.generator import GeneratorSpec
 from extractor.serving import ServingSettings, effective_model, parse_serving
 from inputs.files import InputFile, resolve_files
-from runtime.cluster.session import ray_session, resolve_device
 from runtime.display.stages import StageLine
 from storage import checksum
 
@@ -210,6 +206,12 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
     """Answers for the shards in ``todo``, each published as soon as it and those before it are answered; returns
     the stats (``seconds``: from the first shard sent to the last published, the engine's start-up not counted).
     ``stages`` says so while Ray starts and the model loads; the bar follows."""
+    # Here, not at the top: a prepare without regeneration never imports Ray (half a second of its start).
+    import ray
+
+    from conversations.regenerate import shards_at_once, start_regenerator
+    from runtime.cluster.session import ray_session, resolve_device
+
     config = inputs.config
     model = config.model
     done_before = (inputs.shards - len(todo)) * config.output.shard_size
@@ -262,6 +264,8 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
 
 def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], ref: Any, stats: dict[str, Any],
                      progress: Progress) -> None:
+    import ray
+
     answered, shard_stats = ray.get(ref)
     by_id = {record["conversation_id"]: record for record in answered}
     records = []
@@ -276,6 +280,8 @@ def _publish_answers(inputs: Inputs, shard: int, rows: list[ConversationRow], re
 
 
 def regenerated_shards(inputs: Inputs) -> Iterator[tuple[int, list[ConversationRow]]]:
+    from conversations.regenerate import regenerated_rows
+
     for shard in range(inputs.shards):
         path = inputs.out / out_dir.REGENERATED_DIR / out_dir.regenerated_name(shard)
         yield shard, list(regenerated_rows(out_dir.read_regenerated(path)))

@@ -274,20 +274,64 @@ def _error(error: Exception) -> str:
     return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
 
 
-def _load_tokenizer(model_path: str, trust_remote_code: bool) -> Any:
-    import transformers
+PLAIN_MODEL_TYPES = ("", "llama")
+"""config.json model_types (``""``: no config.json) that have no tokenizer class of their own in transformers'
+AutoTokenizer table and are not on its list of checkpoints whose tokenizer_config.json names the wrong class:
+AutoTokenizer takes the class tokenizer_config.json names (tests/conversations/test_prepare_template.py checks both)."""
+PLAIN_CLASSES = {"TokenizersBackend": "TokenizersBackend", "PreTrainedTokenizerFast": "TokenizersBackend",
+                 "GPT2Tokenizer": "GPT2Tokenizer", "GPT2TokenizerFast": "GPT2Tokenizer"}
+"""tokenizer_config.json's tokenizer_class -> the class AutoTokenizer loads for it (SmolLM2's and Llama-3's)."""
 
+
+def _load_tokenizer(model_path: str, trust_remote_code: bool) -> Any:
     if not Path(model_path).is_dir():
         raise ValueError(f"model.path={model_path}: no such directory (a checkpoint directory with the tokenizer)")
     if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"model.path={model_path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); point "
                          "model.path at the checkpoint as released, with its tokenizer files, or copy them in")
     try:
-        return transformers.AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        return _load_plain(Path(model_path)) or _load_auto(model_path, trust_remote_code)
     except (OSError, ValueError) as error:
         hint = "" if trust_remote_code or not _ships_tokenizer_code(Path(model_path)) else (
             "; it ships its own tokenizer code (as Kimi-K2.5's does): if you trust it, set model.trust_remote_code=true")
         raise ValueError(f"model.path={model_path}: cannot load its tokenizer ({_error(error)}){hint}") from None
+
+
+def _load_plain(directory: Path) -> Any:
+    """The tokenizer as AutoTokenizer loads it, where its class is known without AutoTokenizer's lookup, which
+    imports torch (AutoConfig): seconds of the driver's start for nothing it uses. None elsewhere."""
+    tokenizer_config, config = _read_json(directory / "tokenizer_config.json"), _read_json(directory / "config.json")
+    if not tokenizer_config or config is None or _ships_tokenizer_code(directory):
+        return None
+    name = PLAIN_CLASSES.get(tokenizer_config.get("tokenizer_class"))
+    if name is None or (config.get("model_type") if config else "") not in PLAIN_MODEL_TYPES:
+        return None
+    try:  # transformers 5's one tokenizers backend; before it AutoTokenizer chose between slow and fast classes
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if name == "GPT2Tokenizer":
+        from transformers.models.gpt2.tokenization_gpt2 import GPT2Tokenizer
+
+        return GPT2Tokenizer.from_pretrained(str(directory))
+    return TokenizersBackend.from_pretrained(str(directory))
+
+
+def _load_auto(model_path: str, trust_remote_code: bool) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+
+def _read_json(path: Path) -> Optional[dict[str, Any]]:
+    """A checkpoint's JSON file as a mapping: empty when absent, None when unreadable (AutoTokenizer says why)."""
+    try:
+        loaded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def _ships_tokenizer_code(directory: Path) -> bool:

@@ -42,7 +42,7 @@ from jobs.outdir.config import OutputConfig
 from jobs.prepare import prepare
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 from runtime.cluster.config import RayConfig
-from runtime.cluster.session import inside_ray_job
+from runtime.cluster.submission import inside_ray_job
 from runtime.display.config import ProgressConfig
 from runtime.errors import (
     EXIT_BAD_INPUT,

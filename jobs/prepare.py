@@ -24,7 +24,7 @@ from conversations.pipeline import read_inputs, tokenize_and_publish
 from extractor.checkpoint import local_checkpoint
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import absolute_paths, parse_command
-from runtime.cluster.session import inside_ray_job, ray_job_submission_id
+from runtime.cluster.submission import inside_ray_job, ray_job_submission_id
 from runtime.display.stages import StageLine
 from runtime.display.timeline import wall_time_line
 from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes

@@ -49,7 +49,8 @@ from jobs.rundir.resume import (
     select_shards,
 )
 from jobs.rundir.summary import RunSummary, read_summary, write_drafter_config, write_invalid_rows
-from runtime.cluster.session import ray_job_submission_id, ray_session, resolve_device
+from runtime.cluster.session import ray_session, resolve_device
+from runtime.cluster.submission import ray_job_submission_id
 from runtime.display.stages import StageLine
 from runtime.errors import is_disk_full
 from runtime.interrupts import signals_deferred

@@ -27,7 +27,7 @@ from jobs.config import JobConfig, resolve_paths
 from jobs.planning.content import CHECKPOINT, RECORDED_SINCE, resumed_device, run_content
 from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import demo_config, refuse_pickled_weights
-from runtime.cluster.session import inside_ray_job
+from runtime.cluster.submission import inside_ray_job
 from runtime.errors import ConfigError
 from storage.manifest import MANIFEST_FILE, content_differences, read_manifest
 

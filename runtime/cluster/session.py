@@ -28,6 +28,7 @@ import psutil
 import ray
 
 from common.pythonpath import checkout_first
+from runtime.cluster.submission import RAY_JOB_ENV, inside_ray_job
 from runtime.errors import ClusterLost, ConfigError, stop_in
 from runtime.interrupts import SIGNALS, signals_deferred
 
@@ -37,8 +38,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 # Seconds to reach a named cluster's GCS port before giving up with an explanation.
 JOIN_TIMEOUT_S = 10.0
-# Set by Ray's job supervisor for the driver it starts: the job's runtime env and metadata.
-RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # Ray picks its node IP from this switch (named for Windows and macOS, where it is off by
 # default): off means 127.0.0.1 for every process the cluster starts.
 RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -46,20 +45,6 @@ RAY_AUTH_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """Ray's authentication settings: the mode, a token, a file holding one."""
 RAY_WORKER_LOGGER = "ray._private.worker"
 """The logger of ``ray.init`` (Ray 2.60)."""
-
-
-def inside_ray_job() -> bool:
-    """True in a driver that ``ray job submit`` started."""
-    return RAY_JOB_ENV in os.environ
-
-
-def ray_job_submission_id() -> str:
-    """The submission id (``raysubmit_...``) of the Ray job this driver runs as, or ""."""
-    try:
-        metadata = json.loads(os.environ.get(RAY_JOB_ENV, "{}")).get("metadata") or {}
-    except ValueError:
-        return ""
-    return str(metadata.get("job_submission_id", ""))
 
 
 def starts_private_cluster(address: str) -> bool:

@@ -312,6 +312,22 @@ def test_the_command_exits_2_naming_the_row(model, tmp_path, capsys):
         assert f"  {key} = " in help_text, key
 
 
+NOT_IMPORTED = ("import sys; from jobs.prepare import main; code = main(sys.argv[2:]); "
+                "print(code, sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1].split(',')))")
+"""Runs the command in a fresh interpreter, then names the modules of the given packages it imported."""
+
+
+def test_the_command_imports_neither_torch_nor_ray(model, tmp_path):
+    """Without regeneration the command is reading, rendering and writing: torch (which AutoTokenizer's import
+    brings, seconds of the start) and Ray are never imported. The demo model's tokenizer_config.json names
+    TokenizersBackend, as SmolLM2's own checkpoint names GPT2Tokenizer: both load without AutoTokenizer."""
+    data = write_jsonl(tmp_path / "chat.jsonl", demo_conversations(6, seed=4))
+    result = subprocess.run([sys.executable, "-c", NOT_IMPORTED, "torch,ray,sglang", f"model.path={model}",
+                             f"data.path={data}", f"output.dir={tmp_path / 'out'}", "workers=1"],
+                            cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"{EXIT_OK} []", result.stdout + result.stderr
+
+
 def test_the_demo_starts_from_conversations(capsys, tmp_path):
     assert main([f"demo.dir={tmp_path / 'demo'}", "demo.num_conversations=12"]) == EXIT_OK
     printed = capsys.readouterr().out

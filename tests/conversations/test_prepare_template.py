@@ -6,13 +6,15 @@ the model answers (apply_chat_template with add_generation_prompt)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from conversations.reader import to_messages
-from conversations.template import ChatTemplate, Encoded
-from inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer
+from conversations.template import PLAIN_CLASSES, PLAIN_MODEL_TYPES, ChatTemplate, Encoded, _load_plain, _stop_ids
+from inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer, demo_conversations
 from testbeds.smollm2 import checkpoint_dir
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -211,3 +213,77 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert tokenizer.decode(encoded.input_ids).startswith("<|im_start|>system\nBe kind.<|im_end|>")
     assert [tokenizer.decode(encoded.input_ids[a:b]) for a, b in masked_runs(encoded)] == ["Hello.<|im_end|>"]
     assert chat.describe()["chat_template_kwargs"] == {"house_rules": "Be kind."}
+
+
+def checkpoint_like(source: Path, directory: Path, tokenizer_class: str, model_type: str | None) -> Path:
+    """A copy of ``source``'s tokenizer whose tokenizer_config.json names ``tokenizer_class``, with a config.json of
+    ``model_type`` (none when None): the combinations released checkpoints ship (SmolLM2's hub copy names
+    GPT2Tokenizer, Llama-3's PreTrainedTokenizerFast)."""
+    directory.mkdir()
+    for path in source.iterdir():
+        if path.name not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            shutil.copyfile(path, directory / path.name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
+    if model_type is not None:
+        (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return directory
+
+
+def auto_loaded(directory: Path) -> ChatTemplate:
+    """The ChatTemplate of the tokenizer transformers.AutoTokenizer loads (what every tokenizer is compared to)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    return ChatTemplate(tokenizer, tokenizer.get_chat_template(), "checkpoint", _stop_ids(tokenizer, str(directory), ()))
+
+
+PLAIN_CASES = [("TokenizersBackend", "llama"), ("GPT2Tokenizer", "llama"), ("GPT2TokenizerFast", "llama"),
+               ("PreTrainedTokenizerFast", "llama"), ("GPT2Tokenizer", None), ("TokenizersBackend", None)]
+
+
+@pytest.mark.parametrize("source", ["smollm2", "llama3"])
+@pytest.mark.parametrize("tokenizer_class, model_type", PLAIN_CASES)
+def test_tokenizer_loaded_without_torch_is_the_one_autotokenizer_loads(source, tokenizer_class, model_type, tmp_path):
+    """Where the class is known from the checkpoint's files, the tokenizer loads without AutoTokenizer (whose import
+    brings torch, seconds of the command's start): the same class, definition, rendering and ids as AutoTokenizer's,
+    so the parts and the side record are the same bytes and a resume finds the same tokenizer_sha256."""
+    origin = checkpoint_dir() if source == "smollm2" else build_chat_tokenizer(tmp_path / "built", LLAMA3)
+    directory = checkpoint_like(Path(origin), tmp_path / "checkpoint", tokenizer_class, model_type)
+    assert _load_plain(directory) is not None
+    plain, auto = ChatTemplate.load(str(directory)), auto_loaded(directory)
+    assert type(plain.tokenizer) is type(auto.tokenizer)
+    assert plain.describe() == auto.describe()
+    conversations = [to_messages(row, "sharegpt", "fail")[0] for row in demo_conversations(40, seed=5)]
+    conversations += [[user(" Leading space, \u00e9t\u00e9 \U0001f600\n\n"), assistant("  two spaces.\n")]]
+    assert plain.render(conversations, False) == auto.render(conversations, False)
+    assert plain.render(conversations, True) == auto.render(conversations, True)
+    assert plain.encode(conversations) == auto.encode(conversations)
+    assert plain.tokenize(["<|im_start|>a  b", " x\u00e9"]) == auto.tokenize(["<|im_start|>a  b", " x\u00e9"])
+
+
+@pytest.mark.parametrize("tokenizer_class, model_type, autotokenizer_class", [
+    ("TokenizersBackend", "qwen2", "Qwen2Tokenizer"),  # transformers overrides the class such checkpoints name
+    ("LlamaTokenizerFast", "llama", "LlamaTokenizer"),
+])
+def test_other_tokenizers_load_through_autotokenizer(tokenizer_class, model_type, autotokenizer_class, tmp_path):
+    directory = checkpoint_like(checkpoint_dir(), tmp_path / "checkpoint", tokenizer_class, model_type)
+    assert _load_plain(directory) is None
+    assert type(ChatTemplate.load(str(directory)).tokenizer).__name__ == autotokenizer_class
+    shipped = checkpoint_like(checkpoint_dir(), tmp_path / "remote", "TokenizersBackend", "llama")
+    config = json.loads((shipped / "tokenizer_config.json").read_text())
+    (shipped / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
+    assert _load_plain(shipped) is None  # its own code (as Kimi-K2.5's): AutoTokenizer, with trust_remote_code
+
+
+def test_plain_model_types_take_the_class_their_tokenizer_config_names():
+    """AutoTokenizer takes tokenizer_config.json's class for a model type without a tokenizer class of its own
+    and not on its list of hub classes it overrides: what the torch-free load assumes (checked against the
+    installed transformers)."""
+    from transformers.models.auto import tokenization_auto
+
+    for model_type in filter(None, PLAIN_MODEL_TYPES):
+        assert tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) is None, model_type
+        assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, model_type
+    for name, loaded in PLAIN_CLASSES.items():
+        assert tokenization_auto.tokenizer_class_from_name(name.removesuffix("Fast")).__name__ in (loaded, "PythonBackend")

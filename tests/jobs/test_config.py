@@ -26,7 +26,7 @@ from jobs.prepare import load_config as load_prepare_config
 from jobs.reference import COMMANDS
 from jobs.status import StatusConfig
 from jobs.verify import VerifyConfig
-from runtime.cluster.session import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
+from runtime.cluster.submission import RAY_JOB_ENV, inside_ray_job, ray_job_submission_id
 from runtime.errors import ConfigError
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +17,10 @@ from inputs.dataset import open_tokenized_dataset
 from jobs.extract import run
 from jobs.planning.shards import pack_batches
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, SUMMARY_FILE, read_summary
+from runtime.errors import EXIT_BAD_INPUT
 from storage import ShardReader
 from storage.manifest import read_manifest
+from tests.conftest import REPO_ROOT, free_port
 from tests.helpers import (
     FINISHED_RUN,
     HIDDEN,
@@ -24,7 +28,9 @@ from tests.helpers import (
     assert_reads_as_parquet_dataset,
     engine_spec,
     imported_by,
+    job_args,
     job_config,
+    python_env,
     read_all,
     split_tokens,
 )
@@ -193,6 +199,19 @@ def test_uncapturable_layer_is_rejected_before_any_work(ray_cluster, llama_fp32,
 
 def test_storage_and_jobs_do_not_import_sglang():
     assert imported_by("storage, jobs.extract, jobs.driver.run", ("sglang",)) == []
+
+
+def test_the_driver_imports_neither_torch_nor_sglang_before_ray(llama_fp32, demo_dataset, tmp_path):
+    """Everything the driver does before Ray starts (the inputs, the layer check, the lock, the plan, the disk
+    budget) needs neither: the command reaches the start of Ray (here a cluster address nothing answers at) with
+    neither imported, nor transformers (whose AutoTokenizer brings torch)."""
+    code = ("import sys; from jobs.extract import main; code = main(sys.argv[1:]); "
+            "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'sglang', 'transformers'}))")
+    result = subprocess.run([sys.executable, "-c", code, *job_args(llama_fp32, demo_dataset, tmp_path / "out"),
+                             f"ray.address=127.0.0.1:{free_port()}"],
+                            cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=300)
+    assert "no Ray cluster answers at ray.address=127.0.0.1:" in result.stderr, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == f"{EXIT_BAD_INPUT} []", result.stdout + result.stderr[-2000:]
 
 
 def test_writer_processes_do_not_import_torch():
