@@ -35,10 +35,10 @@ RUNNING, COMPLETE = "running", "complete"
 PART_METADATA_KEY = b"eagle3_prepare"
 """Parquet key-value metadata of a part: which run wrote it (its content hash) and the shard it holds."""
 ROW_GROUP_ROWS = 2048
+"""jobs.extract reads a Parquet input by row group: small ones keep its reads of a few rows small."""
 INPUT_DIGESTS = "input.digests"
 """The content key of the input files' checksums. A record written before it existed compares without it: those
 inputs were identified by their names and sizes only."""
-"""jobs.extract reads a Parquet input by row group: small ones keep its reads of a few rows small."""
 SCHEMA = pa.schema([
     pa.field("conversation_id", pa.int64(), nullable=False),
     pa.field("id", pa.string()),  # the input row's own id (ShareGPT's), null without one

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from runtime.cluster.submission import RAY_JOB_ENV
 from runtime.errors import EXIT_BAD_INPUT
 
 REQUIRED_MODULES = {
@@ -24,8 +25,6 @@ REQUIRED_MODULES = {
 }
 """pyproject.toml's dependencies (distribution -> the module the code imports)."""
 RUNTIME_ENV = "conf/runtime-env.yaml"
-RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-"""Set by Ray's job supervisor for the entrypoint it starts."""
 VENV_ENV = "EAGLE3_JOB_VENV"
 """The virtualenv the runtime env puts first on the entrypoint's PATH (``conf/runtime-env.yaml``)."""
 
