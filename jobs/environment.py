@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.cluster.submission import RAY_JOB_ENV
+from runtime.cluster.submission import inside_ray_job
 from runtime.errors import EXIT_BAD_INPUT
 
 REQUIRED_MODULES = {
@@ -43,13 +43,14 @@ def refuse_incomplete_environment() -> None:
         return
     where = f"this Python ({sys.executable}) lacks {', '.join(missing)}, which eagle3-extract needs"
     venv = os.environ.get(VENV_ENV, "")
-    if RAY_JOB_ENV in os.environ and venv and not (Path(venv) / "bin" / "python").exists():
+    in_job = inside_ray_job()
+    if in_job and venv and not (Path(venv) / "bin" / "python").exists():
         todo = (f"{RUNTIME_ENV} runs the job in {venv}, but {Path(venv) / 'bin' / 'python'} does not exist on this "
                 "node; install the project there (cluster.yaml does) or write the path of the virtualenv that "
                 f"holds it on every node into {RUNTIME_ENV} (docs/cluster.md)")
-    elif RAY_JOB_ENV in os.environ and venv:
+    elif in_job and venv:
         todo = f"install the project into {venv} (pip install -e \".[gpu]\", docs/install.md)"
-    elif RAY_JOB_ENV in os.environ:
+    elif in_job:
         todo = (f"the Ray cluster started the job with its own Python; submit with --runtime-env {RUNTIME_ENV} to run "
                 "it in the project's virtualenv on every node (docs/cluster.md), or install the project there")
     else:
