@@ -7,14 +7,11 @@ import shlex
 from typing import Any, Literal, Mapping, Optional
 
 from common.checks import check_choice, check_int, check_number, is_int
-from storage.schema import NonfiniteAction
+from storage.schema import FINAL_STATES, NonfiniteAction
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Engine = Literal["sglang", "synthetic"]
-# Which final hidden state to store: the residual stream entering the model's final norm
-# (speculators' verifier state; SpecForge's export applies the norm), after it (SpecForge's target), or none.
-FINAL_STATES = ("post_norm", "pre_norm", "none")
 # extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
 _BOOLEAN_FINAL_STATES = {"true": "post_norm", "false": "none"}
 

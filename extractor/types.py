@@ -26,7 +26,7 @@ class EngineSpec:
     attention_backend: str
     layer_ids: tuple[int, ...]
     last_hidden_state: str
-    """post_norm | pre_norm | none (``extractor.config.FINAL_STATES``)."""
+    """post_norm | pre_norm | none (``storage.schema.FINAL_STATES``)."""
     max_tokens_per_batch: int
     """KV-pool size: the largest packed batch (or single sample) a forward sees."""
     max_samples_per_batch: int

@@ -79,6 +79,8 @@ StateDtype = Literal["model", "float8_e4m3fn"]
 SAME_AS_MODEL, FP8 = typing.get_args(StateDtype)
 ITEMSIZES: dict[str, int] = {**MODEL_DTYPES, FP8: 1}
 SCALE_ITEMSIZE = 4  # float32
+# Which final hidden state is stored (extract.last_hidden_state): the residual stream entering the model's final
+# norm (speculators' verifier state; SpecForge's export applies the norm), after it (SpecForge's target), or none.
 FINAL_STATES = ("post_norm", "pre_norm", "none")
 # Checksums of the files (``storage.checksum``): the manifest, the exports and their lists record
 # them as "<algorithm>:<hex>"; new files get output.checksum's algorithm.
