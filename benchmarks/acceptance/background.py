@@ -10,8 +10,9 @@ output goes to DIR/background/log.txt, its exit code to DIR/background/exit.json
 
 ``status`` prints what runs (stage, step, since when), the steps done with their wall times and the log's last
 lines; ``--wait-s`` first waits up to that long for the run to end (a machine that is released when idle
-between calls stays held while a status call waits). Once the run has ended (or died), ``--collect DEST``
-copies the results (JSON and tables), the step records and the log's tail into DEST. Exit code: the run's own once it
+between calls stays held while a status call waits). ``--collect DEST`` copies the step records so far (one
+file, steps.json), the progress record and the log's tail into DEST on every call (a machine taken back mid-run then still leaves the
+steps it finished with whoever called), and the results (JSON and tables) once the run has ended. Exit code: the run's own once it
 has ended (0 done, 1 a step failed, 2 bad input, 75 deadline), 3 while it runs, 4 when there is no run or it
 died without an exit record (killed).
 """
@@ -136,7 +137,8 @@ def state(work: Path) -> tuple[int, str]:
 
 
 def collect(work: Path, dest: Path) -> list[str]:
-    """The results, the step records and the log's tail, copied into ``dest``; returns what was copied."""
+    """The results, the step records (one file: ``steps.json``, step name to record) and the log's tail, copied
+    into ``dest``; returns what was copied. At most six files: a device call brings back eight."""
     here = directory(work)
     started = _read(here / "started.json") or {}
     out = Path(started.get("out", work / "results.json"))
@@ -146,9 +148,10 @@ def collect(work: Path, dest: Path) -> list[str]:
         if path.is_file():
             shutil.copy(path, dest / path.name)
             copied.append(path.name)
-    if (work / "steps").is_dir():
-        shutil.copytree(work / "steps", dest / "steps", dirs_exist_ok=True)
-        copied.append("steps/")
+    steps = {path.stem: _read(path) for path in sorted((work / "steps").glob("*.json"))}
+    if steps:
+        _write(steps, dest / "steps.json")
+        copied.append("steps.json")
     (dest / "log-tail.txt").write_text("\n".join(_tail(here / "log.txt", LOG_TAIL_LINES)) + "\n")
     return copied + ["log-tail.txt"]
 
@@ -171,7 +174,7 @@ def status(work: Path, wait_s: float, dest: Optional[Path], lines: int) -> int:
     if tail:
         print(f"--- last {len(tail)} lines of {directory(work) / 'log.txt'}")
         print("\n".join(tail))
-    if code != RUNNING and dest is not None:  # a killed run's steps and log are worth keeping too
+    if dest is not None:  # a running or killed run's steps and log are worth keeping too
         print(f"--- collected into {dest}: {', '.join(collect(work, dest))}")
         table = dest / Path((_read(directory(work) / "started.json") or {}).get("out", "results.json")).with_suffix(
             ".md").name
@@ -191,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("command", choices=["start", "status"])
     parser.add_argument("--work", required=True)
     parser.add_argument("--wait-s", type=float, default=0, help="wait up to this long for the run to end first")
-    parser.add_argument("--collect", default="", help="once the run has ended, copy its results here")
+    parser.add_argument("--collect", default="", help="copy the step records so far here (and the results once "
+                        "the run has ended)")
     parser.add_argument("--lines", type=int, default=25, help="the log's last lines to print")
     args = parser.parse_args(argv)
     return status(Path(args.work).expanduser().absolute(), args.wait_s, Path(args.collect) if args.collect else None,

@@ -137,6 +137,32 @@ def _epoch_acceptance(results: dict[str, Any]) -> list[str]:
     return lines + [f"| {name} | {_interval(stats, bold=False)} |" for name, stats in served.items()]
 
 
+ANSWER_CHARS = 160
+"""An answer's text in the report is cut at this many characters."""
+
+
+def _answers(results: dict[str, Any]) -> list[str]:
+    """The first held-out prompts' answers on each target served, side by side: a quantized target still answers
+    (or does not)."""
+    answers = results.get("answers", {})
+    if not answers:
+        return []
+    targets = list(answers)
+    lines = ["", f"| held-out prompt | {' | '.join(f'answer on the {target} target' for target in targets)} |",
+             "|---|" + "---|" * len(targets)]
+    for index, first in enumerate(answers[targets[0]]):
+        cells = [_cell(answers[target][index]["answer"]) if index < len(answers[target]) else ""
+                 for target in targets]
+        lines.append(f"| {_cell(first['prompt'])} | {' | '.join(cells)} |")
+    return lines
+
+
+def _cell(text: str) -> str:
+    text = " ".join(text.split())
+    text = text if len(text) <= ANSWER_CHARS else text[:ANSWER_CHARS] + "..."
+    return text.replace("|", "\\|")
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The tables for benchmarks/RESULTS.md: acceptance with its interval per arm and seed, pooled, the paired
     differences (the main ones first), the serving check, the state differences, the training curve."""
@@ -158,7 +184,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _data_line(results) + _arm_rows(results) + _difference_rows(results) + _checks(results)
     if "c_vs_a" in results:
         lines += _layer_table("C vs A", results["c_vs_a"])
-    lines += _quantized_states(results) + _curves(results) + _epoch_acceptance(results)
+    lines += _quantized_states(results) + _answers(results) + _curves(results) + _epoch_acceptance(results)
     for key, target in (("probe", "fp8"), ("probe-int4", "int4")):
         if key in results:
             probe = results[key]

@@ -15,6 +15,9 @@ from benchmarks.acceptance.prompts import render_prompts
 SPEC_STEPS, SPEC_TOPK, SPEC_DRAFT_TOKENS = 3, 1, 4
 SERVE_MEMORY = 0.75
 """Fraction of the GPU's memory the serving engines take together (SGLang's mem_fraction_static, shared)."""
+ANSWER_SAMPLES = 3
+"""The first held-out prompts whose answer text each engine keeps: what a quantized target says, read beside the bf16
+target's (its answers should still be answers)."""
 SERVE_PARALLEL = 2
 """Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
 last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine.
@@ -104,6 +107,7 @@ def serve_arm(spec: ServeSpec) -> None:
     import transformers
 
     input_ids = render_prompts(transformers.AutoTokenizer.from_pretrained(str(spec.target)), spec.prompts)
+    questions = [json.loads(line)["prompt"] for line in spec.prompts.read_text().splitlines()[:ANSWER_SAMPLES]]
     args = engine_args(spec.target, spec.drafter, spec.attention_backend, spec.mem_fraction_static, spec.serving)
     engine = sglang.Engine(**args)
     started = time.perf_counter()
@@ -114,8 +118,9 @@ def serve_arm(spec: ServeSpec) -> None:
         engine.shutdown()
     results = [dataclasses.asdict(r) for r in prompt_results(outputs)]
     settings = {key: value for key, value in args.items() if key not in ("model_path", "speculative_draft_model_path")}
+    answers = [{"prompt": question, "answer": out.get("text", "")} for question, out in zip(questions, outputs)]
     spec.out.write_text(json.dumps({"seconds": time.perf_counter() - started, "engine": settings,
-                                    "prompts": results}) + "\n")
+                                    "prompts": results, "answers": answers}) + "\n")
 
 
 def start_serving(spec: ServeSpec) -> multiprocessing.Process:
@@ -135,3 +140,8 @@ def served_results(process: multiprocessing.Process, out: Path) -> list[PromptRe
 
 def read_results(out: Path) -> list[PromptResult]:
     return [PromptResult(**r) for r in json.loads(out.read_text())["prompts"]]
+
+
+def read_answers(out: Path) -> list[dict[str, str]]:
+    """The first held-out prompts and the answer text the engine gave them (none from runs before they were kept)."""
+    return json.loads(out.read_text()).get("answers", [])

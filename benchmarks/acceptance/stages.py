@@ -44,6 +44,7 @@ from benchmarks.acceptance.serving import (
     SPEC_STEPS,
     SPEC_TOPK,
     ServeSpec,
+    read_answers,
     read_results,
     served_results,
     start_serving,
@@ -296,6 +297,7 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
         "epoch_acceptance": {unit.name: bootstrap_acceptance({unit.name: {unit.seed: served[unit]}})["arms"][unit.name]
                              ["seeds"][str(unit.seed)] for unit in units if unit.epoch},
         "same_output": same_output(served),
+        "answers": target_answers(p, units),
         "training": {name.removeprefix("train-"): p.record(name) for name in
                      (f"train-{arm}-s{seed}" for seed in p.args.seeds for arm in (*trained(p.args.arms), UNTRAINED))
                      if p.record(name) is not None},
@@ -330,6 +332,19 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
     out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
     return results
+
+
+def target_answers(p: Pipeline, units: Sequence[Served]) -> dict[str, list[dict[str, str]]]:
+    """Per target served (bf16, fp8, int4), the first held-out prompts' answers from its reference arm (A, Q, Q4) at
+    the first seed: whether a quantized target still answers."""
+    answers = {}
+    for unit in units:
+        target = ARMS[unit.arm].target
+        if unit.epoch or unit.seed != p.args.seeds[0] or unit.arm != QUANTIZED.get(target, "A"):
+            continue
+        if found := read_answers(p.work / "serve" / f"{unit.name}.json"):
+            answers[target] = found
+    return answers
 
 
 def same_output(served: dict[Served, list]) -> dict[str, float]:

@@ -13,7 +13,7 @@
 #        ...) in a background process of its own session, every stage in order; returns at once (its log:
 #        DIR/background/log.txt)
 #   bash benchmarks/gpu/node.sh status SITE WORK [--wait-s S]          where that run stands (waiting up to S seconds
-#        for it to end); once it has ended, its results, step records and log tail are copied into $OUT
+#        for it to end); its step records so far and log tail are copied into $OUT, its results once it ended
 #   bash benchmarks/gpu/node.sh save-jit-cache FILE                    the warm JIT caches of $HOME into FILE, for
 #        the next fresh machine (the first Kimi-K2.5 forward on a fresh H200 compiled for 428 s; 102 s with one);
 #        over 15 MiB it is left in parts FILE.part-aa, -ab, ... (a call brings back files of at most 16 MiB):

@@ -426,8 +426,9 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     for unit in p.served():
         shas = ["x", "y"] * 100 if unit.arm == "Q-bf16" else ["x"] * 200
         prompts = [dataclasses.asdict(PromptResult(40, base[unit.arm] + 4 * unit.seed, 60, sha)) for sha in shas]
+        answers = [{"prompt": "Name 2 primary colors.", "answer": f"{unit.name}: red | blue\n" + "x" * 300}]
         (p.work / "serve" / f"{unit.name}.json").write_text(json.dumps({"engine": {"quantization": "fp8"},
-                                                                         "prompts": prompts}))
+                                                                         "prompts": prompts, "answers": answers}))
     _record(p.work, "prompts", {"train": 300, "held_out": 200, "prompt_seed": 0})
     _record(p.work, "prepare", {"samples": 300, "tokens": 90000, "loss_tokens_per_epoch": 40000})
     curve = [{"epoch": 1, "steps": [10, 70], "mean_loss": 4.0, "loss": 3.0, "mean_acc": 0.3, "acc": 0.4}]
@@ -460,6 +461,9 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     assert results["check_drafter"]["Q-bf16-s1"]["verdict"].startswith(f"PASS {p.work}/drafters/A-s1:")
     assert results["check_serving"]["A"]["command"] == ["--quantization", "fp8", "--attention-backend", "flashinfer"]
     assert results["same_output"] == {"Q-bf16-s0": 0.5, "Q-bf16-s1": 0.5}  # against Q's outputs of the same seed
+    # each target's answers from its own arm at the first seed: Q's on fp8, A's on bf16
+    assert {target: [a["answer"][:7] for a in answers] for target, answers in results["answers"].items()} == {
+        "fp8": ["Q-s0: r"], "bf16": ["A-s0: r"]}
     assert set(results["training"]) == {"A-s0", "Q-s0", "A-s1", "Q-s1"} and results["recipe"]["seeds"] == [0, 1]
     assert results["serving"]["engines"]["Q-s0"] == {"quantization": "fp8"} and results["probe"]["prompts"] == 16
     for row in ("| Q | ours, extracted with the quantized server's settings (model.serving) | fp8 | 0 "
@@ -474,6 +478,8 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
                 "INT4 (Q4) 1,234 tokens) | fp8 (Q) mean | fp8 (Q) max | INT4 (Q4) mean | INT4 (Q4) max |",
                 "| final (post_norm) | 0.0500 | 0.3000 | 0.1000 | 0.3000 |",
                 "| Q-s1 | 1 | 10-70 | 4.000 | 0.300 |  | 0.400 |",
+                "| held-out prompt | answer on the fp8 target | answer on the bf16 target |",
+                f"| Name 2 primary colors. | Q-s0: red \\| blue {'x' * 143}... | A-s0: red \\| blue {'x' * 143}... |",
                 "Quantized target fp8: the bf16 checkpoint served with `--quantization fp8 --attention-backend "
                 "flashinfer`", "an untrained drafter served on the fp8 target over 16 prompts, acceptance 1.000"):
         assert row in table, row
@@ -660,12 +666,20 @@ def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_pa
     assert "finished with exit code 0 after" in done.stdout and "stage finished" in done.stdout
     assert "steps done (2): checkpoint" in done.stdout and "step prompts done" in done.stdout  # the log's tail
     collected = sorted(str(path.relative_to(tmp_path / "out")) for path in (tmp_path / "out").rglob("*"))
-    assert collected == ["exit.json", "log-tail.txt", "progress.json", "steps", "steps/checkpoint.json",
-                         "steps/prompts.json"]
+    assert collected == ["exit.json", "log-tail.txt", "progress.json", "steps.json"]
+    assert sorted(json.loads((tmp_path / "out" / "steps.json").read_text())) == ["checkpoint", "prompts"]
     assert len((work / "prompts" / "train.jsonl").read_text().splitlines()) == 300
 
-    # killed: its pid gone without an exit record
+    # still running (a live pid, no exit record): the steps so far are collected, no results yet
     (work / "background" / "exit.json").unlink()
+    record = json.loads((work / "background" / "started.json").read_text())
+    (work / "background" / "started.json").write_text(json.dumps({**record, "pid": os.getpid()}))
+    running = background("status", "--work", str(work), "--collect", str(tmp_path / "midway"))
+    assert running.returncode == 3 and "running (pid" in running.stdout, running.stdout + running.stderr
+    midway = sorted(str(path.relative_to(tmp_path / "midway")) for path in (tmp_path / "midway").rglob("*"))
+    assert midway == ["log-tail.txt", "progress.json", "steps.json"]
+
+    # killed: its pid gone without an exit record
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
     record = json.loads((work / "background" / "started.json").read_text())
