@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=Recipe.epochs)
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     parser.add_argument("--learning-rate", "--lr", type=float, default=Recipe.learning_rate)
+    parser.add_argument("--ttt-length", type=int, default=Recipe.ttt_length,
+                        help="draft steps each training step unrolls (serving drafts 3)")
+    parser.add_argument("--draft-vocab", type=int, default=Recipe.draft_vocab,
+                        help="the drafter's vocabulary: SpecForge keeps the tokens most frequent in the training "
+                             "answers (0: the target's whole vocabulary)")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="cap every arm's training at this many steps (0: none; bounds a device call's "
                              "training time)")
@@ -89,6 +94,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(str(error))
     if not args.seeds:
         parser.error("--seeds: name at least one training seed")
+    if args.ttt_length < 1 or args.draft_vocab < 0:
+        parser.error("--ttt-length takes 1 or more, --draft-vocab 0 (the whole vocabulary) or more")
     args.quantized_serving = tuple(shlex.split(args.quantized_serving) or
                                    ["--quantization", "fp8", "--attention-backend", args.attention_backend])
     args.int4_serving = tuple(shlex.split(args.int4_serving) or

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from common.pythonpath import checkout_first
 from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
-from benchmarks.acceptance.trainer import Recipe
+from benchmarks.acceptance.trainer import Recipe, training_draft_config
 
 logger = logging.getLogger("benchmarks.acceptance")
 
@@ -80,7 +80,8 @@ class Pipeline:
         """What every arm trains with, for one seed (checkpoints at each epoch's end with --epoch-acceptance)."""
         steps_per_epoch = self.steps_per_epoch() if self.args.epoch_acceptance and self.args.epochs > 1 else 0
         return Recipe(epochs=self.args.epochs, batch_size=self.args.batch_size, learning_rate=self.args.learning_rate,
-                      seed=seed, max_steps=self.args.max_steps, save_interval=steps_per_epoch)
+                      seed=seed, ttt_length=self.args.ttt_length, draft_vocab=self.args.draft_vocab,
+                      max_steps=self.args.max_steps, save_interval=steps_per_epoch)
 
     def steps_per_epoch(self) -> int:
         """SpecForge's optimizer steps per epoch: whole batches of the prepared samples."""
@@ -155,7 +156,12 @@ class Pipeline:
         return self.work / "drafters" / unit.drafter.name
 
     def draft_config(self, arm: str) -> Path:
+        """The drafter config the run of an arm's states wrote (the layer ids its drafter claims)."""
         return self.run_dir(ARMS[arm].draft_config_run) / ".drafter_config.json"
+
+    def training_draft_config(self, arm: str) -> Path:
+        """The drafter config an arm trains and exports with: ``draft_config`` with the recipe's draft vocabulary."""
+        return training_draft_config(self.draft_config(arm), self.recipe(self.args.seeds[0]), self.work / "train")
 
     def record(self, name: str) -> Optional[dict[str, Any]]:
         path = self.work / "steps" / f"{name}.json"

@@ -35,10 +35,12 @@ def _data_line(results: dict[str, Any]) -> list[str]:
     if recipe.get("max_steps"):
         epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
     seeds = ", ".join(map(str, recipe.get("seeds", [recipe.get("seed", 0)])))
+    vocabulary = recipe.get("draft_vocab") or "the target's"
     return [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
             f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
             f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
-            f"learning rate {recipe['learning_rate']}, training seeds {seeds}"
+            f"learning rate {recipe['learning_rate']}, {recipe.get('ttt_length', 7)} draft steps unrolled, draft "
+            f"vocabulary {vocabulary}, training seeds {seeds}"
             + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
 
 

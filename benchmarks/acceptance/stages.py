@@ -195,7 +195,7 @@ def stage_train(p: Pipeline) -> None:
     for (arm, seed), port in zip(pending, free_ports(len(pending))):
         directory = p.train_dir(arm, seed)
         directory.mkdir(parents=True, exist_ok=True)
-        config = specforge_run_config(arm, p.features(ARMS[arm].features), p.model, p.draft_config(arm),
+        config = specforge_run_config(arm, p.features(ARMS[arm].features), p.model, p.training_draft_config(arm),
                                       directory / "out", p.recipe(seed))
         (directory / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         env = specforge_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -227,9 +227,12 @@ def stage_drafters(p: Pipeline) -> None:
         claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
         return lambda output, code: {"eagle_config": served_config(p.drafter(unit), claimed)["eagle_config"]}
 
+    def trained_with(unit: Served) -> Path:  # E's untrained state has the run's own vocabulary
+        return p.draft_config(unit.arm) if unit.arm == UNTRAINED else p.training_draft_config(unit.arm)
+
     p.run_jobs({f"drafter-{unit.name}": Job(
         specforge_command("export", "--to", "sglang", "--checkpoint", str(p.checkpoint(unit)), "--draft-config",
-                          str(p.draft_config(unit.arm)), "--output-dir", str(p.drafter(unit))),
+                          str(trained_with(unit)), "--output-dir", str(p.drafter(unit))),
         specforge_env(), exported(unit)) for unit in p.drafters()}, at_once=SIDE_BY_SIDE)
     p.run_jobs({**drafter_checks(p), **serving_checks(p)}, at_once=SIDE_BY_SIDE)
 

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import fcntl
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.acceptance.files import save_torch
+from benchmarks.acceptance.files import save_torch, write_json
 
 SPECFORGE = "specforge==0.2.0"
 SPECFORGE_CACHE = Path("~/.cache/eagle3-extract/specforge-0.2.0")
@@ -33,6 +34,11 @@ class Recipe:
     1e-4 left it at acc 0.18 and 1.28."""
     seed: int = 0
     ttt_length: int = 7
+    """Draft steps each training step unrolls (SpecForge's test-time training); serving drafts 3."""
+    draft_vocab: int = 0
+    """The drafter's own vocabulary (``draft_vocab_size``): SpecForge keeps the tokens most frequent in the
+    features' loss mask and maps them (``d2t``/``t2d``, exported with the drafter; SGLang serves them as its hot
+    tokens); 0: the target's whole vocabulary, as the run's drafter config says."""
     max_length: int = 2048
     log_interval: int = 10
     max_steps: int = 0
@@ -66,6 +72,21 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
         "tracking": {"report_to": "none"},
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
+
+
+def training_draft_config(draft_config: Path, recipe: Recipe, out_dir: Path) -> Path:
+    """The drafter config an arm trains and exports with: the run's own (``draft_config``), or a copy of it in
+    ``out_dir`` with the recipe's smaller draft vocabulary."""
+    if not recipe.draft_vocab:
+        return draft_config
+    config = json.loads(draft_config.read_text())
+    if not 0 < recipe.draft_vocab <= config["vocab_size"]:
+        raise ValueError(f"--draft-vocab {recipe.draft_vocab}: the target's vocabulary has {config['vocab_size']} "
+                         "tokens; give at most that many, or 0 for all of them")
+    out = out_dir / f"{draft_config.parent.name}-draft-vocab-{recipe.draft_vocab}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json({**config, "draft_vocab_size": recipe.draft_vocab}, out)
+    return out
 
 
 def specforge_pythonpath() -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 from benchmarks.acceptance.arms import (
     ARMS,
@@ -68,6 +69,7 @@ from benchmarks.acceptance.trainer import (
     specforge_pythonpath,
     specforge_run_config,
     train_curve,
+    training_draft_config,
     write_untrained_checkpoint,
 )
 from storage import ShardMetadata, ShardReader, ShardWriter
@@ -198,8 +200,12 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
         ["Q-s0"], ["Q-bf16-s0"], ["Q-s1"], ["Q-bf16-s1"], ["A-s0", "A-s1"]]
     assert p.drafter(Served("Q-bf16", 1)) == p.drafter(Served("A", 1)) == p.work / "drafters" / "A-s1"
     assert p.recipe(1) == Recipe(seed=1) and (Recipe.epochs, Recipe.learning_rate, Recipe.batch_size) == (3, 5e-4, 4)
-    assert pipeline("--lr", "1e-3", "--epochs", "2", "--max-steps", "9").recipe(0) == Recipe(
-        epochs=2, learning_rate=1e-3, max_steps=9)
+    assert pipeline("--lr", "1e-3", "--epochs", "2", "--max-steps", "9", "--ttt-length", "4", "--draft-vocab",
+                    "16384").recipe(0) == Recipe(epochs=2, learning_rate=1e-3, max_steps=9, ttt_length=4,
+                                                 draft_vocab=16384)
+    for refused in (["--draft-vocab", "-1"], ["--ttt-length", "0"]):
+        with pytest.raises(SystemExit):
+            pipeline(*refused)
     # the drafter at each earlier epoch's end, for the arms trained on their own states
     (p.work / "steps" / "prepare.json").write_text(json.dumps({"samples": 403, "seconds": 1}))
     epochs = pipeline("--arms", "Q-bf16,E", "--epoch-acceptance",
@@ -269,11 +275,18 @@ def test_arm_c_states_are_hf_written_as_our_export_writes_them(run_a, export_a, 
 
 @pytest.mark.extended
 def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export_a, tmp_path):
-    """SpecForge 0.2.0's own `specforge train` takes the benchmark's run.yaml, the run's drafter config,
-    the target (its head through model.safetensors.index.json) and reads every feature file of our export
-    (SPECFORGE_VALIDATE_OFFLINE_FEATURES=1), then stops where FSDP needs an accelerator."""
-    config = specforge_run_config("A", export_a, checkpoint_dir(), run_a / ".drafter_config.json",
-                                  tmp_path / "out", Recipe())
+    """SpecForge 0.2.0's own `specforge train` takes the benchmark's run.yaml, the run's drafter config with a
+    smaller draft vocabulary (--draft-vocab), the target (its head through model.safetensors.index.json), reads
+    every feature file of our export (SPECFORGE_VALIDATE_OFFLINE_FEATURES=1) and maps the draft vocabulary to the
+    answers' most frequent tokens, then stops where FSDP needs an accelerator."""
+    recipe = Recipe(draft_vocab=1024)
+    draft_config = training_draft_config(run_a / ".drafter_config.json", recipe, tmp_path / "train")
+    own = json.loads((run_a / ".drafter_config.json").read_text())
+    assert json.loads(draft_config.read_text()) == {**own, "draft_vocab_size": 1024} and own["draft_vocab_size"] > 1024
+    assert training_draft_config(run_a / ".drafter_config.json", Recipe(), tmp_path) == run_a / ".drafter_config.json"
+    with pytest.raises(ValueError, match="--draft-vocab 100000: the target's vocabulary has 49152 tokens"):
+        training_draft_config(run_a / ".drafter_config.json", Recipe(draft_vocab=100000), tmp_path)
+    config = specforge_run_config("A", export_a, checkpoint_dir(), draft_config, tmp_path / "out", recipe)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     from specforge.config import load_config
 
@@ -283,6 +296,9 @@ def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export
                             env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in result.stderr.splitlines() if "Error:" in line]
     assert result.returncode != 0 and errors and all(FSDP_STOP in line for line in errors), result.stderr[-3000:]
+    (mapping,) = (tmp_path / "out" / "cache" / "vocab_mapping").glob("*.pt")
+    derived = torch.load(mapping, weights_only=True)
+    assert derived["d2t"].shape == (1024,) and int(derived["t2d"].sum()) == 1024 and derived["t2d"].numel() == 49152
 
 
 @pytest.mark.extended
@@ -306,6 +322,14 @@ def test_untrained_drafter_exports_and_the_checker_flags_b(specforge_path, runs,
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == POST_NORM_LAYERS
     assert config["tie_word_embeddings"] is False and "norm_output" not in config
     assert (served / "model.safetensors").is_file()
+    # with a smaller draft vocabulary (--draft-vocab) the drafter carries its map to the target's ids
+    small = training_draft_config(draft_config, Recipe(draft_vocab=1024), tmp_path / "train")
+    small_checkpoint = write_untrained_checkpoint(small, tmp_path / "E-small", seed=0)
+    assert specforge_main(["export", "--to", "sglang", "--checkpoint", str(small_checkpoint), "--draft-config",
+                           str(small), "--output-dir", str(tmp_path / "served-small")]) == 0
+    assert json.loads((tmp_path / "served-small" / "config.json").read_text())["draft_vocab_size"] == 1024
+    with safe_open(str(tmp_path / "served-small" / "model.safetensors"), "pt") as weights:
+        assert weights.get_slice("d2t").get_shape() == [1024] and weights.get_slice("lm_head.weight").get_shape()[0] == 1024
 
     fixed = tmp_path / "fixed"
     fixed.mkdir()
