@@ -136,15 +136,16 @@ def state(work: Path) -> tuple[int, str]:
                   "recorded are kept")
 
 
-def collect(work: Path, dest: Path) -> list[str]:
-    """The results, the step records (one file: ``steps.json``, step name to record) and the log's tail, copied
-    into ``dest``; returns what was copied. At most six files: a device call brings back eight."""
+def collect(work: Path, dest: Path, ended: bool) -> list[str]:
+    """The step records (one file: ``steps.json``, step name to record), the progress record, the log's tail and,
+    once the run has ended, its results, copied into ``dest``; returns what was copied. At most six files: a device
+    call brings back eight. (A running run's results file, if any, is an earlier run's.)"""
     here = directory(work)
     started = _read(here / "started.json") or {}
     out = Path(started.get("out", work / "results.json"))
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
-    for path in (out, out.with_suffix(".md"), here / "exit.json", work / "progress.json"):
+    for path in ((out, out.with_suffix(".md"), here / "exit.json") if ended else ()) + (work / "progress.json",):
         if path.is_file():
             shutil.copy(path, dest / path.name)
             copied.append(path.name)
@@ -175,10 +176,10 @@ def status(work: Path, wait_s: float, dest: Optional[Path], lines: int) -> int:
         print(f"--- last {len(tail)} lines of {directory(work) / 'log.txt'}")
         print("\n".join(tail))
     if dest is not None:  # a running or killed run's steps and log are worth keeping too
-        print(f"--- collected into {dest}: {', '.join(collect(work, dest))}")
+        print(f"--- collected into {dest}: {', '.join(collect(work, dest, ended=code != RUNNING))}")
         table = dest / Path((_read(directory(work) / "started.json") or {}).get("out", "results.json")).with_suffix(
             ".md").name
-        if table.is_file():
+        if code != RUNNING and table.is_file():
             print(table.read_text())
     return code
 

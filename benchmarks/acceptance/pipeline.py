@@ -161,7 +161,25 @@ class Pipeline:
 
     def training_draft_config(self, arm: str) -> Path:
         """The drafter config an arm trains and exports with: ``draft_config`` with the recipe's draft vocabulary."""
-        return training_draft_config(self.draft_config(arm), self.recipe(self.args.seeds[0]), self.work / "train")
+        return training_draft_config(self.draft_config(arm), self.args.draft_vocab, self.work / "train")
+
+    def trained_shape(self) -> dict[str, int]:
+        """What a drafter's weights depend on beyond its run's config, as every training step records it."""
+        return {"ttt_length": self.args.ttt_length, "draft_vocab": self.args.draft_vocab}
+
+    def check_trained_shape(self) -> None:
+        """Refuse to go on from drafters trained with another --ttt-length or --draft-vocab than this command's:
+        their export, serving and report would describe the wrong drafters."""
+        defaults = {"ttt_length": Recipe.ttt_length, "draft_vocab": Recipe.draft_vocab}  # records made before both
+        for path in sorted((self.work / "steps").glob("train-*.json")):
+            record = json.loads(path.read_text())
+            if "metrics" not in record:  # arm E's untrained checkpoint: no recipe
+                continue
+            trained = {key: record.get(key, default) for key, default in defaults.items()}
+            if trained != self.trained_shape():
+                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in trained.items())
+                raise ValueError(f"step {path.stem} was trained with {flags}: run with those, or remove "
+                                 f"{self.work / 'steps'}/train-*.json to train every arm again")
 
     def record(self, name: str) -> Optional[dict[str, Any]]:
         path = self.work / "steps" / f"{name}.json"

@@ -118,7 +118,7 @@ def serve_arm(spec: ServeSpec) -> None:
         engine.shutdown()
     results = [dataclasses.asdict(r) for r in prompt_results(outputs)]
     settings = {key: value for key, value in args.items() if key not in ("model_path", "speculative_draft_model_path")}
-    answers = [{"prompt": question, "answer": out.get("text", "")} for question, out in zip(questions, outputs)]
+    answers = [{"prompt": question, "answer": out.get("text") or ""} for question, out in zip(questions, outputs)]
     spec.out.write_text(json.dumps({"seconds": time.perf_counter() - started, "engine": settings,
                                     "prompts": results, "answers": answers}) + "\n")
 

@@ -187,6 +187,7 @@ def stage_train(p: Pipeline) -> None:
     """Every trained arm once per seed, ``--train-parallel`` SpecForge processes at once on the one GPU (each is
     small and mostly waits on kernel launches) with Q-bf16's state comparison beside them, then arm E's
     untrained checkpoints."""
+    p.check_trained_shape()
     pending = [(arm, seed) for seed in p.args.seeds for arm in trained(p.args.arms)
                if p.record(f"train-{arm}-s{seed}") is None]
     steps_per_epoch = p.steps_per_epoch() if pending else 0
@@ -202,7 +203,8 @@ def stage_train(p: Pipeline) -> None:
                              "MASTER_PORT": str(port)})
         jobs[f"train-{arm}-s{seed}"] = Job(
             specforge_command("train", "-c", str(directory / "run.yaml")), env,
-            lambda output, code: {"metrics": last_train_metrics(output), "curve": train_curve(output, steps_per_epoch)})
+            lambda output, code: {"metrics": last_train_metrics(output), "curve": train_curve(output, steps_per_epoch),
+                                  **p.trained_shape()})
     p.run_jobs(jobs, at_once=p.args.train_parallel + len(beside))
     if UNTRAINED in {unit.arm for unit in p.drafters()}:
         for seed in p.args.seeds:
@@ -223,6 +225,8 @@ def stage_drafters(p: Pipeline) -> None:
     """Each drafter exported for SGLang (side by side), its eagle_config set to its arm's claim; then, side by
     side, jobs.check_drafter on the served drafters against the run each arm's states came from, and
     jobs.check_serving of each quantized target's serving command against the run of every arm served on it."""
+    p.check_trained_shape()
+
     def exported(unit: Served) -> Callable[[str, int], dict[str, Any]]:
         claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
         return lambda output, code: {"eagle_config": served_config(p.drafter(unit), claimed)["eagle_config"]}
@@ -288,6 +292,7 @@ def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]
 
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
+    p.check_trained_shape()
     units = p.served()
     served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
     finals = {}
@@ -338,14 +343,15 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
 
 
 def target_answers(p: Pipeline, units: Sequence[Served]) -> dict[str, list[dict[str, str]]]:
-    """Per target served (bf16, fp8, int4), the first held-out prompts' answers from its reference arm (A, Q, Q4) at
-    the first seed: whether a quantized target still answers."""
+    """Per target served (bf16 first, then fp8, int4), the first held-out prompts' answers at the first seed, from
+    its own arm (A, Q, Q4) where that was served, else from another arm on it: whether a quantized target still
+    answers."""
     answers = {}
-    for unit in units:
-        target = ARMS[unit.arm].target
-        if unit.epoch or unit.seed != p.args.seeds[0] or unit.arm != QUANTIZED.get(target, "A"):
-            continue
-        if found := read_answers(p.work / "serve" / f"{unit.name}.json"):
+    for target in ("bf16", *QUANTIZED):
+        on_target = [unit for unit in units if ARMS[unit.arm].target == target and not unit.epoch
+                     and unit.seed == p.args.seeds[0]]
+        on_target.sort(key=lambda unit: unit.arm != QUANTIZED.get(target, "A"))
+        if on_target and (found := read_answers(p.work / "serve" / f"{on_target[0].name}.json")):
             answers[target] = found
     return answers
 

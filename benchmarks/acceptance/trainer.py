@@ -53,8 +53,9 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
     """SpecForge 0.2.0's ``run.yaml`` for one arm, offline from ``features``.
 
     Its target-head loader reads the lm_head through the target's one ``*.index.json`` and ignores tied
-    embeddings: SmolLM2's head is ``model.embed_tokens.weight``. ``vocab_mapping_path`` empty: the draft
-    keeps the full vocabulary (``draft_vocab_size`` = ``vocab_size``), so no mapping is derived. sdpa
+    embeddings: SmolLM2's head is ``model.embed_tokens.weight``. ``vocab_mapping_path`` empty: with the
+    full vocabulary (``draft_vocab_size`` = ``vocab_size``, the run's drafter config) no mapping is derived; with a
+    smaller one (``Recipe.draft_vocab``) SpecForge derives it from the features' loss-masked tokens. sdpa
     attention: the default flex_attention compiles."""
     return {
         "run_id": f"arm-{arm}",
@@ -74,18 +75,18 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
     }
 
 
-def training_draft_config(draft_config: Path, recipe: Recipe, out_dir: Path) -> Path:
+def training_draft_config(draft_config: Path, draft_vocab: int, out_dir: Path) -> Path:
     """The drafter config an arm trains and exports with: the run's own (``draft_config``), or a copy of it in
-    ``out_dir`` with the recipe's smaller draft vocabulary."""
-    if not recipe.draft_vocab:
+    ``out_dir`` with a smaller draft vocabulary (``Recipe.draft_vocab``; 0: the run's own)."""
+    if not draft_vocab:
         return draft_config
     config = json.loads(draft_config.read_text())
-    if not 0 < recipe.draft_vocab <= config["vocab_size"]:
-        raise ValueError(f"--draft-vocab {recipe.draft_vocab}: the target's vocabulary has {config['vocab_size']} "
+    if not 0 < draft_vocab <= config["vocab_size"]:
+        raise ValueError(f"--draft-vocab {draft_vocab}: the target's vocabulary has {config['vocab_size']} "
                          "tokens; give at most that many, or 0 for all of them")
-    out = out_dir / f"{draft_config.parent.name}-draft-vocab-{recipe.draft_vocab}.json"
+    out = out_dir / f"{draft_config.parent.name}-draft-vocab-{draft_vocab}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json({**config, "draft_vocab_size": recipe.draft_vocab}, out)
+    write_json({**config, "draft_vocab_size": draft_vocab}, out)
     return out
 
 

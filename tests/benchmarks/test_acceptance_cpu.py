@@ -41,6 +41,7 @@ from benchmarks.acceptance.data import data_stats, prepared_data
 from benchmarks.acceptance.differences import main as differences_main
 from benchmarks.acceptance.differences import run_differences
 from benchmarks.acceptance.drafters import check_drafters, served_config
+from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.hf_states import write_hf_features
 from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, Job, OutOfTime, Pipeline, Served, project_env
 from benchmarks.acceptance.prompts import (
@@ -56,6 +57,7 @@ from benchmarks.acceptance.stages import (
     extract_command,
     serving_batches,
     serving_checks,
+    stage_drafters,
     stage_extract,
     stage_report,
     state_difference,
@@ -280,12 +282,12 @@ def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export
     every feature file of our export (SPECFORGE_VALIDATE_OFFLINE_FEATURES=1) and maps the draft vocabulary to the
     answers' most frequent tokens, then stops where FSDP needs an accelerator."""
     recipe = Recipe(draft_vocab=1024)
-    draft_config = training_draft_config(run_a / ".drafter_config.json", recipe, tmp_path / "train")
+    draft_config = training_draft_config(run_a / ".drafter_config.json", recipe.draft_vocab, tmp_path / "train")
     own = json.loads((run_a / ".drafter_config.json").read_text())
     assert json.loads(draft_config.read_text()) == {**own, "draft_vocab_size": 1024} and own["draft_vocab_size"] > 1024
-    assert training_draft_config(run_a / ".drafter_config.json", Recipe(), tmp_path) == run_a / ".drafter_config.json"
+    assert training_draft_config(run_a / ".drafter_config.json", 0, tmp_path) == run_a / ".drafter_config.json"
     with pytest.raises(ValueError, match="--draft-vocab 100000: the target's vocabulary has 49152 tokens"):
-        training_draft_config(run_a / ".drafter_config.json", Recipe(draft_vocab=100000), tmp_path)
+        training_draft_config(run_a / ".drafter_config.json", 100000, tmp_path)
     config = specforge_run_config("A", export_a, checkpoint_dir(), draft_config, tmp_path / "out", recipe)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     from specforge.config import load_config
@@ -323,7 +325,7 @@ def test_untrained_drafter_exports_and_the_checker_flags_b(specforge_path, runs,
     assert config["tie_word_embeddings"] is False and "norm_output" not in config
     assert (served / "model.safetensors").is_file()
     # with a smaller draft vocabulary (--draft-vocab) the drafter carries its map to the target's ids
-    small = training_draft_config(draft_config, Recipe(draft_vocab=1024), tmp_path / "train")
+    small = training_draft_config(draft_config, 1024, tmp_path / "train")
     small_checkpoint = write_untrained_checkpoint(small, tmp_path / "E-small", seed=0)
     assert specforge_main(["export", "--to", "sglang", "--checkpoint", str(small_checkpoint), "--draft-config",
                            str(small), "--output-dir", str(tmp_path / "served-small")]) == 0
@@ -486,8 +488,8 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     assert results["check_serving"]["A"]["command"] == ["--quantization", "fp8", "--attention-backend", "flashinfer"]
     assert results["same_output"] == {"Q-bf16-s0": 0.5, "Q-bf16-s1": 0.5}  # against Q's outputs of the same seed
     # each target's answers from its own arm at the first seed: Q's on fp8, A's on bf16
-    assert {target: [a["answer"][:7] for a in answers] for target, answers in results["answers"].items()} == {
-        "fp8": ["Q-s0: r"], "bf16": ["A-s0: r"]}
+    assert [(target, [a["answer"][:7] for a in answers]) for target, answers in results["answers"].items()] == [
+        ("bf16", ["A-s0: r"]), ("fp8", ["Q-s0: r"])]
     assert set(results["training"]) == {"A-s0", "Q-s0", "A-s1", "Q-s1"} and results["recipe"]["seeds"] == [0, 1]
     assert results["serving"]["engines"]["Q-s0"] == {"quantization": "fp8"} and results["probe"]["prompts"] == 16
     for row in ("| Q | ours, extracted with the quantized server's settings (model.serving) | fp8 | 0 "
@@ -502,12 +504,39 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
                 "INT4 (Q4) 1,234 tokens) | fp8 (Q) mean | fp8 (Q) max | INT4 (Q4) mean | INT4 (Q4) max |",
                 "| final (post_norm) | 0.0500 | 0.3000 | 0.1000 | 0.3000 |",
                 "| Q-s1 | 1 | 10-70 | 4.000 | 0.300 |  | 0.400 |",
-                "| held-out prompt | answer on the fp8 target | answer on the bf16 target |",
-                f"| Name 2 primary colors. | Q-s0: red \\| blue {'x' * 143}... | A-s0: red \\| blue {'x' * 143}... |",
+                "| held-out prompt | answer on the bf16 target | answer on the fp8 target |",
+                f"| Name 2 primary colors. | A-s0: red \\| blue {'x' * 143}... | Q-s0: red \\| blue {'x' * 143}... |",
                 "Quantized target fp8: the bf16 checkpoint served with `--quantization fp8 --attention-backend "
                 "flashinfer`", "an untrained drafter served on the fp8 target over 16 prompts, acceptance 1.000"):
         assert row in table, row
     assert table.index("**Q-(Q-bf16)**") < table.index("| A-Q |")
+
+
+def test_each_drafter_exports_with_the_config_it_trained_with(tmp_path):
+    """--draft-vocab: a trained arm exports with the copy of its run's drafter config it trained with, arm E's
+    untrained checkpoint with the run's own; a command asking for another vocabulary than the recorded trainings'
+    is refused before anything is exported."""
+    def pipeline(*args: str) -> Pipeline:
+        return Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "drafters",
+                                    "--arms", "A,E", *args]))
+
+    p = pipeline("--draft-vocab", "1024")
+    p.run_dir("A").mkdir(parents=True)
+    write_json({"vocab_size": 49152, "draft_vocab_size": 49152, "eagle_config": {}}, p.draft_config("A"))
+    _record(p.work, "train-A-s0", {"metrics": {}, "curve": [], "ttt_length": 7, "draft_vocab": 1024})
+    _record(p.work, "train-E-s0", {"checkpoint": str(p.train_dir("E", 0) / "training_state.pt")})
+    calls = []
+    p.run_jobs = lambda jobs, at_once: calls.append(jobs)  # the commands, not their runs
+    stage_drafters(p)
+    exports = {name: job.command[job.command.index("--draft-config") + 1] for name, job in calls[0].items()}
+    assert exports == {"drafter-A-s0": str(p.work / "train" / "A-draft-vocab-1024.json"),
+                       "drafter-E-s0": str(p.draft_config("A"))}
+    assert json.loads((p.work / "train" / "A-draft-vocab-1024.json").read_text())["draft_vocab_size"] == 1024
+    for other in (pipeline(), pipeline("--draft-vocab", "1024", "--ttt-length", "4")):
+        other.run_jobs = lambda jobs, at_once: pytest.fail("exported drafters of another recipe")
+        with pytest.raises(ValueError, match="step train-A-s0 was trained with --ttt-length 7 --draft-vocab 1024: "
+                                             "run with those"):
+            stage_drafters(other)
 
 
 def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
@@ -698,6 +727,7 @@ def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_pa
     (work / "background" / "exit.json").unlink()
     record = json.loads((work / "background" / "started.json").read_text())
     (work / "background" / "started.json").write_text(json.dumps({**record, "pid": os.getpid()}))
+    (work / "results.json").write_text("{}")  # an earlier run's results: not this run's
     running = background("status", "--work", str(work), "--collect", str(tmp_path / "midway"))
     assert running.returncode == 3 and "running (pid" in running.stdout, running.stdout + running.stderr
     midway = sorted(str(path.relative_to(tmp_path / "midway")) for path in (tmp_path / "midway").rglob("*"))
