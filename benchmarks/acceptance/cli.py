@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-vocab", type=int, default=Recipe.draft_vocab,
                         help="the drafter's vocabulary: SpecForge keeps the tokens most frequent in the training "
                              "answers (0: the target's whole vocabulary)")
+    parser.add_argument("--warm-head", action="store_true",
+                        help="start each drafter's head from the target's (its embedding rows and final norm) "
+                             "instead of SpecForge's random initialisation")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="cap every arm's training at this many steps (0: none; bounds a device call's "
                              "training time)")

@@ -17,6 +17,7 @@ from common.pythonpath import checkout_first
 from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.trainer import Recipe, training_draft_config
+from benchmarks.acceptance.warm_start import write_vocab_mapping, write_warm_start
 
 logger = logging.getLogger("benchmarks.acceptance")
 
@@ -81,6 +82,7 @@ class Pipeline:
         steps_per_epoch = self.steps_per_epoch() if self.args.epoch_acceptance and self.args.epochs > 1 else 0
         return Recipe(epochs=self.args.epochs, batch_size=self.args.batch_size, learning_rate=self.args.learning_rate,
                       seed=seed, ttt_length=self.args.ttt_length, draft_vocab=self.args.draft_vocab,
+                      warm_head=self.args.warm_head,
                       max_steps=self.args.max_steps, save_interval=steps_per_epoch)
 
     def steps_per_epoch(self) -> int:
@@ -163,23 +165,47 @@ class Pipeline:
         """The drafter config an arm trains and exports with: ``draft_config`` with the recipe's draft vocabulary."""
         return training_draft_config(self.draft_config(arm), self.args.draft_vocab, self.work / "train")
 
-    def trained_shape(self) -> dict[str, int]:
-        """What a drafter's weights depend on beyond its run's config, as every training step records it."""
-        return {"ttt_length": self.args.ttt_length, "draft_vocab": self.args.draft_vocab}
+    def training_choices(self) -> dict[str, Any]:
+        """What a drafter's weights depend on beyond its run's config and the recipe's numbers, as every training
+        step records it."""
+        return {"ttt_length": self.args.ttt_length, "draft_vocab": self.args.draft_vocab,
+                "warm_head": self.args.warm_head}
 
-    def check_trained_shape(self) -> None:
-        """Refuse to go on from drafters trained with another --ttt-length or --draft-vocab than this command's:
-        their export, serving and report would describe the wrong drafters."""
-        defaults = {"ttt_length": Recipe.ttt_length, "draft_vocab": Recipe.draft_vocab}  # records made before both
+    def check_training_choices(self) -> None:
+        """Refuse to go on from drafters trained with another --ttt-length, --draft-vocab or --warm-head than this
+        command's: their export, serving and report would describe the wrong drafters."""
+        defaults = {"ttt_length": Recipe.ttt_length, "draft_vocab": Recipe.draft_vocab,  # records made before these
+                    "warm_head": Recipe.warm_head}
         for path in sorted((self.work / "steps").glob("train-*.json")):
             record = json.loads(path.read_text())
             if "metrics" not in record:  # arm E's untrained checkpoint: no recipe
                 continue
             trained = {key: record.get(key, default) for key, default in defaults.items()}
-            if trained != self.trained_shape():
-                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in trained.items())
+            if trained != self.training_choices():
+                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in trained.items()
+                                 if not isinstance(value, bool))
+                flags += " with --warm-head" if trained["warm_head"] else " without --warm-head"
                 raise ValueError(f"step {path.stem} was trained with {flags}: run with those, or remove "
                                  f"{self.work / 'steps'}/train-*.json to train every arm again")
+
+    def vocab_mapping(self, features: str) -> Optional[Path]:
+        """With --warm-head and --draft-vocab: the draft vocabulary's map from one arm's features, made once (the
+        warm head's rows follow it); None otherwise (SpecForge derives its own, or the vocabulary is whole)."""
+        if not (self.args.warm_head and self.args.draft_vocab):
+            return None
+        path = self.work / "train" / f"vocab-{features}-{self.args.draft_vocab}.pt"
+        if not path.is_file():
+            vocab_size = json.loads((self.model / "config.json").read_text())["vocab_size"]
+            write_vocab_mapping(self.features(features), self.args.draft_vocab, vocab_size, path)
+        return path
+
+    def warm_start(self, arm: str, seed: int) -> Optional[Path]:
+        """With --warm-head: the checkpoint an arm's drafter starts from (per seed: the rest of it is SpecForge's
+        seeded initialisation), made before its training; None otherwise."""
+        if not self.args.warm_head:
+            return None
+        return write_warm_start(self.training_draft_config(arm), self.model, seed,
+                                self.train_dir(arm, seed) / "warm-start", self.vocab_mapping(ARMS[arm].features))
 
     def record(self, name: str) -> Optional[dict[str, Any]]:
         path = self.work / "steps" / f"{name}.json"

@@ -36,11 +36,12 @@ def _data_line(results: dict[str, Any]) -> list[str]:
         epochs = min(epochs, recipe["max_steps"] * recipe["batch_size"] / data["samples"])
     seeds = ", ".join(map(str, recipe.get("seeds", [recipe.get("seed", 0)])))
     vocabulary = recipe.get("draft_vocab") or "the target's"
+    head = "started from the target's" if recipe.get("warm_head") else "initialised at random"
     return [f"Training data (every arm): {data['samples']} samples, {data['tokens']} tokens, "
             f"{data['loss_tokens_per_epoch']} loss tokens per epoch x {epochs:.2f} epochs = "
             f"{round(data['loss_tokens_per_epoch'] * epochs)} tokens trained; batch {recipe['batch_size']}, "
             f"learning rate {recipe['learning_rate']}, {recipe.get('ttt_length', 7)} draft steps unrolled, draft "
-            f"vocabulary {vocabulary}, training seeds {seeds}"
+            f"vocabulary {vocabulary}, head {head}, training seeds {seeds}"
             + (f", capped at {recipe['max_steps']} steps." if recipe.get("max_steps") else "."), ""]
 
 

@@ -187,7 +187,7 @@ def stage_train(p: Pipeline) -> None:
     """Every trained arm once per seed, ``--train-parallel`` SpecForge processes at once on the one GPU (each is
     small and mostly waits on kernel launches) with Q-bf16's state comparison beside them, then arm E's
     untrained checkpoints."""
-    p.check_trained_shape()
+    p.check_training_choices()
     pending = [(arm, seed) for seed in p.args.seeds for arm in trained(p.args.arms)
                if p.record(f"train-{arm}-s{seed}") is None]
     steps_per_epoch = p.steps_per_epoch() if pending else 0
@@ -197,14 +197,15 @@ def stage_train(p: Pipeline) -> None:
         directory = p.train_dir(arm, seed)
         directory.mkdir(parents=True, exist_ok=True)
         config = specforge_run_config(arm, p.features(ARMS[arm].features), p.model, p.training_draft_config(arm),
-                                      directory / "out", p.recipe(seed))
+                                      directory / "out", p.recipe(seed), p.warm_start(arm, seed),
+                                      p.vocab_mapping(ARMS[arm].features))
         (directory / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         env = specforge_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                              "MASTER_PORT": str(port)})
         jobs[f"train-{arm}-s{seed}"] = Job(
             specforge_command("train", "-c", str(directory / "run.yaml")), env,
             lambda output, code: {"metrics": last_train_metrics(output), "curve": train_curve(output, steps_per_epoch),
-                                  **p.trained_shape()})
+                                  **p.training_choices()})
     p.run_jobs(jobs, at_once=p.args.train_parallel + len(beside))
     if UNTRAINED in {unit.arm for unit in p.drafters()}:
         for seed in p.args.seeds:
@@ -225,7 +226,7 @@ def stage_drafters(p: Pipeline) -> None:
     """Each drafter exported for SGLang (side by side), its eagle_config set to its arm's claim; then, side by
     side, jobs.check_drafter on the served drafters against the run each arm's states came from, and
     jobs.check_serving of each quantized target's serving command against the run of every arm served on it."""
-    p.check_trained_shape()
+    p.check_training_choices()
 
     def exported(unit: Served) -> Callable[[str, int], dict[str, Any]]:
         claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
@@ -292,7 +293,7 @@ def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]
 
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
-    p.check_trained_shape()
+    p.check_training_choices()
     units = p.served()
     served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
     finals = {}

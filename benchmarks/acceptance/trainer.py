@@ -39,6 +39,9 @@ class Recipe:
     """The drafter's own vocabulary (``draft_vocab_size``): SpecForge keeps the tokens most frequent in the
     features' loss mask and maps them (``d2t``/``t2d``, exported with the drafter; SGLang serves them as its hot
     tokens); 0: the target's whole vocabulary, as the run's drafter config says."""
+    warm_head: bool = False
+    """Start the drafter's head from the target's (``benchmarks.acceptance.warm_start``); False: SpecForge's own
+    random initialisation."""
     max_length: int = 2048
     log_interval: int = 10
     max_steps: int = 0
@@ -49,20 +52,23 @@ class Recipe:
 
 
 def specforge_run_config(arm: str, features: Path, target: Path, draft_config: Path, output_dir: Path,
-                         recipe: Recipe) -> dict[str, Any]:
+                         recipe: Recipe, warm_start: Optional[Path] = None,
+                         vocab_mapping: Optional[Path] = None) -> dict[str, Any]:
     """SpecForge 0.2.0's ``run.yaml`` for one arm, offline from ``features``.
 
     Its target-head loader reads the lm_head through the target's one ``*.index.json`` and ignores tied
     embeddings: SmolLM2's head is ``model.embed_tokens.weight``. ``vocab_mapping_path`` empty: with the
     full vocabulary (``draft_vocab_size`` = ``vocab_size``, the run's drafter config) no mapping is derived; with a
     smaller one (``Recipe.draft_vocab``) SpecForge derives it from the features' loss-masked tokens. sdpa
-    attention: the default flex_attention compiles."""
+    attention: the default flex_attention compiles. ``warm_start``: a weights-only checkpoint the drafter starts
+    from; ``vocab_mapping``: the draft vocabulary's map, given rather than derived."""
     return {
         "run_id": f"arm-{arm}",
         "output_dir": str(output_dir),
         "model": {"target_model_path": str(target), "draft_model_config": str(draft_config),
                   "embedding_key": "model.embed_tokens.weight", "lm_head_key": "model.embed_tokens.weight",
-                  "vocab_mapping_path": "", "torch_dtype": "bfloat16"},
+                  "vocab_mapping_path": str(vocab_mapping or ""), "torch_dtype": "bfloat16",
+                  **({"draft_checkpoint_path": str(warm_start)} if warm_start else {})},
         "data": {"hidden_states_path": str(features), "max_length": recipe.max_length,
                  "cache_dir": str(output_dir / "cache"), "dataloader_num_workers": 2},
         "training": {"strategy": "eagle3", "ttt_length": recipe.ttt_length, "attention_backend": "sdpa",
@@ -165,10 +171,9 @@ def train_curve(log: str, steps_per_epoch: int) -> list[dict[str, Any]]:
     return curve
 
 
-def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path:
-    """Arm E: SpecForge's own initialisation of the draft model (seeded), as the training state its exporter
-    reads: what a trained checkpoint holds, before any step (embeddings left out, as the trainer leaves
-    them out)."""
+def initial_draft_state(draft_config: Path, seed: int, vocab_mapping: Optional[Path] = None) -> dict[str, Any]:
+    """SpecForge's own initialisation of the draft model (seeded), without the embedding (the trainer leaves it
+    out of every checkpoint), with a draft vocabulary map (``d2t``/``t2d``) when given."""
     import torch
 
     if (path := specforge_pythonpath()) not in sys.path:
@@ -177,7 +182,15 @@ def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path
 
     torch.manual_seed(seed)
     model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(str(draft_config)), torch_dtype=torch.bfloat16)
-    state = {name: tensor for name, tensor in model.state_dict().items() if "embed" not in name.lower()}
+    if vocab_mapping is not None:
+        model.load_vocab_mapping(str(vocab_mapping))
+    return {name: tensor for name, tensor in model.state_dict().items() if "embed" not in name.lower()}
+
+
+def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path:
+    """Arm E: the draft model as SpecForge initialises it, as the training state its exporter reads: what a
+    trained checkpoint holds, before any step."""
     out.mkdir(parents=True, exist_ok=True)
-    save_torch({"strategy": "eagle3", "draft_state_dict": state, "global_step": 0}, out / "training_state.pt")
+    save_torch({"strategy": "eagle3", "draft_state_dict": initial_draft_state(draft_config, seed), "global_step": 0},
+               out / "training_state.pt")
     return out / "training_state.pt"

@@ -41,7 +41,7 @@ from benchmarks.acceptance.data import data_stats, prepared_data
 from benchmarks.acceptance.differences import main as differences_main
 from benchmarks.acceptance.differences import run_differences
 from benchmarks.acceptance.drafters import check_drafters, served_config
-from benchmarks.acceptance.files import write_json
+from benchmarks.acceptance.files import save_torch, write_json
 from benchmarks.acceptance.hf_states import write_hf_features
 from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, Job, OutOfTime, Pipeline, Served, project_env
 from benchmarks.acceptance.prompts import (
@@ -74,6 +74,7 @@ from benchmarks.acceptance.trainer import (
     training_draft_config,
     write_untrained_checkpoint,
 )
+from benchmarks.acceptance.warm_start import EMBEDDING, FINAL_NORM, target_tensor, write_vocab_mapping, write_warm_start
 from storage import ShardMetadata, ShardReader, ShardWriter
 from storage.manifest import read_manifest
 from tests.conftest import REPO_ROOT
@@ -302,6 +303,31 @@ def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export
     derived = torch.load(mapping, weights_only=True)
     assert derived["d2t"].shape == (1024,) and int(derived["t2d"].sum()) == 1024 and derived["t2d"].numel() == 49152
 
+    # --warm-head: the map made here, the head the target's embedding rows of its tokens, SpecForge's own
+    # weights-only warm start and map loading take both (a mismatch would stop it before FSDP)
+    ours = write_vocab_mapping(export_a, 1024, 49152, tmp_path / "vocab.pt")
+    assert torch.equal(torch.load(ours, weights_only=True)["t2d"], derived["t2d"])  # the tokens SpecForge would keep
+    warm = write_warm_start(draft_config, checkpoint_dir(), 0, tmp_path / "warm", ours)
+    state = torch.load(warm / "training_state.pt", weights_only=True)["draft_state_dict"]
+    drafted = state["d2t"] + torch.arange(1024)
+    assert torch.equal(state["lm_head.weight"], target_tensor(checkpoint_dir(), EMBEDDING)[drafted].to(torch.bfloat16))
+    assert torch.equal(state["norm.weight"], target_tensor(checkpoint_dir(), FINAL_NORM).to(torch.bfloat16))
+    config = specforge_run_config("A", export_a, checkpoint_dir(), draft_config, tmp_path / "warm-out", recipe,
+                                  warm, ours)
+    assert config["model"]["draft_checkpoint_path"] == str(warm) and config["model"]["vocab_mapping_path"] == str(ours)
+    (tmp_path / "warm.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = subprocess.run(specforge_command("train", "-c", str(tmp_path / "warm.yaml")), cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.splitlines() if "Error:" in line]
+    assert result.returncode != 0 and errors and all(FSDP_STOP in line for line in errors), result.stderr[-3000:]
+    # and it did read the warm start: one without the final norm stops before FSDP, naming it
+    save_torch({"strategy": "eagle3", "draft_state_dict": {k: v for k, v in state.items() if k != "norm.weight"}},
+               warm / "training_state.pt")
+    result = subprocess.run(specforge_command("train", "-c", str(tmp_path / "warm.yaml")), cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "missing draft weights required" in result.stderr, result.stderr[-3000:]
+    assert FSDP_STOP not in result.stderr and "norm.weight" in result.stderr
+
 
 @pytest.mark.extended
 def test_untrained_drafter_exports_and_the_checker_flags_b(specforge_path, runs, tmp_path):
@@ -523,7 +549,8 @@ def test_each_drafter_exports_with_the_config_it_trained_with(tmp_path):
     p = pipeline("--draft-vocab", "1024")
     p.run_dir("A").mkdir(parents=True)
     write_json({"vocab_size": 49152, "draft_vocab_size": 49152, "eagle_config": {}}, p.draft_config("A"))
-    _record(p.work, "train-A-s0", {"metrics": {}, "curve": [], "ttt_length": 7, "draft_vocab": 1024})
+    _record(p.work, "train-A-s0", {"metrics": {}, "curve": [], "ttt_length": 7, "draft_vocab": 1024,
+                                   "warm_head": False})
     _record(p.work, "train-E-s0", {"checkpoint": str(p.train_dir("E", 0) / "training_state.pt")})
     calls = []
     p.run_jobs = lambda jobs, at_once: calls.append(jobs)  # the commands, not their runs
@@ -532,10 +559,11 @@ def test_each_drafter_exports_with_the_config_it_trained_with(tmp_path):
     assert exports == {"drafter-A-s0": str(p.work / "train" / "A-draft-vocab-1024.json"),
                        "drafter-E-s0": str(p.draft_config("A"))}
     assert json.loads((p.work / "train" / "A-draft-vocab-1024.json").read_text())["draft_vocab_size"] == 1024
-    for other in (pipeline(), pipeline("--draft-vocab", "1024", "--ttt-length", "4")):
+    for other in (pipeline(), pipeline("--draft-vocab", "1024", "--ttt-length", "4"),
+                  pipeline("--draft-vocab", "1024", "--warm-head")):
         other.run_jobs = lambda jobs, at_once: pytest.fail("exported drafters of another recipe")
-        with pytest.raises(ValueError, match="step train-A-s0 was trained with --ttt-length 7 --draft-vocab 1024: "
-                                             "run with those"):
+        with pytest.raises(ValueError, match="step train-A-s0 was trained with --ttt-length 7 --draft-vocab 1024 "
+                                             "without --warm-head: run with those"):
             stage_drafters(other)
 
 
