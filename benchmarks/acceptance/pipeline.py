@@ -189,14 +189,15 @@ class Pipeline:
                                  f"{self.work / 'steps'}/train-*.json to train every arm again")
 
     def vocab_mapping(self, features: str) -> Optional[Path]:
-        """With --warm-head and --draft-vocab: the draft vocabulary's map from one arm's features, made once (the
-        warm head's rows follow it); None otherwise (SpecForge derives its own, or the vocabulary is whole)."""
+        """With --warm-head and --draft-vocab: the draft vocabulary's map from one arm's features, made once per
+        export of them (the features stage removes it when it exports them again; the warm head's rows follow it);
+        None otherwise (SpecForge derives its own, or the vocabulary is whole)."""
         if not (self.args.warm_head and self.args.draft_vocab):
             return None
         path = self.work / "train" / f"vocab-{features}-{self.args.draft_vocab}.pt"
         if not path.is_file():
             vocab_size = json.loads((self.model / "config.json").read_text())["vocab_size"]
-            write_vocab_mapping(self.features(features), self.args.draft_vocab, vocab_size, path)
+            write_vocab_mapping(self.features(features), self.args.draft_vocab, vocab_size, Recipe.max_length, path)
         return path
 
     def warm_start(self, arm: str, seed: int) -> Optional[Path]:

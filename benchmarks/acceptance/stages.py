@@ -155,6 +155,10 @@ def probe(p: Pipeline, target: str) -> dict[str, Any]:
 def stage_features(p: Pipeline) -> None:
     """SpecForge's features of every trained arm (jobs.export of its run, side by side; arm C's from HF)."""
     wanted = {ARMS[arm].features for arm in trained(p.args.arms)}
+    for name in wanted:
+        if p.record(f"export-{name}") is None and p.record(f"features-{name}") is None:
+            for stale in (p.work / "train").glob(f"vocab-{name}-*.pt"):  # a map of the features exported before
+                stale.unlink()
     p.run_jobs({f"export-{run}": Job(
         [sys.executable, "-m", "jobs.export", f"output.dir={p.run_dir(run)}", "to=specforge",
          f"dest={p.features(run)}"],

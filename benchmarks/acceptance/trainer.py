@@ -57,7 +57,7 @@ def specforge_run_config(arm: str, features: Path, target: Path, draft_config: P
     """SpecForge 0.2.0's ``run.yaml`` for one arm, offline from ``features``.
 
     Its target-head loader reads the lm_head through the target's one ``*.index.json`` and ignores tied
-    embeddings: SmolLM2's head is ``model.embed_tokens.weight``. ``vocab_mapping_path`` empty: with the
+    embeddings: SmolLM2's head is ``model.embed_tokens.weight``. Without ``vocab_mapping``: with the
     full vocabulary (``draft_vocab_size`` = ``vocab_size``, the run's drafter config) no mapping is derived; with a
     smaller one (``Recipe.draft_vocab``) SpecForge derives it from the features' loss-masked tokens. sdpa
     attention: the default flex_attention compiles. ``warm_start``: a weights-only checkpoint the drafter starts

@@ -35,16 +35,16 @@ def target_tensor(target: Path, name: str) -> torch.Tensor:
         return weights.get_tensor(name)
 
 
-def write_vocab_mapping(features: Path, draft_vocab: int, vocab_size: int, out: Path) -> Path:
+def write_vocab_mapping(features: Path, draft_vocab: int, vocab_size: int, max_length: int, out: Path) -> Path:
     """The draft vocabulary's map to the target's ids: the ``draft_vocab`` tokens most frequent under the loss mask
-    of SpecForge's feature files, counted and mapped by SpecForge's own functions (``{"d2t", "t2d"}``, as its
-    ``vocab_mapping_path`` reads it)."""
+    of SpecForge's feature files (each cut at ``max_length``, as training cuts them), counted and mapped by
+    SpecForge's own functions (``{"d2t", "t2d"}``, as its ``vocab_mapping_path`` reads it)."""
     if (path := specforge_pythonpath()) not in sys.path:
         sys.path.insert(0, path)
     from specforge.data.preprocessing import process_token_dict_to_mappings
     from specforge.training.vocab_mapping import count_effective_feature_tokens
 
-    counts = count_effective_feature_tokens(str(features), target_vocab_size=vocab_size)
+    counts = count_effective_feature_tokens(str(features), max_length=max_length, target_vocab_size=vocab_size)
     d2t, t2d = process_token_dict_to_mappings(counts, draft_vocab, vocab_size)
     save_torch({"d2t": d2t, "t2d": t2d}, out)
     return out

@@ -59,6 +59,7 @@ from benchmarks.acceptance.stages import (
     serving_checks,
     stage_drafters,
     stage_extract,
+    stage_features,
     stage_report,
     state_difference,
 )
@@ -305,7 +306,7 @@ def test_specforge_trains_on_our_export_up_to_fsdp(specforge_path, run_a, export
 
     # --warm-head: the map made here, the head the target's embedding rows of its tokens, SpecForge's own
     # weights-only warm start and map loading take both (a mismatch would stop it before FSDP)
-    ours = write_vocab_mapping(export_a, 1024, 49152, tmp_path / "vocab.pt")
+    ours = write_vocab_mapping(export_a, 1024, 49152, recipe.max_length, tmp_path / "vocab.pt")
     assert torch.equal(torch.load(ours, weights_only=True)["t2d"], derived["t2d"])  # the tokens SpecForge would keep
     warm = write_warm_start(draft_config, checkpoint_dir(), 0, tmp_path / "warm", ours)
     state = torch.load(warm / "training_state.pt", weights_only=True)["draft_state_dict"]
@@ -559,6 +560,14 @@ def test_each_drafter_exports_with_the_config_it_trained_with(tmp_path):
     assert exports == {"drafter-A-s0": str(p.work / "train" / "A-draft-vocab-1024.json"),
                        "drafter-E-s0": str(p.draft_config("A"))}
     assert json.loads((p.work / "train" / "A-draft-vocab-1024.json").read_text())["draft_vocab_size"] == 1024
+    # a map made from A's features goes when they are exported again (not while their export is recorded)
+    (p.work / "train" / "vocab-A-1024.pt").write_bytes(b"map")
+    _record(p.work, "export-A", {})
+    stage_features(p)  # run_jobs stubbed: nothing is exported
+    assert (p.work / "train" / "vocab-A-1024.pt").is_file()
+    (p.work / "steps" / "export-A.json").unlink()
+    stage_features(p)
+    assert not (p.work / "train" / "vocab-A-1024.pt").exists()
     for other in (pipeline(), pipeline("--draft-vocab", "1024", "--ttt-length", "4"),
                   pipeline("--draft-vocab", "1024", "--warm-head")):
         other.run_jobs = lambda jobs, at_once: pytest.fail("exported drafters of another recipe")
