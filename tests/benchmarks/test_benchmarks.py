@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.throughput import benchmark_layer_ids
@@ -98,6 +99,30 @@ def target_install() -> tuple[str, dict[str, str]]:
     site = subprocess.run([sys.executable, "-c", "import omegaconf; print(omegaconf.__file__)"],
                           capture_output=True, text=True, check=True).stdout.strip()
     return python, dict(env, PYTHONPATH=str(Path(site).parents[1]))
+
+
+@pytest.mark.extended
+def test_extraction_is_measured_against_sglang_alone_on_the_same_tokens(tmp_path):
+    """``benchmarks.extract_wall`` on CPU with SmolLM2: the real jobs.extract command over a written dataset, its
+    phases from its own summary adding up to its total, then SGLang alone prefilling the very same tokens."""
+    env = python_env()
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.extract_wall", "--device", "cpu", "--samples", "6", "--tokens-per-sample",
+         "64", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "results.json")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    data = pq.read_table(next((tmp_path / "work").glob("tokens-6x64.parquet")))
+    tokens = sum(len(ids) for ids in data.column("input_ids").to_pylist())
+    assert results["tokens"] == results["sglang_alone"]["tokens"] == tokens and data.num_rows == 6
+    wall = results["extract"]["wall_seconds"]
+    assert "loading the model" in dict(wall["phases"]) and "extracting" in dict(wall["phases"])
+    assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
+    assert results["extract"]["command_seconds"] >= wall["total"] and results["command_over_sglang_wall"] > 0
+    assert "command / SGLang alone = " in result.stdout
+    assert "extracting" in (tmp_path / "results.extract.log").read_text()  # jobs.extract's own output kept
 
 
 @pytest.mark.extended
