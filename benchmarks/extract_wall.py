@@ -17,28 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow.parquet as pq
-import ray
 
-from benchmarks.regenerate import OfflineEngine
-from common.pythonpath import checkout_first
-from conversations.regenerate import REGENERATOR_CPUS
+from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
+                                 sglang_alone)
 from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec
 from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
 from runtime.cluster.session import ray_session, resolve_device
 from runtime.display.timeline import wall_time_line
-from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUND = 1.25
 """A command's wall time within this many times SGLang alone's (its engine's start and the same work)."""
 
@@ -46,57 +40,33 @@ BOUND = 1.25
 def run_extract(keys: list[str], log: Path) -> tuple[float, dict[str, Any]]:
     """``python -m jobs.extract`` on this process's Ray cluster; its output goes to ``log``; returns its wall time
     seen from outside and the run's summary."""
-    env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "jobs.extract", *keys, f"ray.address={ray.get_runtime_context().gcs_address}"]
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    log.write_text(result.stdout + result.stderr)
-    if result.returncode != 0:
-        raise SystemExit(f"jobs.extract failed (exit {result.returncode}); its output is in {log}:\n"
-                         f"{result.stderr[-3000:]}")
+    seconds = run_on_cluster("jobs.extract", keys, log)
     output_dir = next(key.split("=", 1)[1] for key in keys if key.startswith("output.dir="))
     return seconds, json.loads((Path(output_dir) / ".summary.json").read_text())
 
 
-def sglang_alone(keys: list[str], data: Path) -> dict[str, Any]:
-    """SGLang's own engine over the same token ids, prefill only (one new token each), with the engine settings
-    jobs.extract's config gives its model; wall time from the actor's start to the engine's shutdown."""
+def prefill_alone(keys: list[str], data: Path) -> dict[str, Any]:
+    """SGLang alone over the same token ids, prefill only (one new token each), with the engine settings
+    jobs.extract's config gives its model."""
     model = load_config(keys).model
-    device = resolve_device(model.device, model.tp_size)
-    spec = GeneratorSpec(model_path=model.path, dtype=model.dtype, device=device, tp_size=model.tp_size,
-                         attention_backend=model.attention_backend, mem_fraction_static=model.mem_fraction_static,
-                         trust_remote_code=model.trust_remote_code)
+    spec = GeneratorSpec(model_path=model.path, dtype=model.dtype, device=resolve_device(model.device, model.tp_size),
+                         tp_size=model.tp_size, attention_backend=model.attention_backend,
+                         mem_fraction_static=model.mem_fraction_static, trust_remote_code=model.trust_remote_code)
     prompts = pq.read_table(data, columns=["input_ids"]).column("input_ids").to_pylist()
-    params = [{"temperature": 0.0, "max_new_tokens": 1}] * len(prompts)
-    started = time.perf_counter()
-    actor = ray.remote(OfflineEngine).options(
-        num_gpus=spec.tp_size if device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
-    try:
-        seconds, _ = ray.get(actor.generate.remote(prompts, params))
-        ray.get(actor.close.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
-    return {"seconds": seconds, "wall_seconds": time.perf_counter() - started,
-            "tokens": sum(len(ids) for ids in prompts)}
+    own = sglang_alone(spec, prompts, [{"temperature": 0.0, "max_new_tokens": 1}] * len(prompts))
+    return {"seconds": own["seconds"], "wall_seconds": own["wall_seconds"], "tokens": sum(map(len, prompts))}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.extract_wall", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", default="", help="checkpoint (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--gguf", default="", help="build the default model from this SmolLM2 GGUF (no registry)")
+    add_model_arguments(parser)
     parser.add_argument("--samples", type=int, default=0, help="0: 8,000 on CUDA (~2M tokens), 24 on CPU")
     parser.add_argument("--tokens-per-sample", type=int, default=256)
-    parser.add_argument("--work-dir", default="extract-wall-bench")
-    parser.add_argument("--out", default="", help="write the results here as JSON")
-    parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more jobs.extract keys")
+    add_run_arguments(parser, "extract-wall-bench", "jobs.extract")
     args = parser.parse_args(argv)
     samples = args.samples or (8000 if args.device == "cuda" else 24)
-    model = Path(args.model) if args.model else (build_checkpoint(default_dir(), Path(args.gguf)) if args.gguf
-                                                 else checkpoint_dir())
+    model = resolve_model(args)
     work = Path(args.work_dir).absolute()
     data = build_synthetic_dataset(
         work / f"tokens-{samples}x{args.tokens_per_sample}.parquet", samples,
@@ -108,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with ray_session(""):
         log = Path(args.out).with_suffix(".extract.log") if args.out else work / "extract.log"
         command_seconds, summary = run_extract(keys, log)
-        alone = sglang_alone(keys, data)
+        alone = prefill_alone(keys, data)
     results = {
         "model": str(model), "device": args.device, "samples": samples, "tokens": summary["tokens"],
         "settings": keys[3:],

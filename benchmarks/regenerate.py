@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import ray
 
-from common.pythonpath import checkout_first
+from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
+                                 sglang_alone)
 from conversations.pipeline import read_inputs
-from conversations.regenerate import REGENERATOR_CPUS
 from extractor.checkpoint import read_checkpoint_info
 from jobs.prepare import load_config
 from runtime.cluster.session import ray_session, resolve_device
 from runtime.display.timeline import wall_time_line
-from testbeds.smollm2 import build_checkpoint, checkpoint_dir, default_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
     "What is the capital of France?", "Name {n} primary colors.", "How many days are in {n} weeks?",
     "What is {n} times 3?", "Give me {n} tips for sleeping well.", "What do bees make?",
@@ -47,38 +42,11 @@ def questions(count: int) -> list[str]:
     return [QUESTIONS[i % len(QUESTIONS)].format(n=2 + (i // len(QUESTIONS)) % 7) for i in range(count)]
 
 
-class OfflineEngine:
-    """SGLang's own offline path in a Ray actor like the regenerator's: one ``Engine.generate`` over every prompt."""
-
-    def __init__(self, spec: Any) -> None:
-        from extractor.generator import Generator
-
-        self.generator = Generator(spec)
-
-    def generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> tuple[float, list[list[int]]]:
-        started = time.perf_counter()
-        completions = self.generator.generate(prompts, params)
-        return time.perf_counter() - started, [completion.output_ids for completion in completions]
-
-    def close(self) -> None:
-        self.generator.close()
-
-
 def run_prepare(model: Path, data: Path, out: Path, keys: list[str], log: Path) -> tuple[float, dict]:
-    """``python -m jobs.prepare`` on this process's Ray cluster (its auth settings are in the environment); its output
-    goes to ``log`` (where its wall time went: its stage lines and timestamps)."""
-    env = dict(os.environ, PYTHONPATH=checkout_first(REPO_ROOT), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    env.pop("RAY_ADDRESS", None)
-    address = ray.get_runtime_context().gcs_address
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "jobs.prepare", f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys,
-         f"ray.address={address}"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    log.write_text(result.stdout + result.stderr)
-    if result.returncode != 0:
-        raise SystemExit(f"jobs.prepare failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    """``python -m jobs.prepare`` on this process's Ray cluster; its output goes to ``log`` (where its wall time
+    went: its stage lines and timestamps)."""
+    seconds = run_on_cluster("jobs.prepare", [f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys],
+                             log)
     return seconds, json.loads((out / "_prepare.json").read_text())
 
 
@@ -92,35 +60,23 @@ def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -
     sampling = dict(config.generation.sampling_params(), stop_token_ids=sorted(chat.stop_ids))
     params = [dict(sampling, max_new_tokens=min(config.generation.max_new_tokens, context - len(ids))) for ids in prompts]
     spec = inputs.generator_spec(resolve_device(config.model.device, config.model.tp_size))
-    started = time.perf_counter()
-    actor = ray.remote(OfflineEngine).options(
-        num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS).remote(spec)
-    try:
-        seconds, outputs = ray.get(actor.generate.remote(prompts, params))
-        ray.get(actor.close.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
-    return {"seconds": seconds, "wall_seconds": time.perf_counter() - started,
-            "generated_tokens": sum(len(ids) for ids in outputs),
-            "answers": [chat.decode(ids) for ids in outputs]}
+    own = sglang_alone(spec, prompts, params)
+    return {"seconds": own["seconds"], "wall_seconds": own["wall_seconds"],
+            "generated_tokens": sum(len(ids) for ids in own["outputs"]),
+            "answers": [chat.decode(ids) for ids in own["outputs"]]}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.regenerate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", default="", help="checkpoint (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--gguf", default="", help="build the default model from this SmolLM2 GGUF (no registry)")
+    add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, default=0, help="0: 3,000 on CUDA, 24 on CPU")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--shard-size", type=int, default=500, help="jobs.prepare's output.shard_size")
-    parser.add_argument("--work-dir", default="regenerate-bench")
-    parser.add_argument("--out", default="", help="write the results here as JSON")
-    parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more jobs.prepare keys")
+    add_run_arguments(parser, "regenerate-bench", "jobs.prepare")
     args = parser.parse_args(argv)
     prompts = args.prompts or (3000 if args.device == "cuda" else 24)
-    model = Path(args.model) if args.model else (build_checkpoint(default_dir(), Path(args.gguf)) if args.gguf
-                                                 else checkpoint_dir())
+    model = resolve_model(args)
     work = Path(args.work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     asked = questions(prompts)
