@@ -16,7 +16,6 @@ command's fixed costs are held to is 1.25. Both run on one private Ray cluster t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,10 +25,12 @@ import pyarrow.parquet as pq
 
 from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
                                  sglang_alone)
+from benchmarks.workdir import write_results
 from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec
 from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
+from jobs.rundir.summary import read_summary
 from runtime.cluster.session import ray_session, resolve_device
 from runtime.display.timeline import wall_time_line
 
@@ -42,7 +43,10 @@ def run_extract(keys: list[str], log: Path) -> tuple[float, dict[str, Any]]:
     seen from outside and the run's summary."""
     seconds = run_on_cluster("jobs.extract", keys, log)
     output_dir = next(key.split("=", 1)[1] for key in keys if key.startswith("output.dir="))
-    return seconds, json.loads((Path(output_dir) / ".summary.json").read_text())
+    summary = read_summary(Path(output_dir))
+    if summary is None:
+        raise SystemExit(f"jobs.extract exited 0 but left no readable summary in {output_dir}; its output is in {log}")
+    return seconds, summary
 
 
 def prefill_alone(keys: list[str], data: Path) -> dict[str, Any]:
@@ -93,8 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  SGLang alone, the actor's start to the engine's shutdown: {alone['wall_seconds']:.1f} s "
           f"(the prefill itself {alone['seconds']:.1f} s)")
     print(f"  command / SGLang alone = {results['command_over_sglang_wall']:.2f} (bound {BOUND})")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
     return 0
 
 

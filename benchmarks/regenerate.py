@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-
 from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
                                  sglang_alone)
+from benchmarks.workdir import write_results
+from conversations.output import read_record
 from conversations.pipeline import read_inputs
 from extractor.checkpoint import read_checkpoint_info
 from jobs.prepare import load_config
@@ -47,7 +48,10 @@ def run_prepare(model: Path, data: Path, out: Path, keys: list[str], log: Path) 
     went: its stage lines and timestamps)."""
     seconds = run_on_cluster("jobs.prepare", [f"model.path={model}", f"data.path={data}", f"output.dir={out}", *keys],
                              log)
-    return seconds, json.loads((out / "_prepare.json").read_text())
+    record = read_record(out)
+    if record is None:
+        raise SystemExit(f"jobs.prepare exited 0 but left no record in {out}; its output is in {log}")
+    return seconds, record
 
 
 def sglang_offline(keys: list[str], model: Path, data: Path, asked: list[str]) -> dict[str, Any]:
@@ -122,8 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  prepare / SGLang = {results['prepare_over_sglang']:.3f}; the same answer text for {same} of {prompts} prompts")
     for question, answer in list(zip(asked, answers))[:4]:
         print(f"  {question!r} -> {answer!r}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
     if not args.model and args.device == "cpu" and "paris" not in (answers[0] or "").lower():
         print("the answer to the capital of France does not name Paris: is this a trained model?", file=sys.stderr)
         return 1

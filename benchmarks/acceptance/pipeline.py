@@ -162,7 +162,10 @@ class Pipeline:
         return self.run_dir(ARMS[arm].draft_config_run) / ".drafter_config.json"
 
     def training_draft_config(self, arm: str) -> Path:
-        """The drafter config an arm trains and exports with: ``draft_config`` with the recipe's draft vocabulary."""
+        """The drafter config an arm trains and exports with: ``draft_config`` with the recipe's draft vocabulary;
+        arm E's untrained state keeps the run's own."""
+        if arm == UNTRAINED:
+            return self.draft_config(arm)
         return training_draft_config(self.draft_config(arm), self.args.draft_vocab, self.work / "train")
 
     def training_choices(self) -> dict[str, Any]:

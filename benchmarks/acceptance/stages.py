@@ -236,12 +236,9 @@ def stage_drafters(p: Pipeline) -> None:
         claimed = json.loads(p.draft_config(unit.arm).read_text())["eagle_config"]
         return lambda output, code: {"eagle_config": served_config(p.drafter(unit), claimed)["eagle_config"]}
 
-    def trained_with(unit: Served) -> Path:  # E's untrained state has the run's own vocabulary
-        return p.draft_config(unit.arm) if unit.arm == UNTRAINED else p.training_draft_config(unit.arm)
-
     p.run_jobs({f"drafter-{unit.name}": Job(
         specforge_command("export", "--to", "sglang", "--checkpoint", str(p.checkpoint(unit)), "--draft-config",
-                          str(trained_with(unit)), "--output-dir", str(p.drafter(unit))),
+                          str(p.training_draft_config(unit.arm)), "--output-dir", str(p.drafter(unit))),
         specforge_env(), exported(unit)) for unit in p.drafters()}, at_once=SIDE_BY_SIDE)
     p.run_jobs({**drafter_checks(p), **serving_checks(p)}, at_once=SIDE_BY_SIDE)
 

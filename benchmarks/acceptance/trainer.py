@@ -187,10 +187,13 @@ def initial_draft_state(draft_config: Path, seed: int, vocab_mapping: Optional[P
     return {name: tensor for name, tensor in model.state_dict().items() if "embed" not in name.lower()}
 
 
-def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path:
-    """Arm E: the draft model as SpecForge initialises it, as the training state its exporter reads: what a
-    trained checkpoint holds, before any step."""
-    out.mkdir(parents=True, exist_ok=True)
-    save_torch({"strategy": "eagle3", "draft_state_dict": initial_draft_state(draft_config, seed), "global_step": 0},
-               out / "training_state.pt")
+def save_draft_state(state: dict[str, Any], out: Path) -> Path:
+    """A draft model's weights as the training state SpecForge's exporter and weights-only warm start read
+    (``out/training_state.pt``, before any step); returns that file."""
+    save_torch({"strategy": "eagle3", "draft_state_dict": state, "global_step": 0}, out / "training_state.pt")
     return out / "training_state.pt"
+
+
+def write_untrained_checkpoint(draft_config: Path, out: Path, seed: int) -> Path:
+    """Arm E: the draft model as SpecForge initialises it: what a trained checkpoint holds, before any step."""
+    return save_draft_state(initial_draft_state(draft_config, seed), out)

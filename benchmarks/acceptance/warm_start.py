@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from benchmarks.acceptance.files import save_torch
-from benchmarks.acceptance.trainer import initial_draft_state, specforge_pythonpath
+from benchmarks.acceptance.trainer import initial_draft_state, save_draft_state, specforge_pythonpath
 
 if TYPE_CHECKING:
     import torch
@@ -62,5 +62,5 @@ def write_warm_start(draft_config: Path, target: Path, seed: int, out: Path,
     state["norm.weight"] = target_tensor(target, FINAL_NORM).to(norm.dtype)
     if state["lm_head.weight"].shape != head.shape or state["norm.weight"].shape != norm.shape:
         raise ValueError(f"the target {target}'s embedding or final norm does not fit {draft_config}'s drafter")
-    save_torch({"strategy": "eagle3", "draft_state_dict": state, "global_step": 0}, out / "training_state.pt")
+    save_draft_state(state, out)
     return out
