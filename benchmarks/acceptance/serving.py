@@ -8,7 +8,7 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from benchmarks.acceptance.prompts import render_prompts
 
@@ -22,7 +22,10 @@ SERVE_PARALLEL = 2
 """Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
 last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine.
 An engine on the quantized target is served alone: two fp8 targets with their drafters at 0.375 each did not
-start ("Raise --mem-fraction-static above 0.381")."""
+start ("Raise --mem-fraction-static above 0.381"). Two bf16 engines started at the same moment failed the same
+way on 2026-12-04: SGLang sizes an engine's KV pool against the memory free when its own load began, so an engine
+that starts while another is still loading counts that one's pool as its own. ``start_serving`` therefore starts
+the next engine only once the one before holds its memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +103,10 @@ def engine_args(target: Path, drafter: Path, attention_backend: str, mem_fractio
     return {"dtype": "bfloat16", "attention_backend": attention_backend, **serving_fields(serving), **own}
 
 
-def serve_arm(spec: ServeSpec) -> None:
+def serve_arm(spec: ServeSpec, ready: Any) -> None:
     """GPU only, in a process of its own: SGLang's EAGLE3 over the held-out prompts, all submitted at once
-    (greedy: batching changes no answer); writes per-prompt results and the engine's settings."""
+    (greedy: batching changes no answer); writes per-prompt results and the engine's settings. Sets ``ready``
+    (a multiprocessing Event) once the engine holds its GPU memory."""
     import sglang
     import transformers
 
@@ -110,6 +114,7 @@ def serve_arm(spec: ServeSpec) -> None:
     questions = [json.loads(line)["prompt"] for line in spec.prompts.read_text().splitlines()[:ANSWER_SAMPLES]]
     args = engine_args(spec.target, spec.drafter, spec.attention_backend, spec.mem_fraction_static, spec.serving)
     engine = sglang.Engine(**args)
+    ready.set()
     started = time.perf_counter()
     try:
         outputs = engine.generate(input_ids=input_ids,
@@ -123,10 +128,16 @@ def serve_arm(spec: ServeSpec) -> None:
                                     "prompts": results, "answers": answers}) + "\n")
 
 
-def start_serving(spec: ServeSpec) -> multiprocessing.Process:
-    """``serve_arm`` in a fresh spawned process (each arm's engine starts clean and frees the GPU after)."""
-    process = multiprocessing.get_context("spawn").Process(target=serve_arm, args=(spec,))
+def start_serving(spec: ServeSpec, serve: Callable[[ServeSpec, Any], None] = serve_arm) -> multiprocessing.Process:
+    """``serve`` in a fresh spawned process (each arm's engine starts clean and frees the GPU after), returned
+    once its engine holds its GPU memory or the process has ended: an engine started beside it after that sizes
+    its KV pool from what this one left (SERVE_PARALLEL)."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=serve, args=(spec, ready))
     process.start()
+    while not ready.wait(timeout=1.0) and process.is_alive():
+        pass
     return process
 
 

@@ -52,7 +52,14 @@ from benchmarks.acceptance.prompts import (
     split_prompts_composed,
     write_conversations,
 )
-from benchmarks.acceptance.serving import PromptResult, engine_args, prompt_results
+from benchmarks.acceptance.serving import (
+    PromptResult,
+    ServeSpec,
+    engine_args,
+    prompt_results,
+    served_results,
+    start_serving,
+)
 from benchmarks.acceptance.stages import (
     extract_command,
     serving_batches,
@@ -380,6 +387,28 @@ def test_prompt_results_read_sglang_meta_info():
     assert (first.verify_ct, first.correct_drafts, first.completion_tokens) == (10, 17, 27)
     assert (second.verify_ct, second.correct_drafts) == (0, 0)
     assert first.output_sha != second.output_sha
+
+
+def test_engines_side_by_side_start_one_after_the_other_holds_its_memory(tmp_path):
+    """The next engine starts once the one before holds its GPU memory (SGLang sizes a KV pool from the memory free
+    when its engine's load began), the two still serve side by side, and an engine that dies before holding any
+    neither hangs the start nor goes unnamed."""
+    import engine_stand_ins
+
+    def spec(name: str) -> ServeSpec:
+        return ServeSpec(tmp_path, tmp_path, tmp_path / "prompts.jsonl", tmp_path / f"{name}.json", max_new_tokens=8,
+                         attention_backend="triton", mem_fraction_static=0.375)
+
+    first, second = spec("A-s0"), spec("A-s1")
+    processes = [start_serving(s, engine_stand_ins.engine_taking_its_memory_after_a_second) for s in (first, second)]
+    for process, s in zip(processes, (first, second)):
+        assert served_results(process, s.out) == []
+    one, two = (json.loads(s.out.read_text()) for s in (first, second))
+    assert one["holds"] <= two["started"] < one["ended"]
+    failing = spec("B-s0")
+    process = start_serving(failing, engine_stand_ins.engine_failing_to_start)
+    with pytest.raises(RuntimeError, match=r"serving for B-s0 failed \(exit 3\)"):
+        served_results(process, failing.out)
 
 
 def _results(verify, correct, sha: str = "") -> list[PromptResult]:
