@@ -20,12 +20,12 @@ ANSWER_SAMPLES = 3
 target's (its answers should still be answers)."""
 SERVE_PARALLEL = 2
 """Serving engines at once by default: on the H200 (2026-12-02) five at 0.15 each failed (the engines started
-last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine.
-An engine on the quantized target is served alone: two fp8 targets with their drafters at 0.375 each did not
-start ("Raise --mem-fraction-static above 0.381"). Two bf16 engines started at the same moment failed the same
-way on 2026-12-04: SGLang sizes an engine's KV pool against the memory free when its own load began, so an engine
-that starts while another is still loading counts that one's pool as its own. ``start_serving`` therefore starts
-the next engine only once the one before holds its memory."""
+last found less than SGLang's minimum viable fraction, 0.156-0.164, left); two at 0.375 each served fine,
+except when started at the same moment: two fp8 targets with their drafters (2026-12-02, "Raise
+--mem-fraction-static above 0.381") and two bf16 ones (2026-12-04, above 0.379) did not start. SGLang sizes an
+engine's KV pool against the memory free when its own load began, so an engine that starts while another is still
+loading counts that one's pool as its own: ``start_serving`` starts the next engine only once the one before
+holds its memory."""
 
 
 @dataclasses.dataclass(frozen=True)

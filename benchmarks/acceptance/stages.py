@@ -286,11 +286,9 @@ def stage_serve(p: Pipeline) -> None:
 
 
 def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]]:
-    """Engines started together: each on the quantized target alone (see SERVE_PARALLEL), the rest ``parallel``
-    at a time."""
-    alone = [[unit] for unit in units if ARMS[unit.arm].quantized]
-    shared = [unit for unit in units if not ARMS[unit.arm].quantized]
-    return alone + [shared[start : start + parallel] for start in range(0, len(shared), parallel)]
+    """Engines side by side, ``parallel`` at a time in the order given (the quantized target's first), each
+    started once the one before holds its memory (``start_serving``)."""
+    return [list(units[start : start + parallel]) for start in range(0, len(units), parallel)]
 
 
 def stage_report(p: Pipeline) -> dict[str, Any]:

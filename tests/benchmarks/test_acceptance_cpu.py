@@ -206,9 +206,10 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
     # the quantized target's engines first; Q-bf16 serves A's drafter of the same seed
     assert [unit.name for unit in p.served()] == ["Q-s0", "Q-bf16-s0", "Q-s1", "Q-bf16-s1", "A-s0", "A-s1"]
     assert [unit.name for unit in p.drafters()] == ["Q-s0", "A-s0", "Q-s1", "A-s1"]
-    # an engine on the quantized target needs more than half the GPU's serving memory: it is served alone
+    # two engines side by side, the quantized target's first (each started once the one before holds its memory)
     assert [[unit.name for unit in batch] for batch in serving_batches(p.served(), 2)] == [
-        ["Q-s0"], ["Q-bf16-s0"], ["Q-s1"], ["Q-bf16-s1"], ["A-s0", "A-s1"]]
+        ["Q-s0", "Q-bf16-s0"], ["Q-s1", "Q-bf16-s1"], ["A-s0", "A-s1"]]
+    assert [len(batch) for batch in serving_batches(p.served(), 1)] == [1] * 6
     assert p.drafter(Served("Q-bf16", 1)) == p.drafter(Served("A", 1)) == p.work / "drafters" / "A-s1"
     assert p.recipe(1) == Recipe(seed=1) and (Recipe.epochs, Recipe.learning_rate, Recipe.batch_size) == (3, 5e-4, 4)
     assert pipeline("--lr", "1e-3", "--epochs", "2", "--max-steps", "9", "--ttt-length", "4", "--draft-vocab",
@@ -233,7 +234,7 @@ def test_what_a_selection_of_arms_trains_extracts_checks_and_serves(tmp_path):
 
 def test_the_int4_target_its_run_engines_and_checks(tmp_path):
     """Arms Q4 and Q4-bf16: Q4's run extracts the INT4 checkpoint with its serving command as model.serving, their
-    engines serve that checkpoint with it (each alone), jobs.check_serving compares it with Q4's run and A's, and
+    engines serve that checkpoint with it, jobs.check_serving compares it with Q4's run and A's, and
     Q4-bf16's states are compared with Q4's; fp8's steps keep their names."""
     p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts",
                              "--arms", "A,Q-bf16,Q4,Q4-bf16", "--attention-backend", "fa3"]))
@@ -243,7 +244,7 @@ def test_the_int4_target_its_run_engines_and_checks(tmp_path):
     assert p.target_model("int4") == p.work / "model-int4" and p.target_model("fp8") == p.model
     assert [unit.name for unit in p.served()] == ["Q-bf16-s0", "Q4-s0", "Q4-bf16-s0", "A-s0"]
     assert [[unit.name for unit in batch] for batch in serving_batches(p.served(), 2)] == [
-        ["Q-bf16-s0"], ["Q4-s0"], ["Q4-bf16-s0"], ["A-s0"]]
+        ["Q-bf16-s0", "Q4-s0"], ["Q4-bf16-s0", "A-s0"]]
     command = extract_command(p, "Q4")
     assert f"model.path={p.work / 'model-int4'}" in command and "--config" in command
     assert not any(word.startswith("model.dtype=") for word in command)
