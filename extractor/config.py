@@ -141,6 +141,10 @@ class ExtractConfig:
     """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
     max_attempts: int = 3
     """Tries per shard in one run when faults (a dead extractor or writer) cut it short (uploads: output.upload_attempts)."""
+    copy_piece_mb: int = 0
+    """GPU: copy a batch's states to the host in pieces of this many MB, each once the one before has landed, so
+    that SGLang's small reads in the next forward wait for one piece, not the whole batch (0: the whole batch at once;
+    under trial, docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -156,6 +160,7 @@ class ExtractConfig:
             "fail stops the shard at a NaN/Inf sample, skip leaves such samples out, keep writes them flagged"))
         check_int("extract.max_restarts", self.max_restarts, 0, "0: never restart")
         check_int("extract.max_attempts", self.max_attempts, 1)
+        check_int("extract.copy_piece_mb", self.copy_piece_mb, 0, "0: the whole batch at once")
         kind = _BOOLEAN_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

@@ -68,6 +68,7 @@ class SyntheticEngine:
         self._copier = HostCopier(
             spec.device, dtype, tokens, layers=len(layer_ids), hidden_size=hidden,
             last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8, count=spec.host_buffers, times=self._times,
+            piece_bytes=spec.copy_piece_bytes,
         )
         self._forward_lock = threading.Lock()
         self._activity = ActivityClock()

@@ -38,6 +38,8 @@ class EngineSpec:
     host_buffers: int = 2
     """Batches whose states may sit in host buffers at once: one being copied while the one
     before is handed on. The extractor actor runs this many calls concurrently."""
+    copy_piece_bytes: int = 0
+    """extract.copy_piece_mb in bytes: the states' copy to the host in pieces (``extractor.host_copy``); 0 whole."""
     state_dtype: str = "model"
     """model | float8_e4m3fn: quantized on the device, before the host copy."""
     engine: str = "sglang"

@@ -21,6 +21,7 @@ from jobs.check_drafter import CheckDrafterConfig
 from jobs.check_serving import CheckServingConfig
 from jobs.config import JobConfig, build_config, config_keys, load_config, resolve_paths
 from jobs.outdir.config import OutputConfig, parse_disk_budget
+from jobs.planning.engine import build_engine_spec
 from jobs.planning.preflight import refuse_pickled_weights
 from jobs.prepare import load_config as load_prepare_config
 from jobs.reference import COMMANDS
@@ -213,6 +214,8 @@ def test_sections_check_themselves_when_built_in_python():
         ExtractConfig(max_samples_per_batch=0)
     with pytest.raises(ValueError, match="extract.on_nonfinite='ignore': use one of fail, skip, keep"):
         ExtractConfig(on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="extract.copy_piece_mb=-1: must be an integer >= 0"):
+        ExtractConfig(copy_piece_mb=-1)
     with pytest.raises(ValueError, match="output.max_inflight_batches=-1"):
         OutputConfig(max_inflight_batches=-1)
     assert OutputConfig(disk_budget="64GiB").disk_budget_bytes == 64 * 2**30
@@ -396,3 +399,10 @@ def test_writer_cpus_pin_and_lower_every_thread_of_a_writer():
     refused = subprocess.run([sys.executable, "-c", PLACE_WRITER, "4096", "0", "1"], cwd=REPO_ROOT, env=python_env(),
                              capture_output=True, text=True, timeout=120)
     assert "output.writer_cpus=4096: cores 4096 are not among the cores" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_the_copy_pieces_reach_the_engine_in_bytes():
+    pieces = load_config(["extract.copy_piece_mb=16"])
+    whole = load_config([])
+    assert build_engine_spec(pieces.model, pieces.extract, [1], "cuda", 100).copy_piece_bytes == 16 << 20
+    assert build_engine_spec(whole.model, whole.extract, [1], "cuda", 100).copy_piece_bytes == 0
