@@ -120,6 +120,24 @@ def states_digests(extractor: Extractor, batches: list[list[np.ndarray]], in_fli
         return [future.result() for future in [pool.submit(extractor.capture, batch, digest) for batch in batches]]
 
 
+def device_digests(extractor: Extractor, batches: list[list[np.ndarray]]) -> list[str]:
+    """sha256 of each batch's states read straight from the device after the capture forward (``.cpu()``, the host
+    copier bypassed): the bytes ``states_digests`` must find, whole copy or pieces."""
+    engine = extractor._engine._engine  # benchmark: the rank-0 CaptureEngine itself
+
+    def raw(states: torch.Tensor) -> np.ndarray:
+        return states.contiguous().cpu().view(torch.uint8).numpy().reshape(-1)
+
+    digests = []
+    for batch in batches:
+        aux, last = engine.capture_forward(batch)
+        hashed = hashlib.sha256(raw(aux))
+        if last is not None:
+            hashed.update(raw(last))
+        digests.append(hashed.hexdigest())
+    return digests
+
+
 def _spans(engine: Any) -> Any:
     """Device spans that land in the engine's stage times once the forward ends (as bare_prefill's do)."""
     from extractor.timing import maybe_device_spans
@@ -269,6 +287,9 @@ def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarra
         results["overlapped_states_equal"] = one_at_a_time == overlapped
         if one_at_a_time != overlapped:
             raise SystemExit(f"the states of overlapped batches differ from one-at-a-time's: {one_at_a_time} vs {overlapped}")
+        results["host_states_equal_the_devices"] = one_at_a_time == device_digests(extractor, checked)
+        if not results["host_states_equal_the_devices"]:
+            raise SystemExit("the states the host copy delivered differ from the device's own (.cpu())")
     for _ in range(args.rounds):
         for way in ways:
             results["rounds"].setdefault(way, []).append(timed(extractor, way, batches, hand_on, spec.host_buffers, tokens))
@@ -292,7 +313,8 @@ def print_report(results: dict) -> None:
     print(f"shape {results['shape']}: {results['tokens']:,} tokens in {results['batches']} batches a way, "
           f"layers {results['layer_ids']}, final state {results['last_hidden_state']}")
     if "overlapped_states_equal" in results:
-        print(f"states of overlapped batches equal one-at-a-time's: {results['overlapped_states_equal']}")
+        print(f"states of overlapped batches equal one-at-a-time's: {results['overlapped_states_equal']}, "
+              f"and the device's own: {results.get('host_states_equal_the_devices')}")
     print(f"{'way':<14}{'tok/s':>12}{'forward dev s/Mtok':>20}  allocator (alloc/free/retries/syncs)")
     for way, rounds in results["rounds"].items():
         for r in rounds:

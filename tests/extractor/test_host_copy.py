@@ -1,6 +1,6 @@
 """The host copy's pieces: row ranges that cover a batch exactly once, in order, about the size asked for (on a GPU
 each is queued once the one before has landed; the states' bytes are compared there by
-``benchmarks.capture_profile``, pieces against one batch at a time)."""
+``benchmarks.capture_profile`` with the device's own)."""
 
 from __future__ import annotations
 
