@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import socket
 import sys
 import time
@@ -62,6 +63,9 @@ from benchmarks.acceptance.trainer import (
 from testbeds.smollm2 import build_checkpoint
 
 PROBE_PROMPTS = 16
+DISK_HEADROOM = 1.1, 3 << 30
+"""Free space the runs and exports still to write must leave: 10% over their states' bytes, and 3 GiB more (the
+drafters' checkpoints, logs, the engines' files)."""
 """Held-out prompts the probe serves: enough for verify steps to run, few enough to take seconds."""
 SIDE_BY_SIDE = 8
 """Exports and checks at once (each a process that mostly imports torch or SGLang)."""
@@ -117,12 +121,32 @@ def extract_command(p: Pipeline, run: str) -> list[str]:
 
 
 def stage_extract(p: Pipeline) -> None:
-    """Every run the arms need, the quantized ones first."""
+    """Every run the arms need, the quantized ones first (once the disk is known to hold them and their exports)."""
+    check_disk(p)
     for run in runs_needed(p.args.arms):
         def make(run: str = run) -> dict[str, Any]:
             p.command(extract_command(p, run), f"extract-{run}")
             return json.loads((p.run_dir(run) / ".summary.json").read_text())["this_run"]
         p.step(f"extract-{run}", make)
+
+
+def check_disk(p: Pipeline) -> None:
+    """Refuse, naming the sizes, when the runs and SpecForge exports still to write do not fit in --work: each holds
+    every training token's states, and a disk full half-way through costs the run's whole device time."""
+    tokens = (p.record("prepare") or {}).get("tokens", 0)
+    hidden = json.loads((p.model / "config.json").read_text())["hidden_size"]
+    per_copy = tokens * (len(LAYERS) + 1) * hidden * 2  # bf16 states of the layers and the final state
+    runs = [run for run in runs_needed(p.args.arms) if p.record(f"extract-{run}") is None]
+    exports = [name for name in {ARMS[arm].features for arm in trained(p.args.arms)}
+               if p.record(f"export-{name}") is None and p.record(f"features-{name}") is None]
+    needed = (len(runs) + len(exports)) * per_copy
+    free = shutil.disk_usage(p.work).free
+    margin, spare = DISK_HEADROOM
+    if needed and needed * margin + spare > free:
+        raise ValueError(
+            f"runs {', '.join(runs) or '-'} and exports {', '.join(sorted(exports)) or '-'} need about "
+            f"{needed / 1e9:.1f} GB ({per_copy / 1e9:.1f} GB each: {tokens:,} tokens) and {p.work} has "
+            f"{free / 1e9:.1f} GB free: run with fewer --train-prompts or fewer arms, or --work on a larger disk")
 
 
 def stage_probe(p: Pipeline) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ from benchmarks.acceptance.serving import (
     start_serving,
 )
 from benchmarks.acceptance.stages import (
+    check_disk,
     extract_command,
     serving_batches,
     serving_checks,
@@ -604,6 +606,25 @@ def test_each_drafter_exports_with_the_config_it_trained_with(tmp_path):
         with pytest.raises(ValueError, match="step train-A-s0 was trained with --ttt-length 7 --draft-vocab 1024 "
                                              "without --warm-head: run with those"):
             stage_drafters(other)
+
+
+def test_runs_and_exports_that_the_disk_cannot_hold_are_refused_before_the_first_extraction(tmp_path):
+    work = tmp_path / "work"
+    (work / "model").mkdir(parents=True)
+    (work / "model" / "config.json").write_text(json.dumps({"hidden_size": 576}))
+    (work / "steps").mkdir()
+    p = Pipeline(parse_args(["--work", str(work), "--device", "cpu", "--stages", "extract", "--arms", "A,B"]))
+    free = shutil.disk_usage(work).free
+    per_copy = 4 * 576 * 2  # bytes a token: three layers and the final state, bf16
+    _record(work, "prepare", {"tokens": free // per_copy})  # one copy alone fills the disk; four are to write
+    with pytest.raises(ValueError, match=r"runs A, B and exports A, B need about .* GB free: run with fewer "
+                                         r"--train-prompts"):
+        stage_extract(p)
+    assert not (work / "logs").exists(), "refused before any extraction ran"
+    for done in ("extract-A", "extract-B", "export-A"):  # what is written already needs no room
+        _record(work, done, {})
+    _record(work, "prepare", {"tokens": free // per_copy // 2})
+    check_disk(p)  # export B alone: half the free space
 
 
 def test_the_command_records_each_step_and_skips_it_on_a_rerun(tmp_path):
