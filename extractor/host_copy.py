@@ -67,9 +67,13 @@ class PendingCopy:
     def __enter__(self) -> CapturedBatch:
         """Waits for the copy; the arrays are views of the buffer, valid until the block ends."""
         if self._done is not None:
-            with self._copier.times.stage("copy_wait"):
-                self._copier.wait_until_queued(self)
-                self._done.synchronize()  # releases the GIL: the next forward keeps launching
+            try:
+                with self._copier.times.stage("copy_wait"):
+                    self._copier.wait_until_queued(self)
+                    self._done.synchronize()  # releases the GIL: the next forward keeps launching
+            except BaseException:
+                self.__exit__(None, None, None)  # the buffer goes back: a later start would wait for it forever
+                raise
             if self._spans is not None:
                 self._spans.add_to(self._copier.times)
         buffer = self._buffer
@@ -105,10 +109,12 @@ class HostCopier:
                  last_hidden_state: bool, fp8: bool, count: int, times: StageTimes, piece_bytes: int = 0) -> None:
         cuda = device == "cuda"
         self.times = times
+        """The engine's: the copy's wait and device spans are added to it."""
         self._piece_bytes = piece_bytes
         """0: a batch's copy is queued whole by the next forward's ``start``; else in pieces of about this many
         bytes, each queued by the batch's caller once the one before has landed (``wait_until_queued``)."""
-        """The engine's: the copy's wait and device spans are added to it."""
+        self._pacing = threading.Lock()
+        """Held by the caller sending its batch's pieces: one batch's pieces at a time on the copy stream."""
         self._layers = layers
         self._fp8 = fp8
         stored = torch.uint8 if fp8 else dtype  # fp8 travels as its raw bytes (copies and numpy know uint8)
@@ -203,11 +209,14 @@ class HostCopier:
         with self._turns:
             while self._forwards_coming and not self._released(pending):
                 self._turns.wait()
-            self._release_deferred()
+            if not (self._piece_bytes and self._forwards_coming):  # in pieces, a newer batch waits for its forward
+                self._release_deferred()
             mine = [copy for copy in self._deferred if copy.pending is pending]
             self._deferred = [copy for copy in self._deferred if copy.pending is not pending]
-        for copy in mine:  # pieces (a whole copy was queued by _release_deferred)
-            self._queue(copy)
+        if mine:  # in pieces (a whole copy was queued by _release_deferred)
+            with self._pacing:
+                for copy in mine:
+                    self._queue(copy)
 
     def _released(self, pending: "PendingCopy") -> bool:
         return not any(copy.pending is pending and not copy.released for copy in self._deferred)
@@ -227,24 +236,30 @@ class HostCopier:
         self._turns.notify_all()
 
     def _queue(self, copy: "_DeferredCopy") -> None:
-        """One batch's copy on the copy stream, whole or piece by piece (each piece once the one before has landed:
-        this waits, without the GIL)."""
+        """One batch's copy on the copy stream, whole or piece by piece. In pieces this thread waits (without the
+        GIL) for the batch's forward to end first, so that nothing on the copy stream waits for a forward, then
+        queues each piece once the one before has landed."""
         assert self._stream is not None
+        landed = torch.cuda.Event() if self._piece_bytes else None
+        if landed is None:
+            self._stream.wait_event(copy.ready)
+        else:
+            copy.ready.synchronize()
         spans = copy.spans
-        self._stream.wait_event(copy.ready)
+        queued = False
         with torch.cuda.stream(self._stream):
             if spans is not None:
                 spans.mark(None, self._stream)
             for host, states in copy.copies:
+                # The allocator must not hand this block to a later forward before the copy has read it.
+                states.record_stream(self._stream)
                 row_bytes = states.shape[1] * states.element_size()
-                for index, (start, end) in enumerate(pieces(copy.tokens, row_bytes, self._piece_bytes)):
-                    if index:
-                        landed = torch.cuda.Event()
+                for start, end in pieces(copy.tokens, row_bytes, self._piece_bytes):
+                    if landed is not None and queued:
                         landed.record(self._stream)
                         landed.synchronize()
                     host[start:end].copy_(states[start:end], non_blocking=True)
-                # The allocator must not hand this block to a later forward before the copy has read it.
-                states.record_stream(self._stream)
+                    queued = True
             if spans is not None:
                 spans.mark("copy", self._stream)
             copy.done.record(self._stream)
