@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epoch-acceptance", action="store_true",
                         help="also serve each trained arm's drafter as it was at the end of every earlier epoch "
                              "(one more engine each: the acceptance curve over epochs)")
+    parser.add_argument("--training-distribution-eval", action="store_true",
+                        help="also serve arm A's drafter of the first seed over --eval-prompts fresh prompts of the "
+                             "training distribution (one more engine): how much of the held-out prompts' acceptance "
+                             "the other distribution costs")
     parser.add_argument("--train-parallel", type=int, default=TRAIN_PARALLEL, help="SpecForge trainings at once")
     parser.add_argument("--attention-backend", default="flashinfer", help="SGLang's, when serving")
     parser.add_argument("--quantized-serving", default="",

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from common.pythonpath import checkout_first
 from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
+from benchmarks.acceptance.prompts import fresh_training_distribution
 from benchmarks.acceptance.trainer import Recipe, training_draft_config
 from benchmarks.acceptance.warm_start import write_vocab_mapping, write_warm_start
 
@@ -39,16 +40,24 @@ class OutOfTime(Exception):
 @dataclasses.dataclass(frozen=True)
 class Served:
     """One engine's worth of serving: an arm's drafter of one training seed (at the end of training, or at the
-    end of an earlier epoch), over the held-out prompts."""
+    end of an earlier epoch), over the held-out prompts (or fresh prompts of the training distribution)."""
 
     arm: str
     seed: int
     epoch: int = 0
     """0: the drafter at the end of training; e: its checkpoint at the end of epoch e."""
+    training_distribution: bool = False
+    """Over fresh prompts of the training distribution instead of the held-out ones (--training-distribution-eval)."""
 
     @property
     def name(self) -> str:
-        return f"{self.arm}-s{self.seed}" + (f"-e{self.epoch}" if self.epoch else "")
+        return (f"{self.arm}-s{self.seed}" + (f"-e{self.epoch}" if self.epoch else "")
+                + ("-train-dist" if self.training_distribution else ""))
+
+    @property
+    def final(self) -> bool:
+        """The drafter at the end of training over the held-out prompts: what the arms' table and differences use."""
+        return not self.epoch and not self.training_distribution
 
     @property
     def drafter(self) -> "Served":
@@ -99,6 +108,8 @@ class Pipeline:
         if self.args.epoch_acceptance:
             units += [Served(arm, seed, epoch) for seed in self.args.seeds for arm in self.args.arms
                       for epoch in range(1, self.args.epochs) if ARMS[arm].drafter_of == arm and ARMS[arm].features]
+        if self.args.training_distribution_eval and "A" in self.args.arms:
+            units.append(Served("A", self.args.seeds[0], training_distribution=True))
         return sorted(units, key=lambda unit: not ARMS[unit.arm].quantized)
 
     def drafters(self) -> list[Served]:
@@ -130,6 +141,20 @@ class Pipeline:
     @property
     def eval_prompts(self) -> Path:
         return self.work / "prompts" / "eval.jsonl"
+
+    def training_distribution_prompts(self) -> Path:
+        """--eval-prompts fresh prompts of the training distribution (none a training prompt), made on first use."""
+        path = self.work / "prompts" / "eval-training-distribution.jsonl"
+        if not path.is_file():
+            training = [json.loads(line)["messages"][0]["content"]
+                        for line in self.train_conversations.read_text().splitlines()]
+            fresh = fresh_training_distribution(training, self.args.eval_prompts, self.args.prompt_seed)
+            path.write_text("".join(json.dumps({"prompt": prompt.text}) + "\n" for prompt in fresh))
+        return path
+
+    def prompts(self, unit: Served) -> Path:
+        """The prompts ``unit``'s engine serves."""
+        return self.training_distribution_prompts() if unit.training_distribution else self.eval_prompts
 
     @property
     def data(self) -> Path:

@@ -312,6 +312,19 @@ def split_prompts_composed(train: int, held_out: int, seed: int) -> tuple[list[C
     return training, evaluation
 
 
+def fresh_training_distribution(training: Sequence[str], count: int, seed: int) -> list[Composed]:
+    """``count`` prompts of the training side's phrasings and pools (``seed`` splits the sides as for the training
+    prompts), none of them a training prompt: acceptance on these against the held-out prompts' separates what a
+    drafter has not learnt from what another distribution costs it."""
+    train_side, _ = split_sides(seed)
+    seen = set(training)
+    fresh = [p for p in compose(count + len(seen), train_side, seed + 3) if p.text not in seen]
+    if len(fresh) < count:
+        raise ValueError(f"only {len(fresh)} prompts of the training distribution are not training prompts; "
+                         f"ask for fewer than {count}")
+    return fresh[:count]
+
+
 def split_prompts(train: int, held_out: int, seed: int) -> tuple[list[str], list[str]]:
     """The texts of ``split_prompts_composed``."""
     training, evaluation = split_prompts_composed(train, held_out, seed)

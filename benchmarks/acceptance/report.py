@@ -140,6 +140,20 @@ def _epoch_acceptance(results: dict[str, Any]) -> list[str]:
     return lines + [f"| {name} | {_interval(stats, bold=False)} |" for name, stats in served.items()]
 
 
+def _training_distribution(results: dict[str, Any]) -> list[str]:
+    served = results.get("training_distribution_acceptance", {})
+    if not served:
+        return []
+    arms = results["acceptance"]["arms"]
+    lines = ["", "| drafter | held-out prompts (another distribution) | fresh prompts of the training distribution |",
+             "|---|---|---|"]
+    for name, stats in served.items():
+        held_out = arms.get(stats["arm"], {}).get("seeds", {}).get(str(stats["seed"]))
+        lines.append(f"| {name} | {_interval(held_out, bold=False) if held_out else '-'} | "
+                     f"{_interval(stats, bold=False)} |")
+    return lines
+
+
 ANSWER_CHARS = 160
 """An answer's text in the report is cut at this many characters."""
 
@@ -188,6 +202,7 @@ def markdown(results: dict[str, Any]) -> str:
     if "c_vs_a" in results:
         lines += _layer_table("C vs A", results["c_vs_a"])
     lines += _quantized_states(results) + _answers(results) + _curves(results) + _epoch_acceptance(results)
+    lines += _training_distribution(results)
     for key, target in (("probe", "fp8"), ("probe-int4", "int4")):
         if key in results:
             probe = results[key]

@@ -300,7 +300,7 @@ def stage_serve(p: Pipeline) -> None:
         started = time.perf_counter()
         p.progress(step=" ".join(f"serve-{unit.name}" for unit in batch))
         processes = {unit: start_serving(ServeSpec(
-            p.target_model(ARMS[unit.arm].target), p.drafter(unit), p.eval_prompts,
+            p.target_model(ARMS[unit.arm].target), p.drafter(unit), p.prompts(unit),
             p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens, p.args.attention_backend,
             SERVE_MEMORY / len(batch), p.serving(ARMS[unit.arm].target))) for unit in batch}
         for unit, process in processes.items():
@@ -320,7 +320,7 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
     units = p.served()
     served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
     finals = {}
-    for unit in (unit for unit in units if not unit.epoch):
+    for unit in (unit for unit in units if unit.final):
         finals.setdefault(unit.arm, {})[unit.seed] = served[unit]
     acceptance = bootstrap_acceptance(finals, pairs=MAIN_DIFFERENCES + OTHER_DIFFERENCES, main=MAIN_DIFFERENCES)
     results: dict[str, Any] = {
@@ -328,7 +328,12 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
         "acceptance": acceptance,
         "epoch_acceptance": {unit.name: bootstrap_acceptance({unit.name: {unit.seed: served[unit]}})["arms"][unit.name]
                              ["seeds"][str(unit.seed)] for unit in units if unit.epoch},
-        "same_output": same_output(served),
+        "training_distribution_acceptance": {
+            unit.drafter.name: {"arm": unit.arm, "seed": unit.seed, **bootstrap_acceptance(
+                {unit.name: {unit.seed: served[unit]}})["arms"][unit.name]["seeds"][str(unit.seed)]}
+            for unit in units if unit.training_distribution},
+        "same_output": same_output({unit: results for unit, results in served.items()
+                                    if not unit.training_distribution}),
         "answers": target_answers(p, units),
         "training": {name.removeprefix("train-"): p.record(name) for name in
                      (f"train-{arm}-s{seed}" for seed in p.args.seeds for arm in (*trained(p.args.arms), UNTRAINED))
@@ -372,7 +377,7 @@ def target_answers(p: Pipeline, units: Sequence[Served]) -> dict[str, list[dict[
     answers."""
     answers = {}
     for target in ("bf16", *QUANTIZED):
-        on_target = [unit for unit in units if ARMS[unit.arm].target == target and not unit.epoch
+        on_target = [unit for unit in units if ARMS[unit.arm].target == target and unit.final
                      and unit.seed == p.args.seeds[0]]
         on_target.sort(key=lambda unit: unit.arm != QUANTIZED.get(target, "A"))
         if on_target and (found := read_answers(p.work / "serve" / f"{on_target[0].name}.json")):

@@ -48,9 +48,11 @@ from benchmarks.acceptance.pipeline import EXIT_MORE_TO_DO, Job, OutOfTime, Pipe
 from benchmarks.acceptance.prompts import (
     KINDS,
     TEMPLATES,
+    fresh_training_distribution,
     render_prompts,
     split_prompts,
     split_prompts_composed,
+    split_sides,
     write_conversations,
 )
 from benchmarks.acceptance.serving import (
@@ -69,6 +71,7 @@ from benchmarks.acceptance.stages import (
     stage_drafters,
     stage_extract,
     stage_features,
+    stage_prompts,
     stage_report,
     state_difference,
 )
@@ -156,6 +159,13 @@ def test_prompts_are_varied_distinct_disjoint_reproducible_and_held_out_of_anoth
     assert len(set(other_held_out) & set(evaluation)) < 20
     with pytest.raises(ValueError, match="at least 200"):
         split_prompts(1000, 100, seed=0)
+    # fresh prompts of the training distribution: the training side's phrasings and pool entries, no training prompt
+    fresh = fresh_training_distribution(train, 256, seed=0)
+    assert len({p.text for p in fresh}) == 256 and not {p.text for p in fresh} & (set(train) | set(evaluation))
+    assert {p.template for p in fresh} <= {p.template for p in training} and {p.kind for p in fresh} == set(KINDS)
+    train_pools = split_sides(0)[0].pools
+    assert all(value in train_pools[pool] for p in fresh for pool, value in p.drawn)
+    assert [p.text for p in fresh_training_distribution(train, 256, seed=0)] == [p.text for p in fresh]
 
 
 def test_conversations_are_one_user_turn_each(tmp_path):
@@ -165,6 +175,22 @@ def test_conversations_are_one_user_turn_each(tmp_path):
         {"messages": [{"role": "user", "content": "Hi there"}]},
         {"messages": [{"role": "user", "content": "Name a color."}]},
     ]
+
+
+def test_the_training_distributions_prompts_are_fresh_and_served_by_a_s0_alone(tmp_path):
+    p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "prompts", "--arms",
+                             "A,B", "--seeds", "0,1", "--train-prompts", "300", "--eval-prompts", "200",
+                             "--training-distribution-eval"]))
+    stage_prompts(p)
+    assert [unit.name for unit in p.served()] == ["A-s0", "B-s0", "A-s1", "B-s1", "A-s0-train-dist"]
+    assert [unit.name for unit in p.drafters()] == ["A-s0", "B-s0", "A-s1", "B-s1"]  # A-s0's drafter serves both
+    fresh = p.prompts(p.served()[-1])
+    assert p.prompts(p.served()[0]) == p.eval_prompts and fresh != p.eval_prompts
+    training = {json.loads(line)["messages"][0]["content"] for line in p.train_conversations.read_text().splitlines()}
+    held_out = {json.loads(line)["prompt"] for line in p.eval_prompts.read_text().splitlines()}
+    texts = [json.loads(line)["prompt"] for line in fresh.read_text().splitlines()]
+    assert len(set(texts)) == 200 and not set(texts) & (training | held_out)
+    assert p.prompts(p.served()[-1]).read_text() == fresh.read_text()  # made once
 
 
 def test_arm_layers_and_the_runs_they_are_checked_against():
@@ -505,12 +531,13 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     per seed and pooled, Q-(Q-bf16) first among the differences, Q-bf16 shown with A's training and A's drafter
     check, jobs.check_serving per run, the states' difference, the training curve, the tables."""
     p = Pipeline(parse_args(["--work", str(tmp_path / "work"), "--device", "cpu", "--stages", "report",
-                             "--arms", "A,Q,Q-bf16", "--seeds", "0,1"]))
+                             "--arms", "A,Q,Q-bf16", "--seeds", "0,1", "--training-distribution-eval"]))
     (p.work / "serve").mkdir()
     base = {"Q-bf16": 20, "Q": 24, "A": 28}  # correct drafts per 40 verify steps on every prompt (+4 for seed 1)
-    for unit in p.served():
+    for unit in p.served():  # A-s0 also over fresh prompts of the training distribution: 8 more
         shas = ["x", "y"] * 100 if unit.arm == "Q-bf16" else ["x"] * 200
-        prompts = [dataclasses.asdict(PromptResult(40, base[unit.arm] + 4 * unit.seed, 60, sha)) for sha in shas]
+        correct = base[unit.arm] + 4 * unit.seed + 8 * unit.training_distribution
+        prompts = [dataclasses.asdict(PromptResult(40, correct, 60, sha)) for sha in shas]
         answers = [{"prompt": "Name 2 primary colors.", "answer": f"{unit.name}: red | blue\n" + "x" * 300}]
         (p.work / "serve" / f"{unit.name}.json").write_text(json.dumps({"engine": {"quantization": "fp8"},
                                                                          "prompts": prompts, "answers": answers}))
@@ -546,6 +573,9 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
     assert results["check_drafter"]["Q-bf16-s1"]["verdict"].startswith(f"PASS {p.work}/drafters/A-s1:")
     assert results["check_serving"]["A"]["command"] == ["--quantization", "fp8", "--attention-backend", "flashinfer"]
     assert results["same_output"] == {"Q-bf16-s0": 0.5, "Q-bf16-s1": 0.5}  # against Q's outputs of the same seed
+    assert p.served()[-1].name == "A-s0-train-dist" and not p.served()[-1].final
+    assert results["training_distribution_acceptance"]["A-s0"]["acceptance_length"] == pytest.approx(1.9)
+    assert arms["A"]["seeds"]["0"]["acceptance_length"] == pytest.approx(1.7)  # the held-out prompts' alone
     # each target's answers from its own arm at the first seed: Q's on fp8, A's on bf16
     assert [(target, [a["answer"][:7] for a in answers]) for target, answers in results["answers"].items()] == [
         ("bf16", ["A-s0: r"]), ("fp8", ["Q-s0: r"])]
@@ -566,7 +596,8 @@ def test_the_report_of_the_quantized_arms_over_two_seeds(tmp_path, capsys):
                 "| held-out prompt | answer on the bf16 target | answer on the fp8 target |",
                 f"| Name 2 primary colors. | A-s0: red \\| blue {'x' * 143}... | Q-s0: red \\| blue {'x' * 143}... |",
                 "Quantized target fp8: the bf16 checkpoint served with `--quantization fp8 --attention-backend "
-                "flashinfer`", "an untrained drafter served on the fp8 target over 16 prompts, acceptance 1.000"):
+                "flashinfer`", "an untrained drafter served on the fp8 target over 16 prompts, acceptance 1.000",
+                "| A-s0 | 1.700 (1.700-1.700) | 1.900 (1.900-1.900) |"):
         assert row in table, row
     assert table.index("**Q-(Q-bf16)**") < table.index("| A-Q |")
 
