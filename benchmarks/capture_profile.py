@@ -278,7 +278,8 @@ def measure(extractor: Extractor, spec: EngineSpec, batches: list[list[np.ndarra
     for way in ways:  # warm-up: kernels, allocator, pinned buffers
         run_way(extractor, way, batches[:2], hand_on, spec.host_buffers)
     results: dict[str, Any] = {"shape": args.shape, "tokens": tokens, "batches": len(batches),
-                               "host_buffers": spec.host_buffers, "layer_ids": list(spec.layer_ids),
+                               "host_buffers": spec.host_buffers, "copy_piece_bytes": spec.copy_piece_bytes,
+                               "layer_ids": list(spec.layer_ids),
                                "last_hidden_state": spec.last_hidden_state, "rounds": {}}
     if args.check_batches:
         checked = batches[: args.check_batches]

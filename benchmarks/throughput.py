@@ -360,6 +360,7 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
     )
     job_args = benchmark_job_args(args, model, load_format, data, checkpoint.num_layers)
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
+                     "set": list(args.set),
                      "cpus": len(os.sched_getaffinity(0)), "disk_probe_bytes": args.disk_probe_bytes,
                      "disk_write_bytes_per_s": round(measure_disk(work, args.disk_probe_bytes)) if args.disk_probe_bytes else None}
     measured: dict[str, dict] = {}
@@ -491,6 +492,8 @@ def print_table(results: dict) -> None:
     print(f"\n{results['shape']} on {results['device']} (TP={results['tp_size']}), SGLang {results.get('sglang', '?')}, "
           f"layers {results.get('layer_ids')}{'' if final == 'none' else f' + final state ({final})'}, "
           f"{results.get('tokens', 0):,} tokens in {results['samples']} samples per row, {results['cpus']} CPUs")
+    if results.get("set"):
+        print(f"  settings: {' '.join(results['set'])}")
     if "bare_prefill_tokens_per_s" in results:
         line("(a) bare SGLang prefill", f"{results['bare_prefill_tokens_per_s']:,.0f} tok/s")
         line("(a2) extractor alone (copy + object store)", f"{results['extractor_alone_tokens_per_s']:,.0f} tok/s",
