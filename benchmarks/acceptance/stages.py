@@ -63,10 +63,10 @@ from benchmarks.acceptance.trainer import (
 from testbeds.smollm2 import build_checkpoint
 
 PROBE_PROMPTS = 16
+"""Held-out prompts the probe serves: enough for verify steps to run, few enough to take seconds."""
 DISK_HEADROOM = 1.1, 3 << 30
 """Free space the runs and exports still to write must leave: 10% over their states' bytes, and 3 GiB more (the
 drafters' checkpoints, logs, the engines' files)."""
-"""Held-out prompts the probe serves: enough for verify steps to run, few enough to take seconds."""
 SIDE_BY_SIDE = 8
 """Exports and checks at once (each a process that mostly imports torch or SGLang)."""
 
@@ -137,14 +137,13 @@ def check_disk(p: Pipeline) -> None:
     hidden = json.loads((p.model / "config.json").read_text())["hidden_size"]
     per_copy = tokens * (len(LAYERS) + 1) * hidden * 2  # bf16 states of the layers and the final state
     runs = [run for run in runs_needed(p.args.arms) if p.record(f"extract-{run}") is None]
-    exports = [name for name in {ARMS[arm].features for arm in trained(p.args.arms)}
-               if p.record(f"export-{name}") is None and p.record(f"features-{name}") is None]
+    exports = features_to_export(p)
     needed = (len(runs) + len(exports)) * per_copy
     free = shutil.disk_usage(p.work).free
     margin, spare = DISK_HEADROOM
     if needed and needed * margin + spare > free:
         raise ValueError(
-            f"runs {', '.join(runs) or '-'} and exports {', '.join(sorted(exports)) or '-'} need about "
+            f"runs {', '.join(runs) or '-'} and exports {', '.join(exports) or '-'} need about "
             f"{needed / 1e9:.1f} GB ({per_copy / 1e9:.1f} GB each: {tokens:,} tokens) and {p.work} has "
             f"{free / 1e9:.1f} GB free: run with fewer --train-prompts or fewer arms, or --work on a larger disk")
 
@@ -176,13 +175,18 @@ def probe(p: Pipeline, target: str) -> dict[str, Any]:
         [r.verify_ct for r in results], [r.correct_drafts for r in results])}
 
 
+def features_to_export(p: Pipeline) -> list[str]:
+    """The trained arms' features not yet written (jobs.export of a run, or arm C's from HF), sorted."""
+    return sorted(name for name in {ARMS[arm].features for arm in trained(p.args.arms)}
+                  if p.record(f"export-{name}") is None and p.record(f"features-{name}") is None)
+
+
 def stage_features(p: Pipeline) -> None:
     """SpecForge's features of every trained arm (jobs.export of its run, side by side; arm C's from HF)."""
     wanted = {ARMS[arm].features for arm in trained(p.args.arms)}
-    for name in wanted:
-        if p.record(f"export-{name}") is None and p.record(f"features-{name}") is None:
-            for stale in (p.work / "train").glob(f"vocab-{name}-*.pt"):  # a map of the features exported before
-                stale.unlink()
+    for name in features_to_export(p):
+        for stale in (p.work / "train").glob(f"vocab-{name}-*.pt"):  # a map of the features exported before
+            stale.unlink()
     p.run_jobs({f"export-{run}": Job(
         [sys.executable, "-m", "jobs.export", f"output.dir={p.run_dir(run)}", "to=specforge",
          f"dest={p.features(run)}"],
@@ -323,15 +327,17 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
     for unit in (unit for unit in units if unit.final):
         finals.setdefault(unit.arm, {})[unit.seed] = served[unit]
     acceptance = bootstrap_acceptance(finals, pairs=MAIN_DIFFERENCES + OTHER_DIFFERENCES, main=MAIN_DIFFERENCES)
+
+    def alone(unit: Served) -> dict[str, Any]:
+        """One engine's acceptance and its interval, outside the arms' table."""
+        return bootstrap_acceptance({unit.name: {unit.seed: served[unit]}})["arms"][unit.name]["seeds"][str(unit.seed)]
+
     results: dict[str, Any] = {
         "arms": list(p.args.arms),
         "acceptance": acceptance,
-        "epoch_acceptance": {unit.name: bootstrap_acceptance({unit.name: {unit.seed: served[unit]}})["arms"][unit.name]
-                             ["seeds"][str(unit.seed)] for unit in units if unit.epoch},
-        "training_distribution_acceptance": {
-            unit.drafter.name: {"arm": unit.arm, "seed": unit.seed, **bootstrap_acceptance(
-                {unit.name: {unit.seed: served[unit]}})["arms"][unit.name]["seeds"][str(unit.seed)]}
-            for unit in units if unit.training_distribution},
+        "epoch_acceptance": {unit.name: alone(unit) for unit in units if unit.epoch},
+        "training_distribution_acceptance": {unit.drafter.name: {"arm": unit.arm, "seed": unit.seed, **alone(unit)}
+                                             for unit in units if unit.training_distribution},
         "same_output": same_output({unit: results for unit, results in served.items()
                                     if not unit.training_distribution}),
         "answers": target_answers(p, units),
