@@ -2,6 +2,7 @@
 
     python -m benchmarks.acceptance.background start --work DIR [benchmark arguments]
     python -m benchmarks.acceptance.background status --work DIR [--wait-s S] [--collect DEST]
+    python -m benchmarks.acceptance.background report --collected DEST --work LOCAL_DIR
 
 ``start`` checks the arguments as the benchmark does (a refusal exits 2 here), then starts
 ``python -m benchmarks.acceptance`` with them in a session of its own (setsid: it outlives the call that
@@ -10,13 +11,17 @@ output goes to DIR/background/log.txt, its exit code to DIR/background/exit.json
 
 ``status`` prints what runs (stage, step, since when), the steps done with their wall times and the log's last
 lines; ``--wait-s`` first waits up to that long for the run to end (a machine that is released when idle
-between calls stays held while a status call waits). ``--collect DEST`` copies the step records so far (one
-file, steps.json), the progress record and the log's tail into DEST on every call (a machine taken back mid-run then still leaves the
-steps it finished with whoever called), and the results (JSON and tables) once the run has ended. Exit code: the run's own once it
-has ended (0 done, 1 a step failed, 2 bad input, 75 deadline), 3 while it runs, 4 when there is no run or it
-died without an exit record (killed).
-"""
+between calls stays held while a status call waits). ``--collect DEST`` copies into DEST on every call the step
+records so far (one file, steps.json), each finished engine's per-prompt results with the run's arguments
+(served.json), the progress record and the log's tail (a machine taken back mid-run then still leaves what it
+finished with whoever called), and the results (JSON and tables) once the run has ended. Exit code: the run's
+own once it has ended (0 done, 1 a step failed, 2 bad input, 75 deadline), 3 while it runs, 4 when there is no
+run or it died without an exit record (killed).
 
+``report`` builds the results from a DEST that a status call filled, on any machine (CPU): the step records and
+served results go into LOCAL_DIR (a new directory), and the benchmark's report stage runs there with the run's
+own arguments: the tables of a run whose machine went before its report stage, over the engines it finished.
+"""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 RUNNING, LOST = 3, 4
+SERVED_FILE = "served.json"
 LOG_TAIL_LINES = 400
 """Lines of the log that --collect keeps (the whole log can run to megabytes of SGLang output)."""
 
@@ -137,9 +143,10 @@ def state(work: Path) -> tuple[int, str]:
 
 
 def collect(work: Path, dest: Path, ended: bool) -> list[str]:
-    """The step records (one file: ``steps.json``, step name to record), the progress record, the log's tail and,
-    once the run has ended, its results, copied into ``dest``; returns what was copied. At most six files: a device
-    call brings back eight. (A running run's results file, if any, is an earlier run's.)"""
+    """The step records (one file: ``steps.json``, step name to record), the finished engines' results with the
+    run's arguments (``served.json``), the progress record, the log's tail and, once the run has ended, its
+    results, copied into ``dest``; returns what was copied. At most seven files: a device call brings back eight.
+    (A running run's results file, if any, is an earlier run's.)"""
     here = directory(work)
     started = _read(here / "started.json") or {}
     out = Path(started.get("out", work / "results.json"))
@@ -153,6 +160,10 @@ def collect(work: Path, dest: Path, ended: bool) -> list[str]:
     if steps:
         _write(steps, dest / "steps.json")
         copied.append("steps.json")
+    engines = {path.stem: _read(path) for path in sorted((work / "serve").glob("*.json"))}
+    if engines:
+        _write({"argv": started.get("argv", []), "engines": engines}, dest / SERVED_FILE)
+        copied.append(SERVED_FILE)
     (dest / "log-tail.txt").write_text("\n".join(_tail(here / "log.txt", LOG_TAIL_LINES)) + "\n")
     return copied + ["log-tail.txt"]
 
@@ -184,6 +195,46 @@ def status(work: Path, wait_s: float, dest: Optional[Path], lines: int) -> int:
     return code
 
 
+REPLACED_OPTIONS = ("--work", "--device", "--stages", "--out")
+"""The run's options that a report built elsewhere sets itself."""
+
+
+def report(collected: Path, work: Path) -> int:
+    """The report stage over what a status call collected into ``collected``, in the new directory ``work``."""
+    from benchmarks.acceptance.cli import main
+
+    steps, served = _read(collected / "steps.json"), _read(collected / SERVED_FILE)
+    if steps is None or served is None:
+        print(f"error: {collected} lacks steps.json or {SERVED_FILE}: collect them with `status --collect` while "
+              "the run's machine is still held (no engine had finished when the last call collected)", file=sys.stderr)
+        return 2
+    if work.exists():
+        print(f"error: {work} exists: name a new directory for the report (nothing in it is replaced)",
+              file=sys.stderr)
+        return 2
+    for folder, records in (("steps", steps), ("serve", served["engines"])):
+        for name, record in records.items():
+            (work / folder).mkdir(parents=True, exist_ok=True)
+            _write(record, work / folder / f"{name}.json")
+    argv = [*_without(served["argv"], REPLACED_OPTIONS), "--work", str(work), "--device", "cpu", "--stages", "report"]
+    print(f"the report over {len(served['engines'])} engines' results, as `python -m benchmarks.acceptance "
+          f"{' '.join(argv)}`")
+    return main(argv)
+
+
+def _without(argv: Sequence[str], options: Sequence[str]) -> list[str]:
+    """``argv`` less each of ``options`` and its value (``--opt VALUE`` or ``--opt=VALUE``)."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in options:
+            skip = True
+        elif not word.startswith(tuple(f"{option}=" for option in options)):
+            kept.append(word)
+    return kept
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["start"]:
@@ -192,13 +243,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance.background", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["start", "status"])
-    parser.add_argument("--work", required=True)
+    parser.add_argument("command", choices=["start", "status", "report"])
+    parser.add_argument("--work", required=True, help="the run's directory (report: a new one for the report)")
     parser.add_argument("--wait-s", type=float, default=0, help="wait up to this long for the run to end first")
     parser.add_argument("--collect", default="", help="copy the step records so far here (and the results once "
                         "the run has ended)")
     parser.add_argument("--lines", type=int, default=25, help="the log's last lines to print")
+    parser.add_argument("--collected", default="", help="report: what status --collect brought back")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        if not args.collected:
+            parser.error("report needs --collected DEST (a folder a status call filled)")
+        return report(Path(args.collected), Path(args.work).expanduser().absolute())
     return status(Path(args.work).expanduser().absolute(), args.wait_s, Path(args.collect) if args.collect else None,
                   args.lines)
 

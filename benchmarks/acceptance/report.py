@@ -1,21 +1,11 @@
-"""The results tables (Markdown, for benchmarks/RESULTS.md) and the versions that produced them."""
+"""The results tables (Markdown, for benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 from typing import Any
 
 from benchmarks.acceptance.arms import ARMS
 from benchmarks.acceptance.serving import SPEC_DRAFT_TOKENS, SPEC_STEPS, SPEC_TOPK
-
-
-def versions() -> dict[str, str]:
-    found = {}
-    for name in ("sglang", "torch", "transformers", "flashinfer-python", "specforge", "ray"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            found[name] = importlib.metadata.version(name)
-    return found
 
 
 def _interval(stats: dict[str, Any], bold: bool = True) -> str:
@@ -189,6 +179,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"prompts (SGLang EAGLE3, {SPEC_STEPS} steps, top-k {SPEC_TOPK}, {SPEC_DRAFT_TOKENS} draft tokens, "
         "temperature 0), bootstrap 95% interval over prompts; pooled: every seed's prompts together.", "",
     ]
+    if results.get("not_served"):
+        lines += [f"Not served (the run ended before them): {', '.join(results['not_served'])}.", ""]
     serving = results.get("serving", {})
     targets = {ARMS[arm].target for arm in acceptance["arms"]}
     if serving.get("quantized_serving") and "fp8" in targets:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.prompts import render_prompts
 
 SPEC_STEPS, SPEC_TOPK, SPEC_DRAFT_TOKENS = 3, 1, 4
@@ -26,6 +29,15 @@ except when started at the same moment: two fp8 targets with their drafters (202
 engine's KV pool against the memory free when its own load began, so an engine that starts while another is still
 loading counts that one's pool as its own: ``start_serving`` starts the next engine only once the one before
 holds its memory."""
+
+
+def versions() -> dict[str, str]:
+    """The versions of the packages a result depends on, as this Python has them."""
+    found = {}
+    for name in ("sglang", "torch", "transformers", "flashinfer-python", "specforge", "ray"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +136,8 @@ def serve_arm(spec: ServeSpec, ready: Any) -> None:
     results = [dataclasses.asdict(r) for r in prompt_results(outputs)]
     settings = {key: value for key, value in args.items() if key not in ("model_path", "speculative_draft_model_path")}
     answers = [{"prompt": question, "answer": out.get("text") or ""} for question, out in zip(questions, outputs)]
-    spec.out.write_text(json.dumps({"seconds": time.perf_counter() - started, "engine": settings,
-                                    "prompts": results, "answers": answers}) + "\n")
+    write_json({"seconds": time.perf_counter() - started, "engine": settings, "versions": versions(),
+                "prompts": results, "answers": answers}, spec.out)
 
 
 def start_serving(spec: ServeSpec, serve: Callable[[ServeSpec, Any], None] = serve_arm) -> multiprocessing.Process:
@@ -151,6 +163,11 @@ def served_results(process: multiprocessing.Process, out: Path) -> list[PromptRe
 
 def read_results(out: Path) -> list[PromptResult]:
     return [PromptResult(**r) for r in json.loads(out.read_text())["prompts"]]
+
+
+def read_versions(out: Path) -> dict[str, str]:
+    """The package versions the engine served with (none from runs before they were kept)."""
+    return json.loads(out.read_text()).get("versions", {})
 
 
 def read_answers(out: Path) -> list[dict[str, str]]:

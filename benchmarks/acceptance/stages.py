@@ -36,9 +36,9 @@ from benchmarks.acceptance.drafters import (
     serving_verdict,
 )
 from benchmarks.acceptance.hf_states import write_hf_features
-from benchmarks.acceptance.pipeline import Job, OutOfTime, Pipeline, Served, target_step
+from benchmarks.acceptance.pipeline import Job, OutOfTime, Pipeline, Served, logger, target_step
 from benchmarks.acceptance.prompts import split_prompts, write_conversations
-from benchmarks.acceptance.report import markdown, versions
+from benchmarks.acceptance.report import markdown
 from benchmarks.acceptance.serving import (
     SERVE_MEMORY,
     SPEC_DRAFT_TOKENS,
@@ -47,8 +47,10 @@ from benchmarks.acceptance.serving import (
     ServeSpec,
     read_answers,
     read_results,
+    read_versions,
     served_results,
     start_serving,
+    versions,
 )
 from benchmarks.acceptance.stats import acceptance_length, bootstrap_acceptance
 from benchmarks.acceptance.trainer import (
@@ -321,7 +323,12 @@ def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
     p.check_training_choices()
-    units = p.served()
+    units = [unit for unit in p.served() if (p.work / "serve" / f"{unit.name}.json").is_file()]
+    not_served = [unit.name for unit in p.served() if unit not in units]
+    if not units:
+        raise ValueError(f"no engine's results under {p.work / 'serve'}: run the serve stage first")
+    if not_served:
+        logger.warning("the report leaves out the engines not served: %s", ", ".join(not_served))
     served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
     finals = {}
     for unit in (unit for unit in units if unit.final):
@@ -334,6 +341,7 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "arms": list(p.args.arms),
+        "not_served": not_served,
         "acceptance": acceptance,
         "epoch_acceptance": {unit.name: alone(unit) for unit in units if unit.epoch},
         "training_distribution_acceptance": {unit.drafter.name: {"arm": unit.arm, "seed": unit.seed, **alone(unit)}
@@ -360,7 +368,8 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
                                 .get("engine") for unit in units}},
         "seconds": {path.stem: json.loads(path.read_text())["seconds"]
                     for path in sorted((p.work / "steps").glob("*.json"))},
-        "versions": versions(),
+        "versions": next((found for unit in units if (found := read_versions(p.work / "serve" / f"{unit.name}.json"))),
+                         versions()),  # where the engines served (a report built elsewhere from collected records)
         "command": " ".join(sys.argv),
     }
     for step, key in (("features-C", "c_vs_a"), ("states-Q-bf16-vs-Q", "q_bf16_vs_q"),

@@ -863,6 +863,57 @@ def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_pa
     assert nothing.returncode == 4 and "no background run" in nothing.stdout
 
 
+def test_a_run_cut_short_is_reported_elsewhere_from_what_a_status_call_collected(tmp_path):
+    """A run whose machine went before its report stage: what a status call collected (the step records, each
+    finished engine's results with the run's own arguments) builds the report on CPU in a new directory, with the
+    versions the engines served with, naming the engine never served; a directory that exists is refused."""
+    work = tmp_path / "work"
+    run_argv = ["--work", str(work), "--device", "cuda", "--gguf", "/root/offline/x.gguf", "--arms", "A,B",
+                "--seeds", "0,1", "--stages=checkpoint,prompts,prepare,extract,features,train,drafters,serve,report",
+                "--batch-size", "32", "--out", str(work / "results.json")]
+    p = Pipeline(parse_args(["--work", str(work), "--device", "cpu", "--stages", "report", "--arms", "A,B",
+                             "--seeds", "0,1"]))
+    (work / "serve").mkdir()
+    (work / "background").mkdir()
+    for unit in p.served()[:3]:  # the machine went while B-s1 was served
+        prompts = [dataclasses.asdict(PromptResult(40, 20 + 8 * (unit.arm == "A") + 4 * unit.seed, 60, "x"))] * 50
+        write_json({"engine": {"dtype": "bfloat16"}, "versions": {"sglang": "0.5.17"}, "prompts": prompts,
+                    "answers": []}, work / "serve" / f"{unit.name}.json")
+    _record(work, "prompts", {"train": 300, "held_out": 50, "prompt_seed": 0})
+    _record(work, "prepare", {"samples": 300, "tokens": 90000, "loss_tokens_per_epoch": 40000})
+    for unit in p.served():
+        _record(work, f"train-{unit.name}", {"metrics": {"step": 225, "loss": 1.5, "acc": 0.6}, "curve": [],
+                                             "ttt_length": 7, "draft_vocab": 0, "warm_head": False})
+    write_json({"pid": 2 ** 22 + 1, "started": 0.0, "argv": run_argv, "out": str(work / "results.json")},
+               work / "background" / "started.json")
+
+    def background(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "benchmarks.acceptance.background", *args], cwd=tmp_path,
+                              env=project_env(), capture_output=True, text=True, timeout=120)
+
+    lost = background("status", "--work", str(work), "--collect", str(tmp_path / "out"))
+    assert lost.returncode == 4 and "served.json" in lost.stdout, lost.stdout + lost.stderr
+    assert sorted(json.loads((tmp_path / "out" / "served.json").read_text())["engines"]) == ["A-s0", "A-s1", "B-s0"]
+
+    local = tmp_path / "local"
+    built = background("report", "--collected", str(tmp_path / "out"), "--work", str(local))
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "--gguf /root/offline/x.gguf --arms A,B --seeds 0,1 --batch-size 32 --work" in built.stdout
+    results = json.loads((local / "results.json").read_text())
+    assert results["not_served"] == ["B-s1"] and results["versions"] == {"sglang": "0.5.17"}
+    arms = results["acceptance"]["arms"]
+    assert arms["A"]["pooled"]["acceptance_length"] == pytest.approx(1.75) and list(arms["B"]["seeds"]) == ["0"]
+    assert results["acceptance"]["differences"]["A-B"]["seeds"]["0"]["estimate"] == pytest.approx(0.2)
+    assert "pooled" not in results["acceptance"]["differences"]["A-B"]  # only seed 0 has both arms
+    assert "Not served (the run ended before them): B-s1." in (local / "results.md").read_text()
+    assert not (work / "results.json").exists()  # the run's own directory is left as it was
+
+    again = background("report", "--collected", str(tmp_path / "out"), "--work", str(local))
+    assert again.returncode == 2 and "exists" in again.stderr
+    nothing = background("report", "--collected", str(tmp_path / "nowhere"), "--work", str(tmp_path / "other"))
+    assert nothing.returncode == 2 and "lacks steps.json" in nothing.stderr and not (tmp_path / "other").exists()
+
+
 STAND_IN = ["--dtype", "float32", "--json-model-override-args", '{"rms_norm_eps": 0.5}']
 """The quantized server's command on CPU (fp8 needs AMX, which this CPU lacks): a setting that changes the
 states here as fp8 does on the H200."""
