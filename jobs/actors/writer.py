@@ -1,10 +1,14 @@
 """CPU writer actors: they turn captured batches into shard files; ``WriterPool`` starts and replaces them.
 
-The driver sends each shard's batches to one writer, in order, then
-``finish``. A batch arrives as a reference to the extractor's result (wrapped
-in a list so that Ray does not resolve it for us): if extraction failed, the
-writer learns it here, drops the shard's temp file, and ``finish`` reports the
-failure instead of publishing a file with rows missing.
+The writers start while the model loads (their processes and imports take
+seconds); what every shard file records of the model (``ShardMetadata``: what
+SGLang captures, its release) is known only once it has loaded, and reaches
+them in ``set_metadata`` before any batch. The driver sends each shard's
+batches to one writer, in order, then ``finish``. A batch arrives as a
+reference to the extractor's result (wrapped in a list so that Ray does not
+resolve it for us): if extraction failed, the writer learns it here, drops the
+shard's temp file, and ``finish`` reports the failure instead of publishing a
+file with rows missing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import ray
@@ -74,10 +78,11 @@ class WriterSettings:
 
 
 class WriterActor:
-    def __init__(self, output_dir: str, metadata: ShardMetadata, settings: WriterSettings = WriterSettings()) -> None:
+    def __init__(self, output_dir: str, settings: WriterSettings = WriterSettings()) -> None:
         self._cpus = place_this_process(settings.cpus)  # first: the threads started later inherit it
         self._dir = Path(output_dir)
-        self._metadata = metadata
+        self._metadata: Optional[ShardMetadata] = None
+        """Set by ``set_metadata`` (the model loads meanwhile); no shard opens before."""
         self._settings = settings
         self._open: dict[int, ShardWriter] = {}
         self._failed: dict[int, ShardFailed | ExtractorLost] = {}
@@ -88,6 +93,11 @@ class WriterActor:
         """Answers once the actor's process is up (the driver starts the first batch after that), with
         the id of the node it runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def set_metadata(self, metadata: ShardMetadata) -> None:
+        """What every shard file of the run records, known once the model has loaded; sent before any batch
+        (one caller's calls run in order)."""
+        self._metadata = metadata
 
     def cpus(self) -> str:
         """The cores and priority this writer runs with (``jobs.actors.cpus``)."""
@@ -176,16 +186,16 @@ STOP_TIMEOUT_S = 60.0
 
 
 class WriterPool:
-    """The writer actors; a dead one is replaced by a new one in its slot."""
+    """The writer actors, started before the model has loaded; a dead one is replaced by a new one in its slot."""
 
-    def __init__(
-        self, output_dir: Path, metadata: ShardMetadata, settings: WriterSettings, count: int, placement: dict[str, Any]
-    ) -> None:
+    def __init__(self, output_dir: Path, settings: WriterSettings, count: int, placement: dict[str, Any]) -> None:
         self._output_dir = str(output_dir)
-        self._metadata = metadata
+        self._metadata: Optional[ShardMetadata] = None
         self._settings = settings
         self._class = ray.remote(WriterActor).options(num_cpus=1, **placement)
         self.writers = [self._new() for _ in range(count)]
+        self._ready = [writer.ready.remote() for writer in self.writers]
+        """Each writer's answer once its process is up (``wait_ready``, ``ready_count``)."""
         self.cpus = ""
         """Where the writers run, as the first of them reported it (``wait_ready``)."""
 
@@ -193,20 +203,34 @@ class WriterPool:
         return len(self.writers)
 
     def _new(self) -> Any:
-        return self._class.remote(self._output_dir, self._metadata, self._settings)
+        writer = self._class.remote(self._output_dir, self._settings)
+        if self._metadata is not None:  # a replacement: before the batches the driver sends it next
+            writer.set_metadata.remote(self._metadata)
+        return writer
+
+    def set_metadata(self, metadata: ShardMetadata) -> None:
+        """What every shard file records (known once the model has loaded), to every writer before its first
+        batch, and to every writer started later in the run."""
+        self._metadata = metadata
+        for writer in self.writers:
+            writer.set_metadata.remote(metadata)
+
+    def ready_count(self) -> int:
+        """How many writers are up now (for the progress line; does not wait)."""
+        ready, _ = ray.wait(self._ready, num_returns=len(self._ready), timeout=0)
+        return len(ready)
 
     def wait_ready(self) -> list[str]:
         """Every writer's process is up (process start-up is start-up time); returns their node ids."""
-        refs = [writer.ready.remote() for writer in self.writers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WRITER_START_TIMEOUT_S)
-        if len(ready) < len(refs):
+        ready, _ = ray.wait(self._ready, num_returns=len(self._ready), timeout=WRITER_START_TIMEOUT_S)
+        if len(ready) < len(self._ready):
             raise JobFault(
-                f"{len(refs) - len(ready)} of {len(refs)} writer actors did not start within "
+                f"{len(self._ready) - len(ready)} of {len(self._ready)} writer actors did not start within "
                 f"{WRITER_START_TIMEOUT_S:.0f} s: Ray has no CPU slot for them (each takes 1 CPU; "
                 f"{ray.available_resources().get('CPU', 0):.0f} free now). Lower output.num_writers or "
                 f"free the cluster's CPUs. {RERUN}"
             )
-        nodes = ray.get(refs)  # raises if a writer failed to start
+        nodes = ray.get(self._ready)  # raises if a writer failed to start
         self.cpus = ray.get(self.writers[0].cpus.remote())
         return nodes
 

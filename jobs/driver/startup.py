@@ -1,8 +1,10 @@
 """The run's lanes, one per data-parallel group; starting their actors, and stopping them.
 
-Every node loads its model at the same time; the writers start meanwhile, and
-the batches in flight (plus a little more) touch the object store's pages
-before the first real batch, so that start-up costs stay out of the run's clock.
+Every node loads its model at the same time, and the writers start meanwhile: they need nothing of the
+model until what every shard file records of it (``ShardMetadata``, known once it has loaded), which
+they receive before their first batch. Once the model has loaded, the batches in flight (plus a little
+more) touch the object store's pages before the first real batch, so that start-up costs stay out of
+the run's clock.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ logger = logging.getLogger(__name__)
 # Auto max_inflight_batches: one batch per writer, plus one in the extractor's forward and one
 # on its way to the object store.
 INFLIGHT_BEYOND_WRITERS = 2
+STARTING = "loading the model and starting the writers"
+"""The start's phases as the stage line and the wall-time table name them: the writers start while the model
+loads (the phase ends when both are up), then what needs the loaded model."""
+WARMING = "warming the object store"
 # Objects beyond max_inflight_batches the extractor writes into the object store before the run: the
 # store does not always hand a freed block to the next object of the same size.
 OBJECT_STORE_WARM_EXTRA = 2
@@ -62,28 +68,45 @@ def start_actors(
     stage: Callable[[str, Optional[Callable[[], str]]], None],
 ) -> EngineInfo:
     """Every lane's extractor and writers, ready; returns what the model reported. ``stage`` is told what the
-    start does (``RunProgress.stage``). If the start fails half-way (or a signal stops it), ``stop_lanes`` stops
-    what it started: every actor it starts is its lane's at once."""
+    start does (``RunProgress.stage``). The writers start while the model loads: only what needs the loaded
+    model waits for it (their metadata, the object store's warm-up, where the extractor runs). If the start
+    fails half-way (or a signal stops it), ``stop_lanes`` stops what it started: every actor it starts is its
+    lane's at once."""
     extractors = [lane.extractor for lane in lanes]
     for extractor in extractors:  # every node loads its model at the same time
         extractor.launch()
-    stage("loading the model", lambda: _loading(extractors))
-    engine = [extractor.ready() for extractor in extractors][0]
-    stage("starting the writers", None)
-    metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
     for group, lane in zip(groups, lanes):
-        lane.start_writers(WriterPool(group.directory, metadata, _writer_settings(spec, groups, group, extract, output),
+        lane.start_writers(WriterPool(group.directory, _writer_settings(spec, groups, group, extract, output),
                                       group.writers, group.placement()))
-    _wait_for_writers(list(lanes), spec, state_bytes_per_token(metadata))
+    stage(STARTING, lambda: _starting(list(lanes)))
+    engine = [extractor.ready() for extractor in extractors][0]
+    nodes = {id(lane): lane.writers.wait_ready() for lane in lanes}
+    stage(WARMING, None)
+    metadata = shard_metadata(engine, spec.model_path, spec.state_dtype, spec.last_hidden_state)
+    for lane in lanes:
+        lane.writers.set_metadata(metadata)
+    warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in lanes]
+    for lane in lanes:
+        _check_node(lane, nodes[id(lane)])
+        logger.info(
+            "node %s: %d writers on %s, at most %d batches in flight (about %s of states in memory) -> %s",
+            lane.group.name, len(lane.writers), lane.writers.cpus, lane.max_inflight,
+            format_bytes(lane.max_inflight * spec.max_tokens_per_batch * state_bytes_per_token(metadata)),
+            lane.group.directory,
+        )
+    ray.get(warmed)
     return engine
 
 
-def _loading(extractors: list[ExtractorHost]) -> str:
-    """``1 of 2 extractors ready (node b: loading the weights)``."""
+def _starting(lanes: list[Lane]) -> str:
+    """``1 of 2 extractors ready (node b: loading the weights), 16 of 16 writers ready``."""
+    extractors = [lane.extractor for lane in lanes]
     loads = [f"{e.where}: {stage}" for e in extractors if not e.is_loaded for stage in [e.load_stage()] if stage]
     shown = "; ".join(loads[:2]) + (f"; {len(loads) - 2} more" if len(loads) > 2 else "")
     ready = sum(e.is_loaded for e in extractors)
-    return f"{ready} of {len(extractors)} extractors ready" + (f" ({shown})" if shown else "")
+    writers = sum(lane.writers.ready_count() for lane in lanes)
+    return (f"{ready} of {len(extractors)} extractors ready" + (f" ({shown})" if shown else "")
+            + f", {writers} of {sum(len(lane.writers) for lane in lanes)} writers ready")
 
 
 def _writer_settings(spec: EngineSpec, groups: list[NodeGroup], group: NodeGroup, extract: ExtractConfig,
@@ -91,19 +114,6 @@ def _writer_settings(spec: EngineSpec, groups: list[NodeGroup], group: NodeGroup
     on_node = sum(other.node_id == group.node_id for other in groups)
     gpus = on_node * spec.tp_size if spec.device == "cuda" else 0
     return WriterSettings(extract.on_nonfinite, output.checksum, writer_cpus(output.writer_cpus, gpus))
-
-
-def _wait_for_writers(lanes: list[Lane], spec: EngineSpec, bytes_per_token: int) -> None:
-    """While the writers start: the batches in flight, and a little more, touch the object store's pages."""
-    warmed = [lane.extractor.warm_object_store(lane.max_inflight + OBJECT_STORE_WARM_EXTRA) for lane in lanes]
-    for lane in lanes:
-        _check_node(lane, lane.writers.wait_ready())
-        logger.info(
-            "node %s: %d writers on %s, at most %d batches in flight (about %s of states in memory) -> %s",
-            lane.group.name, len(lane.writers), lane.writers.cpus, lane.max_inflight,
-            format_bytes(lane.max_inflight * spec.max_tokens_per_batch * bytes_per_token), lane.group.directory,
-        )
-    ray.get(warmed)
 
 
 def stop_lanes(lanes: Lanes, collect_stats: bool) -> tuple[CaptureActivity, dict[str, dict[str, float]]]:

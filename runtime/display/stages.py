@@ -2,11 +2,12 @@
 otherwise.
 
 Before the first batch the job goes through stages (reading the inputs, checking the layers, starting Ray,
-loading the model, starting the writers), any of which may last minutes on a large model while the driver sits
-in one call. A thread of the driver redraws the live line every ``LIVE_REFRESH_S`` with the stage's seconds and
-its detail (while the model loads: how many extractors are ready and what the others' loads do now); without a
-terminal the stage is logged when it begins and every ``progress.interval_s`` while it lasts. ``RunProgress``
-closes the stages at the first batch and draws its own line in the same place.
+loading the model and starting the writers, warming the object store), any of which may last minutes on a large
+model while the driver sits in one call. A thread of the driver redraws the live line every ``LIVE_REFRESH_S``
+with the stage's seconds and its detail (while the model loads: how many extractors are ready and what the others'
+loads do now, how many writers are up); without a terminal the stage is logged when it begins and every
+``progress.interval_s`` while it lasts. ``RunProgress`` closes the stages at the first batch and draws its own
+line in the same place.
 """
 
 from __future__ import annotations

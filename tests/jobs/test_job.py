@@ -78,7 +78,7 @@ def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
     wall = summary["wall_seconds"]
     assert [phase for phase, _ in wall["phases"]] == [
         "reading the inputs", "checking the layers SGLang captures", "starting Ray", "checking the run's directories",
-        "loading the model", "starting the writers", "extracting", "winding down"]
+        "loading the model and starting the writers", "warming the object store", "extracting", "winding down"]
     assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
     assert_reads_as_parquet_dataset(out, len(dataset))
 

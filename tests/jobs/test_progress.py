@@ -378,7 +378,8 @@ def test_extract_and_export_show_progress_on_a_terminal(ray_cluster, tmp_path):
     code, screen = run_under_a_terminal(command, tmp_path, columns=120)
     assert code == 0, screen[-3000:]
     stages = ("reading the inputs (", "checking the layers SGLang captures (", "starting Ray (",
-              "checking the run's directories (", "loading the model (", "starting the writers (")
+              "checking the run's directories (", "loading the model and starting the writers (",
+              "warming the object store (")
     # Ray prints its workers' lines from a thread of its own, between the line's redraws: only the line's own frames
     drawn = [frame for frame in live_frames(screen[:screen.index("3 of 3 shards done in")])
              if frame.startswith(stages) or BAR.match(frame)]

@@ -1,8 +1,9 @@
-"""Faults while the job starts, through real processes: the extractor killed while its model loads, a signal
-while the driver starts its private Ray cluster.
+"""The job's start through real processes: the writers up while the model loads; faults while it starts (the
+extractor killed while its model loads, a signal while the driver starts its private Ray cluster).
 
-The extractor is this test session's own Ray worker (a descendant of this process), found by the title
-Ray gives it while its constructor runs (``ray::ExtractorActor.__init__``: the model is loading).
+The actors are this test session's own Ray workers (descendants of this process), found by the titles Ray
+gives them: ``ray::ExtractorActor.__init__`` while the extractor's constructor runs (the model is loading),
+``ray::WriterActor`` and ``ray::WriterActor.<method>`` once a writer's constructor has returned.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from jobs.extract import main
 from jobs.rundir.summary import read_summary
 from runtime.errors import EXIT_OK
 from runtime.lock import LOCK_FILE
+from storage.reader import ShardReader
 from tests.conftest import REPO_ROOT
 from tests.helpers import alive, assert_every_sample_once, descendants, python_env
 
 LOADING = "ray::ExtractorActor.__init__"
 """Ray's title for the extractor's process while its constructor (the model load) runs."""
+WRITER = "ray::WriterActor"
 NUM_SAMPLES = 16
 SHARD_SIZE = 4
 
@@ -40,15 +43,70 @@ def dataset(tmp_path_factory) -> Path:
                                    min_len=20, max_len=60, seed=5)
 
 
-def loading_extractors() -> list[psutil.Process]:
+def titles() -> list[tuple[psutil.Process, str]]:
+    """This session's processes with the titles they have now."""
     found = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if " ".join(process.cmdline()).startswith(LOADING):
-                found.append(process)
+            found.append((process, " ".join(process.cmdline())))
         except psutil.Error:
             pass  # exited while we looked
     return found
+
+
+def loading_extractors() -> list[psutil.Process]:
+    return [process for process, title in titles() if title.startswith(LOADING)]
+
+
+class WatchTheStart(threading.Thread):
+    """Looks at this session's processes while a job starts: was a writer seen up (its constructor returned) while
+    an extractor was still loading its model?"""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.writer_up_while_loading = False
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        while not self._quit.is_set():
+            now = [title for _, title in titles()]
+            writer_up = any(t.startswith(WRITER) and not t.startswith(f"{WRITER}.__init__") for t in now)
+            if writer_up and any(t.startswith(LOADING) for t in now):
+                self.writer_up_while_loading = True
+                return
+            time.sleep(0.05)  # the load takes seconds; each look scans every process of the machine (milliseconds)
+
+    def __enter__(self) -> "WatchTheStart":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._quit.set()
+        self.join()
+
+
+def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
+    """The writers need nothing of the model before its first batch but what the shard files record of it (known
+    once it has loaded): their processes start and answer while the extractor's constructor still loads the model,
+    and the progress line says so; the shards record what the loaded model reported."""
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
+            "model.device=cpu", "model.dtype=float32", "output.min_free=0", "output.num_writers=2",
+            "progress.interval_s=0.2"]
+    with WatchTheStart() as watch:
+        code = main(args)
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert watch.writer_up_while_loading, "no writer was seen up while the extractor loaded its model"
+    stages = [record.getMessage() for record in caplog.records if record.name == "runtime.display.stages"]
+    assert any("0 of 1 extractors ready" in line and "2 of 2 writers ready" in line for line in stages), stages
+    assert [phase for phase, _ in summary["wall_seconds"]["phases"]][4:6] == [
+        "loading the model and starting the writers", "warming the object store"]
+    metadata = ShardReader(next(out.glob("shard-*.parquet"))).metadata
+    assert (metadata.sglang_version, metadata.layers_to_capture) == (
+        summary["engine"]["sglang_version"], summary["engine"]["layers_to_capture"])
+    assert_every_sample_once(out, dataset)
 
 
 class KillWhileLoading(threading.Thread):
