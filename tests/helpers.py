@@ -17,12 +17,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import psutil
@@ -600,3 +601,47 @@ def deepseek_bf16_run(tmp_path_factory) -> Path:
             # a failed attempt leaves its output.dir: the next attempt's run resumes it
             run(job_config(model, data, out, *DEEPSEEK_RUN_SETTINGS, "output.num_writers=1"))
     return out
+
+
+KILL_DEADLINE_S = 900.0
+"""A bound for a ``When`` that never fires; on a loaded machine a model load alone took 285 s."""
+POLL_S = 0.02
+"""How often a ``When`` looks: a ``find`` that scans every process of the machine takes milliseconds (look at the
+run's files first where they say when the moment has come)."""
+
+
+class When(threading.Thread):
+    """Polls ``find`` while the job runs in the main thread; the first time it returns something,
+    ``act`` is done to it (once) and it is kept in ``done``."""
+
+    def __init__(self, find: Callable[[], Any], act: Callable[[Any], None]) -> None:
+        super().__init__(daemon=True)
+        self.find = find
+        self.act = act
+        self.done: Any = None
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + KILL_DEADLINE_S
+        while not self._quit.is_set() and time.monotonic() < deadline:
+            try:
+                found = self.find()
+                if found is not None:
+                    self.act(found)
+                    self.done = found
+                    return
+            except psutil.Error:
+                pass  # the process exited while we looked
+            time.sleep(POLL_S)
+
+    def __enter__(self) -> "When":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._quit.set()
+        self.join()
+
+
+def sigkill(process: psutil.Process) -> None:
+    os.kill(process.pid, signal.SIGKILL)

@@ -14,12 +14,11 @@ import http.server
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import psutil
 import pytest
@@ -37,16 +36,11 @@ from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EX
 from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
-from tests.helpers import assert_every_sample_once, assert_run_verifies, checksum_of, own_files_bytes
+from tests.helpers import When, assert_every_sample_once, assert_run_verifies, checksum_of, own_files_bytes, sigkill
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
 SHARDS = NUM_SAMPLES // SHARD_SIZE
-KILL_DEADLINE_S = 900.0
-"""A bound for a ``When`` that never fires; on a loaded machine a model load alone took 285 s."""
-POLL_S = 0.02
-"""How often a ``When`` looks. It checks the run's files first, and looks for processes (a scan of every
-process of the machine: milliseconds) only once the files say the moment has come."""
 
 
 @pytest.fixture(scope="module")
@@ -82,43 +76,6 @@ def done_shards(out: Path) -> int:
         return sum(record["state"] == DONE for record in read_manifest(out)["shards"])
     except (ValueError, KeyError, OSError):  # no manifest yet
         return 0
-
-
-class When(threading.Thread):
-    """Polls ``find`` while the job runs in the main thread; the first time it returns something,
-    ``act`` is done to it (once) and it is kept in ``done``."""
-
-    def __init__(self, find: Callable[[], Any], act: Callable[[Any], None]) -> None:
-        super().__init__(daemon=True)
-        self.find = find
-        self.act = act
-        self.done: Any = None
-        self._quit = threading.Event()
-
-    def run(self) -> None:
-        deadline = time.monotonic() + KILL_DEADLINE_S
-        while not self._quit.is_set() and time.monotonic() < deadline:
-            try:
-                found = self.find()
-                if found is not None:
-                    self.act(found)
-                    self.done = found
-                    return
-            except psutil.Error:
-                pass  # the process exited while we looked
-            time.sleep(POLL_S)
-
-    def __enter__(self) -> "When":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._quit.set()
-        self.join()
-
-
-def sigkill(process: psutil.Process) -> None:
-    os.kill(process.pid, signal.SIGKILL)
 
 
 def extractor_after_first_shard(out: Path) -> Callable[[], Optional[psutil.Process]]:

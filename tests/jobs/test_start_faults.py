@@ -9,14 +9,11 @@ gives them: ``ray::ExtractorActor.__init__`` while the extractor's constructor r
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import pytest
@@ -28,7 +25,7 @@ from runtime.errors import EXIT_OK
 from runtime.lock import LOCK_FILE
 from storage.reader import ShardReader
 from tests.conftest import REPO_ROOT
-from tests.helpers import alive, assert_every_sample_once, descendants, python_env
+from tests.helpers import When, alive, assert_every_sample_once, descendants, python_env, sigkill
 
 LOADING = "ray::ExtractorActor.__init__"
 """Ray's title for the extractor's process while its constructor (the model load) runs."""
@@ -58,31 +55,11 @@ def loading_extractors() -> list[psutil.Process]:
     return [process for process, title in titles() if title.startswith(LOADING)]
 
 
-class WatchTheStart(threading.Thread):
-    """Looks at this session's processes while a job starts: was a writer seen up (its constructor returned) while
-    an extractor was still loading its model?"""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.writer_up_while_loading = False
-        self._quit = threading.Event()
-
-    def run(self) -> None:
-        while not self._quit.is_set():
-            now = [title for _, title in titles()]
-            writer_up = any(t.startswith(WRITER) and not t.startswith(f"{WRITER}.__init__") for t in now)
-            if writer_up and any(t.startswith(LOADING) for t in now):
-                self.writer_up_while_loading = True
-                return
-            time.sleep(0.05)  # the load takes seconds; each look scans every process of the machine (milliseconds)
-
-    def __enter__(self) -> "WatchTheStart":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._quit.set()
-        self.join()
+def writer_up_while_loading() -> bool | None:
+    """True once a writer has been seen up (its constructor returned) while an extractor still loads its model."""
+    now = [title for _, title in titles()]
+    writer_up = any(t.startswith(WRITER) and not t.startswith(f"{WRITER}.__init__") for t in now)
+    return True if writer_up and any(t.startswith(LOADING) for t in now) else None
 
 
 def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
@@ -94,11 +71,11 @@ def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, datas
     args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
             "model.device=cpu", "model.dtype=float32", "output.min_free=0", "output.num_writers=2",
             "progress.interval_s=0.2"]
-    with WatchTheStart() as watch:
+    with When(writer_up_while_loading, lambda _: None) as watch:
         code = main(args)
     summary = read_summary(out)
     assert code == EXIT_OK, summary["message"]
-    assert watch.writer_up_while_loading, "no writer was seen up while the extractor loaded its model"
+    assert watch.done, "no writer was seen up while the extractor loaded its model"
     stages = [record.getMessage() for record in caplog.records if record.name == "runtime.display.stages"]
     assert any("0 of 1 extractors ready" in line and "2 of 2 writers ready" in line for line in stages), stages
     assert [phase for phase, _ in summary["wall_seconds"]["phases"]][4:6] == [
@@ -107,32 +84,6 @@ def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, datas
     assert (metadata.sglang_version, metadata.layers_to_capture) == (
         summary["engine"]["sglang_version"], summary["engine"]["layers_to_capture"])
     assert_every_sample_once(out, dataset)
-
-
-class KillWhileLoading(threading.Thread):
-    """SIGKILLs the first extractor seen loading its model (once), while the job runs in the main thread."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.killed: Optional[int] = None
-        self._quit = threading.Event()
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 300
-        while not self._quit.is_set() and time.monotonic() < deadline:
-            for process in loading_extractors():
-                os.kill(process.pid, signal.SIGKILL)
-                self.killed = process.pid
-                return
-            time.sleep(0.05)  # the load takes seconds; each look scans every process of the machine (milliseconds)
-
-    def __enter__(self) -> "KillWhileLoading":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._quit.set()
-        self.join()
 
 
 def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster, llama_fp32, dataset, tmp_path,
@@ -144,9 +95,9 @@ def test_the_extractor_killed_while_its_model_loads_is_started_again(ray_cluster
     args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
             "model.device=cpu", "model.dtype=float32", "output.min_free=0", "extract.max_restarts=1",
             "output.num_writers=1"]  # the extractor's restart is the point: a second writer is a second actor's start
-    with KillWhileLoading() as killer:
+    with When(lambda: next(iter(loading_extractors()), None), sigkill) as killer:
         code = main(args)
-    assert killer.killed is not None, "no extractor was seen loading its model"
+    assert killer.done is not None, "no extractor was seen loading its model"
     summary = read_summary(out)
     assert code == EXIT_OK, summary["message"]
     assert summary["extractor_restarts"] == 1 and summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
