@@ -119,6 +119,8 @@ ROWS = {
     "b2": Row("(b2) full job, output.dir on tmpfs (no disk)", (), True),
     "b2-shared": Row("(b2-shared) as b2, writers on the extractor's cores", ("output.writer_cpus=all",), True),
     "b2-sha256": Row("(b2-sha256) as b2, output.checksum=sha256", ("output.checksum=sha256",), True),
+    **{f"b2-piece{mb}": Row(f"(b2-piece{mb}) as b2, the host copy in {mb} MB pieces", (f"extract.copy_piece_mb={mb}",),
+                            True) for mb in (4, 16, 64)},
     "b-fp8": Row("(b-fp8) full job, fp8 states", tuple(FP8)),
     "b2-fp8": Row("(b2-fp8) full job, fp8 states, tmpfs", tuple(FP8), True),
     "d": Row("(d) pipeline capacity, synthetic states, disk", tuple(SYNTHETIC)),

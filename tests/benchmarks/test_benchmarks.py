@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from benchmarks.throughput import benchmark_layer_ids
+from benchmarks.throughput import ROWS, benchmark_layer_ids
 from extractor.layers import check_layer_ids
 from testbeds.shapes import SHAPES
 from tests.conftest import REPO_ROOT
-from tests.helpers import python_env
+from tests.helpers import job_config, python_env
 
 
 @pytest.mark.extended
@@ -168,6 +168,15 @@ def test_default_layers_are_valid_for_every_shape(shape):
     assert check_layer_ids(layer_ids, num_layers) == layer_ids
     expected = {"llama8b": [2, 16, 29], "deepseek_v3_reduced": [1, 2], "kimi_k25_reduced": [2, 5, 7]}
     assert layer_ids == expected[shape]
+
+
+def test_every_throughput_row_is_a_job_config_the_job_accepts(tmp_path):
+    """A row's keys go to the job as they stand on the device: a misspelt key or value would fail there, after the
+    model's load; the piece rows copy in pieces of their size."""
+    for name, row in ROWS.items():
+        config = job_config(tmp_path / "model", tmp_path / "data.parquet", tmp_path / "out", *row.overrides)
+        assert config.extract.copy_piece_mb == (int(name.removeprefix("b2-piece")) if "piece" in name else 0), name
+    assert [name for name in ROWS if "piece" in name] == ["b2-piece4", "b2-piece16", "b2-piece64"]
 
 
 @pytest.mark.extended
