@@ -7,10 +7,9 @@ import shlex
 from typing import Any, Literal, Mapping, Optional
 
 from common.checks import check_choice, check_int, check_number, is_int
-from storage.schema import FINAL_STATES, NonfiniteAction
+from storage.schema import FINAL_STATES, ModelDtype, NonfiniteAction
 
 Device = Literal["auto", "cpu", "cuda"]
-Dtype = Literal["bfloat16", "float16", "float32"]
 Engine = Literal["sglang", "synthetic"]
 # extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
 _BOOLEAN_FINAL_STATES = {"true": "post_norm", "false": "none"}
@@ -55,7 +54,7 @@ class SGLangModelConfig:
     """A hub id as path: fetch what the local Hugging Face cache lacks of it first (huggingface_hub's download into
     HF_HUB_CACHE, once, on the machine the command runs on), then read it there; HF_HUB_OFFLINE=1 or false: the cache
     only, and an id not in it is refused with the command that downloads it. jobs.plan fetches its config.json only."""
-    dtype: Dtype = "bfloat16"
+    dtype: ModelDtype = "bfloat16"
     """SGLang's compute dtype, which jobs.extract also stores the states in: bfloat16 | float16 | float32."""
     device: Device = "auto"
     """auto | cpu | cuda. auto picks cuda when the Ray cluster has tp_size GPUs."""
@@ -81,7 +80,7 @@ class SGLangModelConfig:
     def __post_init__(self) -> None:
         serving_command(self.serving)
         check_choice("model.device", self.device, Device)
-        check_choice("model.dtype", self.dtype, Dtype)
+        check_choice("model.dtype", self.dtype, ModelDtype)
         check_int("model.tp_size", self.tp_size, 1, "one rank per GPU")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(

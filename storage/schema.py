@@ -71,8 +71,10 @@ METADATA_KEY = b"eagle3_hidden_states"
 _FLAT = "flat_key"
 _JSON_ONLY = {_FLAT: False}
 
-# Storable element types and their bytes (the names are torch's: the reader maps them back).
-MODEL_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+# The model dtypes the job runs (model.dtype) and the states' bytes per element in each (the names are torch's:
+# the reader maps them back).
+ModelDtype = Literal["bfloat16", "float16", "float32"]
+MODEL_DTYPES: dict[str, int] = dict(zip(typing.get_args(ModelDtype), (2, 2, 4)))
 # Element type of the stored states (output.state_dtype): the model's own (bit-exact with SGLang), or fp8 with
 # a float32 scale per token and layer (half the bytes through the host copy, object store and disk).
 StateDtype = Literal["model", "float8_e4m3fn"]
