@@ -39,7 +39,7 @@ AROUND = ("testbeds", "benchmarks", "tests")
 CONFIG_MAY_IMPORT = ("common.checks", "runtime.errors", "storage.schema")
 TESTBEDS_MAY_IMPORT = ("storage",)
 BENCHMARK_TESTS = {
-    "benchmarks.test_benchmarks": ("benchmarks.throughput",),
+    "benchmarks.test_benchmarks": ("benchmarks.throughput", "benchmarks.extract_wall"),
     "benchmarks.test_acceptance_cpu": ("benchmarks.acceptance",),
     "benchmarks.test_quantize_int4": ("benchmarks.acceptance.quantize_int4",),
 }

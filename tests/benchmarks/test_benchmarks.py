@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from benchmarks.extract_wall import engine_alone
 from benchmarks.throughput import ROWS, benchmark_layer_ids
 from extractor.layers import check_layer_ids
 from testbeds.shapes import SHAPES
@@ -123,6 +124,17 @@ def test_extraction_is_measured_against_sglang_alone_on_the_same_tokens(tmp_path
     assert results["extract"]["command_seconds"] >= wall["total"] and results["command_over_sglang_wall"] > 0
     assert "command / SGLang alone = " in result.stdout
     assert "extracting" in (tmp_path / "results.extract.log").read_text()  # jobs.extract's own output kept
+
+
+def test_sglang_alone_is_the_engine_the_jobs_serving_command_gives(ray_cluster, llama_fp32, tmp_path):
+    """extract_wall's SGLang-alone leg runs what jobs.extract's engine runs: model.serving's values in the model's
+    keys (its dtype) and its other settings, not the bare model keys."""
+    keys = [f"model.path={llama_fp32}", f"data.path={tmp_path / 'data.parquet'}", f"output.dir={tmp_path / 'out'}",
+            "model.device=cpu"]
+    served = engine_alone([*keys, "model.serving=--dtype float16 --kv-cache-dtype bfloat16"])
+    assert (served.dtype, dict(served.server_args)) == ("float16", {"kv_cache_dtype": "bfloat16"})
+    bare = engine_alone(keys)
+    assert (bare.dtype, dict(bare.server_args)) == ("bfloat16", {})
 
 
 @pytest.mark.extended
