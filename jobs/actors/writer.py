@@ -195,7 +195,7 @@ class WriterPool:
         self._class = ray.remote(WriterActor).options(num_cpus=1, **placement)
         self.writers = [self._new() for _ in range(count)]
         self._ready = [writer.ready.remote() for writer in self.writers]
-        """Each writer's answer once its process is up (``wait_ready``, ``ready_count``)."""
+        """Each first writer's answer once its process is up (the start's timeout, ``ready_count``)."""
         self.cpus = ""
         """Where the writers run, as the first of them reported it (``wait_ready``)."""
 
@@ -230,9 +230,20 @@ class WriterPool:
                 f"{ray.available_resources().get('CPU', 0):.0f} free now). Lower output.num_writers or "
                 f"free the cluster's CPUs. {RERUN}"
             )
-        nodes = ray.get(self._ready)  # raises if a writer failed to start
+        nodes = [self._alive_on(slot) for slot in range(len(self.writers))]
         self.cpus = ray.get(self.writers[0].cpus.remote())
         return nodes
+
+    def _alive_on(self, slot: int) -> str:
+        """The node of the writer in ``slot``, asked now (the model's load can take minutes after the writers
+        started): one that died meanwhile is replaced once; a second death, or a writer that cannot start at all,
+        fails the start with its error."""
+        try:
+            return ray.get(self.writers[slot].ready.remote())
+        except ray.exceptions.RayActorError:
+            logger.error("writer %d died while the model loaded; starting a new one in its place", slot)
+            self.writers[slot] = self._new()
+            return ray.get(self.writers[slot].ready.remote(), timeout=WRITER_START_TIMEOUT_S)
 
     def is_member(self, writer: Any) -> bool:
         return any(writer is current for current in self.writers)

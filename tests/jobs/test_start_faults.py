@@ -55,11 +55,13 @@ def loading_extractors() -> list[psutil.Process]:
     return [process for process, title in titles() if title.startswith(LOADING)]
 
 
-def writer_up_while_loading() -> bool | None:
-    """True once a writer has been seen up (its constructor returned) while an extractor still loads its model."""
-    now = [title for _, title in titles()]
-    writer_up = any(t.startswith(WRITER) and not t.startswith(f"{WRITER}.__init__") for t in now)
-    return True if writer_up and any(t.startswith(LOADING) for t in now) else None
+def writer_up_while_loading() -> psutil.Process | None:
+    """A writer seen up (its constructor returned) while an extractor still loads its model, if one is."""
+    now = titles()
+    if not any(title.startswith(LOADING) for _, title in now):
+        return None
+    return next((process for process, title in now
+                 if title.startswith(WRITER) and not title.startswith(f"{WRITER}.__init__")), None)
 
 
 def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, dataset, tmp_path, caplog):
@@ -83,6 +85,25 @@ def test_the_writers_are_up_while_the_model_loads(ray_cluster, llama_fp32, datas
     metadata = ShardReader(next(out.glob("shard-*.parquet"))).metadata
     assert (metadata.sglang_version, metadata.layers_to_capture) == (
         summary["engine"]["sglang_version"], summary["engine"]["layers_to_capture"])
+    assert_every_sample_once(out, dataset)
+
+
+def test_a_writer_killed_while_the_model_loads_is_replaced_and_the_run_completes(ray_cluster, llama_fp32, dataset,
+                                                                                 tmp_path, caplog):
+    """The writers start with the model's load, so a writer can die in it (the load of a large model takes minutes):
+    a new writer takes its slot and the run completes, every sample once."""
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    args = [f"model.path={llama_fp32}", f"data.path={dataset}", f"output.dir={out}", f"data.shard_size={SHARD_SIZE}",
+            "model.device=cpu", "model.dtype=float32", "output.min_free=0", "output.num_writers=2"]
+    with When(writer_up_while_loading, sigkill) as killer:
+        code = main(args)
+    assert killer.done is not None, "no writer was seen up while the extractor loaded its model"
+    summary = read_summary(out)
+    assert code == EXIT_OK, summary["message"]
+    assert any("died while the model loaded; starting a new one in its place" in record.getMessage()
+               for record in caplog.records)
+    assert summary["shards_done"] == NUM_SAMPLES // SHARD_SIZE
     assert_every_sample_once(out, dataset)
 
 
