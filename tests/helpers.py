@@ -610,20 +610,36 @@ POLL_S = 0.02
 run's files first where they say when the moment has come)."""
 
 
-class When(threading.Thread):
+class Beside(threading.Thread):
+    """A thread that runs beside the job (which runs in the main thread) for the length of a ``with`` block:
+    ``run`` loops until ``quitting`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.quitting = threading.Event()
+
+    def __enter__(self) -> "Beside":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.quitting.set()
+        self.join()
+
+
+class When(Beside):
     """Polls ``find`` while the job runs in the main thread; the first time it returns something,
     ``act`` is done to it (once) and it is kept in ``done``."""
 
     def __init__(self, find: Callable[[], Any], act: Callable[[Any], None]) -> None:
-        super().__init__(daemon=True)
+        super().__init__()
         self.find = find
         self.act = act
         self.done: Any = None
-        self._quit = threading.Event()
 
     def run(self) -> None:
         deadline = time.monotonic() + KILL_DEADLINE_S
-        while not self._quit.is_set() and time.monotonic() < deadline:
+        while not self.quitting.is_set() and time.monotonic() < deadline:
             try:
                 found = self.find()
                 if found is not None:
@@ -633,14 +649,6 @@ class When(threading.Thread):
             except psutil.Error:
                 pass  # the process exited while we looked
             time.sleep(POLL_S)
-
-    def __enter__(self) -> "When":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._quit.set()
-        self.join()
 
 
 def sigkill(process: psutil.Process) -> None:

@@ -36,7 +36,15 @@ from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EX
 from storage.consumed import consume_shard
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.writer import TEMP_GLOB, state_bytes_per_token
-from tests.helpers import When, assert_every_sample_once, assert_run_verifies, checksum_of, own_files_bytes, sigkill
+from tests.helpers import (
+    Beside,
+    When,
+    assert_every_sample_once,
+    assert_run_verifies,
+    checksum_of,
+    own_files_bytes,
+    sigkill,
+)
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
@@ -208,18 +216,17 @@ def predicted_shard_bytes(model: Path, data: Path, out: Path, *extra: str) -> in
     return max(budget.predict(shard.tokens, per_token, len(shard.batches)) for shard in plan)
 
 
-class Consumer(threading.Thread):
+class Consumer(Beside):
     """A trainer taking committed shard files out of output.dir (copied to ``into``, then declared consumed and
     deleted) while the job runs."""
 
     def __init__(self, out: Path, into: Path) -> None:
-        super().__init__(daemon=True)
+        super().__init__()
         self.out, self.into = out, into
-        self._quit = threading.Event()
 
     def run(self) -> None:
         self.into.mkdir(parents=True, exist_ok=True)
-        while not self._quit.is_set():
+        while not self.quitting.is_set():
             try:
                 records = read_manifest(self.out)["shards"]
             except (ValueError, KeyError, OSError):
@@ -229,14 +236,6 @@ class Consumer(threading.Thread):
                     shutil.copyfile(self.out / record["file"], self.into / record["file"])
                     consume_shard(self.out / record["file"], f"{self.into} (a test trainer)")
             time.sleep(0.05)
-
-    def __enter__(self) -> "Consumer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._quit.set()
-        self.join()
 
 
 class Logged(logging.Handler):
