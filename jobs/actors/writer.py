@@ -239,7 +239,7 @@ class WriterPool:
         started): one that died meanwhile is replaced once; a second death, or a writer that cannot start at all,
         fails the start with its error."""
         try:
-            return ray.get(self.writers[slot].ready.remote())
+            return ray.get(self.writers[slot].ready.remote(), timeout=WRITER_START_TIMEOUT_S)
         except ray.exceptions.RayActorError:
             logger.error("writer %d died while the model loaded; starting a new one in its place", slot)
             self.writers[slot] = self._new()
