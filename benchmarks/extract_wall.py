@@ -3,12 +3,12 @@
     python -m benchmarks.extract_wall [--device cpu|cuda] [--model DIR | --gguf FILE] [--samples N]
                                       [--tokens-per-sample 256] [--set key=value ...]
 
-Writes ``--samples`` random token sequences (lengths from half to one and a half times ``--tokens-per-sample``)
-as a tokenized dataset, runs ``python -m jobs.extract`` on them as a user would, then SGLang alone in a Ray actor
-like the extractor: its engine started with the same model, dtype, device, tensor parallelism, attention backend,
-memory fraction and model.serving settings, one ``Engine.generate`` over the same token ids with ``max_new_tokens=1`` (the prefill of
-every token, and one decode step each), its shutdown. Prints the command's wall time phase by phase (its own
-summary's table), SGLang alone's from the actor's start to the engine's shutdown, and their ratio: the bound a
+Writes ``--samples`` random token sequences (lengths from half to one and a half times ``--tokens-per-sample``) as
+a tokenized dataset, runs ``python -m jobs.extract`` on them as a user would, then SGLang alone in a Ray actor like
+the extractor: its engine started with the same model, dtype, device, tensor parallelism, attention backend, memory
+fraction and model.serving settings, one ``Engine.generate`` over the same token ids with ``max_new_tokens=1`` (the
+prefill of every token, and one decode step each), its shutdown. Prints the command's wall time phase by phase (its
+own summary's table), SGLang alone's from the actor's start to the engine's shutdown, and their ratio: the bound a
 command's fixed costs are held to is 1.25. Both run on one private Ray cluster that ``jobs.extract`` joins
 (``ray.address``): one cluster's start-up, not two.
 """
@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
                                  sglang_alone)
 from benchmarks.workdir import write_results
-from extractor.checkpoint import read_checkpoint_info, read_config, text_config
+from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec
-from extractor.serving import effective_model, parse_serving
+from extractor.serving import with_serving
 from inputs.demo import build_synthetic_dataset
 from jobs.config import load_config
 from jobs.rundir.summary import read_summary
@@ -53,10 +53,7 @@ def run_extract(keys: list[str], log: Path) -> tuple[float, dict[str, Any]]:
 def engine_alone(keys: list[str]) -> GeneratorSpec:
     """The engine jobs.extract's config gives its model: its model.* keys with model.serving's values in them,
     and the serving command's other settings (a quantized server's, say), as the job's own engine takes them."""
-    model = load_config(keys).model
-    serving = parse_serving(model.serving)
-    if serving is not None:
-        model = effective_model(model, serving, text_config(read_config(model.path)))
+    model, serving = with_serving(load_config(keys).model)
     return GeneratorSpec(model_path=model.path, dtype=model.dtype, device=resolve_device(model.device, model.tp_size),
                          tp_size=model.tp_size, attention_backend=model.attention_backend,
                          mem_fraction_static=model.mem_fraction_static, trust_remote_code=model.trust_remote_code,

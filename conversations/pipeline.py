@@ -33,9 +33,9 @@ from conversations.tokenize import (
     resolve_workers,
     tokenize_shards,
 )
-from extractor.checkpoint import read_checkpoint_info, read_config, text_config
+from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec
-from extractor.serving import ServingSettings, effective_model, parse_serving
+from extractor.serving import ServingSettings, with_serving
 from inputs.files import InputFile, resolve_files
 from runtime.display.stages import StageLine
 from storage import checksum
@@ -110,9 +110,8 @@ class Inputs:
 
 def read_inputs(config: PrepareConfig) -> Inputs:
     """Tokenizer, template, the input files and their row count, all checked; nothing is written."""
-    serving = parse_serving(config.model.serving) if config.regenerate else None
+    model, serving = with_serving(config.model) if config.regenerate else (config.model, None)
     if serving is not None:
-        model = effective_model(config.model, serving, text_config(read_config(config.model.path)))
         config = dataclasses.replace(config, model=model)
         for line in serving.describe():
             logger.info("%s", line)

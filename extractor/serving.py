@@ -29,6 +29,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from extractor.checkpoint import read_config, text_config
 from extractor.config import serving_command
 from extractor.sglang_compat import config_merger, quiet_import_noise, server_args_fields
 
@@ -308,6 +309,16 @@ def effective_model(model: Any, settings: Optional[ServingSettings], checkpoint_
         return dataclasses.replace(model, **changes)
     except ValueError as error:
         raise ValueError(f"model.serving: {error}") from None
+
+
+def with_serving(model: Any) -> tuple[Any, Optional[ServingSettings]]:
+    """``model`` (a config dataclass with ``serving`` and ``path``) with its serving command's values in its keys
+    (``effective_model`` against the checkpoint's config), and the command as the installed SGLang parsed it (None,
+    and ``model`` as it is, when there is none)."""
+    serving = parse_serving(model.serving)
+    if serving is None:
+        return model, None
+    return effective_model(model, serving, text_config(read_config(model.path))), serving
 
 
 def runner_server_args(spec: Any, nccl_port: int, capture_only: bool) -> dict[str, Any]:

@@ -22,6 +22,7 @@ run or it died without an exit record (killed).
 served results go into LOCAL_DIR (a new directory), and the benchmark's report stage runs there with the run's
 own arguments: the tables of a run whose machine went before its report stage, over the engines it finished.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -213,8 +214,8 @@ def report(collected: Path, work: Path) -> int:
               file=sys.stderr)
         return 2
     for folder, records in (("steps", steps), ("serve", served["engines"])):
+        (work / folder).mkdir(parents=True)
         for name, record in records.items():
-            (work / folder).mkdir(parents=True, exist_ok=True)
             _write(record, work / folder / f"{name}.json")
     argv = [*_without(served["argv"], REPLACED_OPTIONS), "--work", str(work), "--device", "cpu", "--stages", "report"]
     print(f"the report over {len(served['engines'])} engines' results, as `python -m benchmarks.acceptance "

@@ -152,6 +152,10 @@ class Pipeline:
             path.write_text("".join(json.dumps({"prompt": prompt.text}) + "\n" for prompt in fresh))
         return path
 
+    def served_file(self, unit: Served) -> Path:
+        """What ``unit``'s engine served: its per-prompt results, settings, versions and first answers."""
+        return self.work / "serve" / f"{unit.name}.json"
+
     def prompts(self, unit: Served) -> Path:
         """The prompts ``unit``'s engine serves."""
         return self.training_distribution_prompts() if unit.training_distribution else self.eval_prompts

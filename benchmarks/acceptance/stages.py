@@ -307,10 +307,10 @@ def stage_serve(p: Pipeline) -> None:
         p.progress(step=" ".join(f"serve-{unit.name}" for unit in batch))
         processes = {unit: start_serving(ServeSpec(
             p.target_model(ARMS[unit.arm].target), p.drafter(unit), p.prompts(unit),
-            p.work / "serve" / f"{unit.name}.json", p.args.max_new_tokens, p.args.attention_backend,
+            p.served_file(unit), p.args.max_new_tokens, p.args.attention_backend,
             SERVE_MEMORY / len(batch), p.serving(ARMS[unit.arm].target))) for unit in batch}
         for unit, process in processes.items():
-            results = served_results(process, p.work / "serve" / f"{unit.name}.json")
+            results = served_results(process, p.served_file(unit))
             p.save(f"serve-{unit.name}", {"prompts": len(results), "engines_at_once": len(batch)},
                    time.perf_counter() - started)
 
@@ -323,13 +323,14 @@ def serving_batches(units: Sequence[Served], parallel: int) -> list[list[Served]
 
 def stage_report(p: Pipeline) -> dict[str, Any]:
     p.check_training_choices()
-    units = [unit for unit in p.served() if (p.work / "serve" / f"{unit.name}.json").is_file()]
-    not_served = [unit.name for unit in p.served() if unit not in units]
+    planned = p.served()
+    units = [unit for unit in planned if p.served_file(unit).is_file()]
+    not_served = [unit.name for unit in planned if unit not in units]
     if not units:
         raise ValueError(f"no engine's results under {p.work / 'serve'}: run the serve stage first")
     if not_served:
         logger.warning("the report leaves out the engines not served: %s", ", ".join(not_served))
-    served = {unit: read_results(p.work / "serve" / f"{unit.name}.json") for unit in units}
+    served = {unit: read_results(p.served_file(unit)) for unit in units}
     finals = {}
     for unit in (unit for unit in units if unit.final):
         finals.setdefault(unit.arm, {})[unit.seed] = served[unit]
@@ -364,11 +365,11 @@ def stage_report(p: Pipeline) -> dict[str, Any]:
                     "speculative_num_draft_tokens": SPEC_DRAFT_TOKENS, "temperature": 0,
                     "max_new_tokens": p.args.max_new_tokens, "attention_backend": p.args.attention_backend,
                     "quantized_serving": list(p.args.quantized_serving), "int4_serving": list(p.args.int4_serving),
-                    "engines": {unit.name: json.loads((p.work / "serve" / f"{unit.name}.json").read_text())
+                    "engines": {unit.name: json.loads(p.served_file(unit).read_text())
                                 .get("engine") for unit in units}},
         "seconds": {path.stem: json.loads(path.read_text())["seconds"]
                     for path in sorted((p.work / "steps").glob("*.json"))},
-        "versions": next((found for unit in units if (found := read_versions(p.work / "serve" / f"{unit.name}.json"))),
+        "versions": next((found for unit in units if (found := read_versions(p.served_file(unit)))),
                          versions()),  # where the engines served (a report built elsewhere from collected records)
         "command": " ".join(sys.argv),
     }
@@ -395,7 +396,7 @@ def target_answers(p: Pipeline, units: Sequence[Served]) -> dict[str, list[dict[
         on_target = [unit for unit in units if ARMS[unit.arm].target == target and unit.final
                      and unit.seed == p.args.seeds[0]]
         on_target.sort(key=lambda unit: unit.arm != QUANTIZED.get(target, "A"))
-        if on_target and (found := read_answers(p.work / "serve" / f"{on_target[0].name}.json")):
+        if on_target and (found := read_answers(p.served_file(on_target[0]))):
             answers[target] = found
     return answers
 

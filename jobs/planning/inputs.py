@@ -16,11 +16,9 @@ from extractor.checkpoint import (
     checkpoint_identity,
     local_checkpoint,
     read_checkpoint_info,
-    read_config,
-    text_config,
 )
 from extractor.layers import check_layer_ids, default_layer_ids
-from extractor.serving import ServingSettings, effective_model, parse_serving
+from extractor.serving import ServingSettings, with_serving
 from inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.cluster.node_disk import read_claim
 from jobs.config import JobConfig, resolve_paths
@@ -67,9 +65,8 @@ def read_inputs(config: JobConfig, fetch: Optional[Sequence[str]] = None) -> Run
     if not config.output.dir:
         raise ConfigError("output.dir is empty: name a directory on local disk for the shard files")
     checkpoint = read_checkpoint_info(config.model.path)
-    serving = parse_serving(config.model.serving)
+    model, serving = with_serving(config.model)
     if serving is not None:
-        model = effective_model(config.model, serving, text_config(read_config(config.model.path)))
         config = dataclasses.replace(config, model=model)
         for line in serving.describe():
             logger.info("%s", line)
