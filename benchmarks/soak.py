@@ -65,6 +65,8 @@ LABELS = ("soak-a", "soak-b")
 """The node's name in the first and the second cluster: the relabel the resume must survive."""
 BUDGET_SAMPLE_S = 1.0
 MEMORY_SAMPLE_S = 5.0
+"""How often every process's memory is read by default (--memory-sample-s): a process sampled fewer than three
+times has no row."""
 PROGRESS_LOG_S = 30.0
 MEMORY_WARMUP = 0.25
 """A process's memory is compared from this fraction of its life on: its start-up (a model's load, the
@@ -425,7 +427,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     heads: list[RayHead] = []
     memory = ProcessMemory(heads)
     disk = DirectoryBytes(output_dir)
-    samplers = [Sampler(BUDGET_SAMPLE_S, disk.sample), Sampler(MEMORY_SAMPLE_S, memory.sample)]
+    samplers = [Sampler(BUDGET_SAMPLE_S, disk.sample), Sampler(args.memory_sample_s, memory.sample)]
     consumers: Optional[Consumers] = None
     phases: list[Phase] = []
     try:
@@ -537,6 +539,8 @@ def main() -> None:
     parser.add_argument("--baseline-samples", type=int, default=0,
                         help=f"(a) on this many samples; 0: {BASELINE_TOKENS_ON_CUDA:,} tokens' worth on CUDA, 32 on CPU")
     parser.add_argument("--num-cpus", type=int, default=0, help="CPUs of each Ray head; 0: Ray's own count")
+    parser.add_argument("--memory-sample-s", type=float, default=MEMORY_SAMPLE_S,
+                        help="seconds between reads of every process's memory (a short run needs them often)")
     parser.add_argument("--work-dir", default="", help="kept afterwards; default: a temp dir, removed")
     parser.add_argument("--keep-output", action="store_true", help="keep output.dir (its manifest) afterwards")
     parser.add_argument("--out", default="", help="also write the results as JSON here")

@@ -201,7 +201,8 @@ def test_soak_benchmark_smoke(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--shape", "tiny", "--device", "cpu", "--tokens-per-sample", "96",
          "--max-tokens-per-batch", "256", "--target-bytes", "8MB", "--shard-size", "4", "--budget", "3MB",
-         "--consumers", "2", "--num-cpus", "4", "--keep-output", "--work-dir", str(tmp_path / "work"),
+         "--consumers", "2", "--num-cpus", "4", "--memory-sample-s", "1", "--keep-output",
+         "--work-dir", str(tmp_path / "work"),
          "--output-root", str(tmp_path), "--out", str(tmp_path / "results.json")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,  # three model loads, two Ray heads
     )
