@@ -3,8 +3,11 @@
 When nothing is open and the next shard fits no lane's budget, the run waits:
 the loop goes on settling the work in flight (writes, uploads: they free space)
 and re-scanning for files a consumer deleted, and ``DiskWait`` only keeps the
-wait's clocks. With nothing in flight for ``output.budget_wait_s`` seconds,
-nothing the run does can free space: ``idle`` raises ``BudgetExhausted`` (exit 3).
+wait's clocks. With nothing in flight and nothing freed for ``output.budget_wait_s``
+seconds, nothing the run does can free space and no consumer is taking files:
+``idle`` raises ``BudgetExhausted`` (exit 3). Space freed that is still too little
+for the next shard (a consumer took a smaller shard) restarts that clock: a
+trainer slower than the job keeps it waiting as long as it keeps consuming.
 Because the wait never runs completions from inside the scheduler, a shard a
 fault sends back while the run waits is simply the next one to open.
 """
@@ -38,6 +41,8 @@ class DiskWait:
         self._started = 0.0
         self._last_log = 0.0
         self._idle_since: Optional[float] = None
+        self._used = 0
+        """The blocking lane's budget use at the last look: less now means something freed space."""
         self.blocked_seconds = 0.0
         """Time the run held its next shard back for disk, over every wait."""
 
@@ -61,18 +66,24 @@ class DiskWait:
             lane = self._blocked[0]
             logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.describe_use())
             self._progress.disk_wait_ended(waited)
+        elif blocked is not None and blocked[0] is self._blocked[0] and blocked[0].budget.used < self._used:
+            self._idle_since = None
+            lane, nbytes = blocked
+            logger.info("%s freed, still waiting for disk budget: %s", format_bytes(self._used - lane.budget.used),
+                        lane.budget.describe_block(nbytes))
         elif blocked is not None and now - self._last_log >= LOG_PERIOD_S:
             self._last_log = now
             lane, nbytes = blocked
             logger.warning("waiting for disk budget: %s", lane.budget.describe_block(nbytes))
         self._blocked = blocked
+        self._used = blocked[0].budget.used if blocked is not None else 0
 
     def busy(self) -> None:
         """Work is in flight: it may free space, so the wait is not idle."""
         self._idle_since = None
 
     def idle(self) -> None:
-        """Nothing is in flight: sleep until the next rescan, or stop once idle for ``budget_wait_s``."""
+        """Nothing is in flight: sleep until the next rescan, or stop once nothing was freed for ``budget_wait_s``."""
         assert self._blocked is not None, "idle() outside a wait for disk"
         now = time.monotonic()
         self._idle_since = self._idle_since if self._idle_since is not None else now

@@ -186,8 +186,9 @@ class ExtractionRun:
         tokens = sum(self._plan[r.index].tokens for r in remaining)
         return (
             f"stopped after waiting {self._output.budget_wait_s:.0f} s for disk budget ({state}) with nothing "
-            f"in flight that could free space. {len(remaining)} shards remain, about "
+            f"in flight that could free space and nothing consumed. {len(remaining)} shards remain, about "
             f"{format_bytes(tokens * self._bytes_per_token())} to write. Raise output.disk_budget, set "
             f"output.sink, or free space under {self._lanes.where(lane)} (e.g. let the trainer consume "
-            "shards), then rerun the same command: it resumes where this run stopped"
+            "shards; a trainer that pauses longer between shards needs a larger output.budget_wait_s), then "
+            "rerun the same command: it resumes where this run stopped"
         )

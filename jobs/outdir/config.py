@@ -55,8 +55,10 @@ class OutputConfig(SinkOptions, OutputDir):
     files (manifest, summary and its reserve, ...: at most a bound fixed before Ray starts); 500GB, 1.3TB or bytes."""
     min_free: str = "10GB"
     """Free-space floor on output.dir's filesystem: no batch starts that could push free space below it; 10GB, 500MB or bytes."""
-    budget_wait_s: float = 600.0
-    """How long the job waits for disk budget when nothing it does can free any, before it stops (non-zero exit)."""
+    budget_wait_s: float = 3600.0
+    """How long the job waits for disk budget when nothing it does can free any and nothing is consumed, before it
+    stops (exit 3; a rerun resumes). Each shard a trainer consumes restarts the wait: set it above the trainer's
+    longest pause between two shards (a checkpoint, an evaluation, a restart)."""
     rescan_s: float = 10.0
     """How often output.dir is re-scanned for shard files deleted by someone else (a trainer consuming them)."""
     sink: str = ""

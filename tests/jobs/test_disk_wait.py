@@ -1,0 +1,80 @@
+"""The wait for disk budget stops the run only after ``output.budget_wait_s`` in which nothing freed space.
+
+A real ``DiskBudget`` over a temp dir, the real ``DiskWait``; the clock is the test's (``idle`` sleeps one rescan
+at a time), so that a trainer slower than the wait can be played in no time.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from jobs.driver.disk_wait import DiskWait
+from jobs.outdir.budget import DiskBudget
+from runtime.errors import BudgetExhausted
+
+WAIT_S = 10.0
+SHARD = 30_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr("jobs.driver.disk_wait.time.monotonic", lambda: clock.now)
+    monkeypatch.setattr("jobs.driver.disk_wait.time.sleep", clock.sleep)
+    return clock
+
+
+def full_lane(tmp_path) -> types.SimpleNamespace:
+    """A lane whose budget holds three shards' reservations of the 100 KB it has: a shard of 50 KB fits nowhere."""
+    budget = DiskBudget(tmp_path, 100_000, 0)
+    for shard in range(3):
+        budget.reserve(shard, SHARD)
+    return types.SimpleNamespace(budget=budget)
+
+
+def waiting(lane: types.SimpleNamespace) -> DiskWait:
+    progress = types.SimpleNamespace(disk_wait_started=lambda: None, disk_wait_ended=lambda seconds: None)
+    wait = DiskWait(WAIT_S, 1.0, progress, lambda lane, state: f"stopped: {state}")
+    wait.update((lane, 50_000))
+    return wait
+
+
+def idle_for(wait: DiskWait, lane: types.SimpleNamespace, seconds: float, clock: Clock) -> None:
+    """The driver's loop while nothing is in flight: a look at the budget, then a rescan's sleep."""
+    end = clock.now + seconds
+    while clock.now < end:
+        wait.update((lane, 50_000))
+        wait.idle()
+
+
+def test_nothing_freed_stops_after_the_wait(tmp_path, clock):
+    lane = full_lane(tmp_path)
+    wait = waiting(lane)
+    idle_for(wait, lane, WAIT_S - 1, clock)
+    with pytest.raises(BudgetExhausted, match="stopped: used 90.0 KB"):
+        idle_for(wait, lane, 2, clock)
+    assert clock.now == WAIT_S
+
+
+def test_space_freed_that_is_still_too_little_restarts_the_wait(tmp_path, clock):
+    """A trainer took a shard smaller than the next one needs: the run keeps waiting for it, a whole
+    ``budget_wait_s`` from that moment, not from the wait's start."""
+    lane = full_lane(tmp_path)
+    wait = waiting(lane)
+    idle_for(wait, lane, WAIT_S - 2, clock)
+    lane.budget.release(0)  # 40 KB free, 50 KB needed
+    idle_for(wait, lane, WAIT_S - 2, clock)
+    assert wait.waiting
+    with pytest.raises(BudgetExhausted):
+        idle_for(wait, lane, 3, clock)
+    assert clock.now == (WAIT_S - 2) + WAIT_S
