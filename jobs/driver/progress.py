@@ -36,6 +36,9 @@ RUN_LABEL = "run"
 """The label naming the run: its output.dir."""
 METRICS_REFRESH_S = 5.0
 """How often gauges are set again: Ray 2.60 exports a gauge every 10 s and forgets one not set for 20-30 s."""
+ETA_MAX_S = 3e7
+"""An ETA beyond about a year is reported unknown (-1): a rate decaying over a long pause would otherwise give one
+with hundreds of digits, then an infinite one."""
 RATE_WINDOW_S = 30.0
 """The time constant of the rate shown (and of the ETA): long against a batch (a second or so on a GPU) and a
 shard's publication, so that neither moves it much; short enough that a lasting change of speed shows within a
@@ -174,8 +177,10 @@ class RateMeter:
         self._weighted = 0.0
         """The later batches' tokens, each weighted by exp(-its age / window_s), as of ``_at``."""
         self._at = started
+        self._total = 0
 
     def add(self, tokens: int, now: float) -> None:
+        self._total += tokens
         if self._first is None:
             self._first = (now, tokens)
         else:
@@ -191,6 +196,10 @@ class RateMeter:
             return tokens / max(now - self.started, 1e-9)
         weighted_time = self.window_s * -math.expm1(-(now - since) / self.window_s)  # the integral of the weights
         return self._weighted * math.exp(-(now - self._at) / self.window_s) / weighted_time
+
+    def average(self, now: float) -> float:
+        """Tokens a second since ``started``, every pause included: the pace of a run that waits on a consumer."""
+        return self._total / max(now - self.started, 1e-9)
 
 
 class ProgressSink(Protocol):
@@ -382,8 +391,13 @@ class RunProgress:
         records = self.manifest.shards
         done = [record for record in records.values() if record.state == DONE]
         in_flight = sum(self.open_tokens.values())
-        rate = self.meter.rate(time.monotonic()) if self.meter is not None else 0.0
+        now = time.monotonic()
+        rate = self.meter.rate(now) if self.meter is not None else 0.0
+        # Waiting for disk, the last 30 s say nothing of when the run ends (their rate decays to nothing over the
+        # wait): the run's whole pace does, the waits for its consumer included.
+        pace = (self.meter.average(now) if self.waiting else rate) if self.meter is not None else 0.0
         remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in self.settled) - in_flight)
+        eta = remaining / pace if pace > 0 else math.inf
         return ProgressSnapshot(
             updated_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             shards_done=len(done),
@@ -396,7 +410,7 @@ class RunProgress:
             bytes_written=sum(record.bytes for record in done),
             tokens_to_go=remaining,
             tokens_per_second=round(rate, 1),
-            eta_seconds=round(remaining / rate, 1) if rate > 0 else (0.0 if remaining == 0 else -1.0),
+            eta_seconds=round(eta, 1) if eta <= ETA_MAX_S else (0.0 if remaining == 0 else -1.0),
             disk_used=sum(budget.used for budget in self.budgets),
             disk_budget=sum(budget.limit for budget in self.budgets),
             disk_room=sum(budget.room() for budget in self.budgets),

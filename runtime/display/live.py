@@ -7,6 +7,7 @@ width, so that it can be redrawn in place.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import TextIO
 
@@ -17,10 +18,14 @@ LIVE_REFRESH_S = 1.0
 
 
 def format_duration(seconds: float) -> str:
-    """130 -> 2m10s, 3900 -> 1h05m, 42 -> 42s."""
+    """130 -> 2m10s, 3900 -> 1h05m, 42 -> 42s, 200000 -> 2d07h; not a finite number -> ?."""
+    if not math.isfinite(seconds):
+        return "?"
     whole = int(round(seconds))
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
+    if hours >= 48:
+        return f"{hours // 24}d{hours % 24:02d}h"
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -169,9 +169,39 @@ def test_disk_wait_shows_while_it_lasts(tmp_path):
     assert "ETA ?" in waiting.describe()
 
 
+def test_hours_of_waiting_for_disk_keep_an_eta_at_the_runs_whole_pace(tmp_path, monkeypatch, caplog):
+    """A run paced by its consumer, on the test's clock: an hour of batches at 30k tok/s, then eight hours waiting
+    for disk with the loop's idle turn every 10 s. The 30 s rate decays towards nothing over the wait; the ETA
+    follows the run's whole pace instead (its tokens over its time, the wait included) and stays a number, and
+    every report renders (an ETA from the decayed rate overflowed after 5.8 hours: the run stopped on it)."""
+    clock = [0.0]
+    monkeypatch.setattr("jobs.driver.progress.time.monotonic", lambda: clock[0])
+    manifest = Manifest.open(tmp_path, {"k": 1}, [(i, 100 * i, 100 * (i + 1)) for i in range(150)])
+    summary = _Summary()
+    progress = RunProgress(manifest, DiskBudget(tmp_path, 10**12, 0), {i: 20_000_000 for i in range(150)},
+                           list(range(150)), run="r", interval_s=10, sink=summary, interactive=False)
+    progress.begin()
+    for second in range(3600):
+        clock[0] += 1
+        progress.tokens_written(second % 8, 30_000)
+        progress.tick()
+    progress.disk_wait_started()
+    with caplog.at_level(logging.INFO, logger="jobs.driver.progress"):
+        while clock[0] < 9 * 3600:
+            clock[0] += 10
+            progress.tick()
+    last = ProgressSnapshot(**summary.reports[-1])
+    assert last.waiting_for_disk and last.tokens_per_second < 1e-6
+    pace = 3600 * 30_000 / clock[0]
+    assert last.eta_seconds == pytest.approx(last.tokens_to_go / pace, rel=1e-3)
+    assert all(0 < report["eta_seconds"] < 3e7 for report in summary.reports[-2880:])
+    assert caplog.records[-1].getMessage() == last.describe() and "ETA 10d01h" in last.describe()
+
+
 def test_formats():
     assert [format_count(n) for n in (950, 31_000, 1_234_567, 5_000_000)] == ["950", "31k", "1.2M", "5.0M"]
-    assert [format_duration(s) for s in (42, 130, 3900)] == ["42s", "2m10s", "1h05m"]
+    assert [format_duration(s) for s in (42, 130, 3900, 200_000)] == ["42s", "2m10s", "1h05m", "2d07h"]
+    assert format_duration(float("inf")) == format_duration(float("nan")) == "?"
 
 
 def test_status_shows_the_runs_last_progress(tmp_path):
