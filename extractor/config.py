@@ -137,7 +137,9 @@ class ExtractConfig:
     sample, shard and layer), skip (left out; listed in the manifest and .summary.json) or keep (written, flagged
     in the manifest)."""
     max_restarts: int = 3
-    """Times the extractor is started again in one run after it dies (its process or a TP rank); beyond: exit 4, rerun resumes."""
+    """Times in a row the extractor is started again after it dies (its process or a TP rank) with no batch extracted
+    in between; beyond: exit 4, rerun resumes. A batch extracted starts the count anew: rare faults over a long run
+    never add up."""
     max_attempts: int = 3
     """Tries per shard in one run when faults (a dead extractor or writer) cut it short (uploads: output.upload_attempts)."""
     copy_piece_mb: int = 0

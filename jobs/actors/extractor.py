@@ -3,7 +3,8 @@
 ``ExtractorHost`` is the driver's side of it: it starts the actor, waits for its
 model, and starts it again when it dies (its process, or a tensor-parallel rank
 whose loss its watchdog turns into the end of its process), at most
-``extract.max_restarts`` times per run. While it loads, the actor posts what its load does now (importing
+``extract.max_restarts`` times in a row: a batch extracted in between starts that count anew, so a fault a day
+never adds up over a week-long run while an extractor that dies at every start ends it. While it loads, the actor posts what its load does now (importing
 SGLang, loading the weights, ...) to Ray's key-value store, where the host reads it for the driver's progress
 line: the actor answers no call before its constructor returns.
 """
@@ -122,6 +123,8 @@ class ExtractorHost:
         self.where = where
         """The node it runs on, for log lines."""
         self.generation = 0
+        self.deaths_in_a_row = 0
+        """Deaths since a batch was last extracted: ``restart`` refuses past ``max_restarts``."""
         self.actor: Any = None
         self.is_loaded = False
         self._started = 0.0
@@ -172,19 +175,25 @@ class ExtractorHost:
     def extract(self, tokens: TokenBatch) -> ray.ObjectRef:
         return self.actor.extract.remote(tokens)
 
+    def batch_extracted(self, generation: int) -> None:
+        """A batch extracted by start ``generation`` was written: if it is the running one, it works."""
+        if generation == self.generation:
+            self.deaths_in_a_row = 0
+
     def restart(self, reason: str) -> ray.ObjectRef:
         """Start a new extractor after a fault in generation ``self.generation``, without waiting for its
         model: returns the reference that completes with its EngineInfo once loaded (or raises if it
         died meanwhile). Batches sent before then wait in its queue (Ray runs an actor's calls after
         its constructor), so a load of minutes holds up neither the driver nor other nodes' extractors.
-        JobFault past ``max_restarts``."""
-        if self.generation >= self.max_restarts:
+        JobFault past ``max_restarts`` deaths in a row."""
+        if self.deaths_in_a_row >= self.max_restarts:
             raise JobFault(
-                f"the extractor died {self.generation + 1} times in this run (extract.max_restarts="
-                f"{self.max_restarts}); last: {reason}. {RERUN}"
+                f"the extractor died {self.deaths_in_a_row + 1} times in a row with no batch extracted in between "
+                f"(extract.max_restarts={self.max_restarts}); last: {reason}. {RERUN}"
             )
-        logger.error("the extractor on %s died (%s); starting it again (%d of at most %d restarts)",
-                     self.where, reason, self.generation + 1, self.max_restarts)
+        self.deaths_in_a_row += 1
+        logger.error("the extractor on %s died (%s); starting it again (%d of at most %d restarts in a row)",
+                     self.where, reason, self.deaths_in_a_row, self.max_restarts)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
         self.generation += 1

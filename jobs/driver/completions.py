@@ -78,6 +78,7 @@ class Completions:
             self._scheduler.writer_died(lane, item.writer, error_text(error))
             return
         self.last_write_done = time.perf_counter()
+        lane.extractor.batch_extracted(item.generation)
         self._scheduler.batch_written(attempt, tokens)
 
     def _on_finish(self, item: Finish, ref: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,6 +23,7 @@ import pytest
 import ray
 
 from inputs.dataset import open_tokenized_dataset
+from jobs.actors.extractor import ExtractorHost
 from jobs.actors.writer import ExtractorLost, ShardFailed
 from jobs.cluster.nodes import NodeGroup
 from jobs.driver.completions import Completions
@@ -180,14 +182,20 @@ class FakeWriters:
         return None
 
 
-class FakeExtractor:
-    """The states of a batch are its token count; ``die_at`` (the n-th batch overall) kills this generation."""
+class FakeExtractor(ExtractorHost):
+    """The real host's restarts over a fake actor: the states of a batch are its token count; ``die_at`` (the n-th
+    batch overall) kills this generation."""
 
     def __init__(self, world: "World") -> None:
+        super().__init__(spec=None, max_restarts=world.max_restarts, placement={}, where="node n1")
         self.world = world
-        self.generation = 0
         self.batches = 0
         self.dead_generation: Optional[int] = None
+        self.launch()
+
+    def launch(self) -> None:
+        engine = types.SimpleNamespace(model_architecture="Fake", layers_to_capture=[], layer_ids=[], drafter_layer_ids=[])
+        self.actor = types.SimpleNamespace(info=Method(self.world.runtime, lambda: engine))
 
     def extract(self, tokens: Any) -> FakeRef:
         self.batches += 1
@@ -201,15 +209,6 @@ class FakeExtractor:
             return len(tokens.ids)
 
         return self.world.runtime.ref(compute)
-
-    def restart(self, reason: str) -> FakeRef:
-        if self.generation >= self.world.max_restarts:
-            raise JobFault(f"restarts exhausted: {reason}")
-        self.generation += 1
-        return self.world.runtime.ref(lambda: "engine")
-
-    def loaded(self, engine: Any) -> Any:
-        return engine
 
 
 class FakeUploader:
@@ -358,6 +357,22 @@ def test_extractor_death_while_waiting_for_disk_loses_no_shard(tmp_path, dataset
     assert_every_shard_done_once(run, consumed=True)
     assert run.extractor.generation == 1
     assert {r.location for r in run.manifest.shards.values()} <= {LOCAL, CONSUMED}
+
+
+def test_extractor_deaths_with_batches_extracted_between_never_add_up(tmp_path, dataset_path, hooks_while_sleeping):
+    """With extract.max_restarts=1, deaths apart (a batch extracted by the new extractor before the next) each
+    restart it: a fault a day over a week-long run never stops it."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"extractor_dies_at": {2, 7, 12}, "max_restarts": 1})
+    run.loop.run()
+    assert_every_shard_done_once(run)
+    assert run.extractor.generation == 3
+
+
+def test_an_extractor_dying_at_every_start_stops_the_run(tmp_path, dataset_path, hooks_while_sleeping):
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"extractor_dies_at": set(range(2, 100))})
+    with pytest.raises(JobFault, match=r"died 4 times in a row with no batch extracted in between \(extract.max_restarts=3\)"):
+        run.loop.run()
+    assert run.extractor.generation == 3
 
 
 @pytest.mark.parametrize("dies_at", [1, 3, 7])
