@@ -92,7 +92,8 @@ class DiskWait:
             lane, nbytes = self._blocked
             self.update(None)
             raise BudgetExhausted(self._exhausted(lane, lane.budget.describe_block(nbytes)))
-        time.sleep(min(self._rescan_s, self._wait_s - idle_for))
+        # Also every refresh: the metrics are set only by the loop's turns, and Ray drops a gauge left unset.
+        time.sleep(min(self._rescan_s, self._progress.refresh_s, self._wait_s - idle_for))
 
     def close(self) -> None:
         """The run ends: a wait still open counts to its end."""

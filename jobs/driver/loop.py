@@ -74,4 +74,4 @@ class DriverLoop:
         elif self._disk_wait.waiting:
             self._disk_wait.idle()  # BudgetExhausted once nothing could free space for budget_wait_s
         else:  # only failed uploads left: the next rescan offers them again
-            time.sleep(self._rescanner.rescan_s)
+            time.sleep(min(self._rescanner.rescan_s, self._progress.refresh_s))

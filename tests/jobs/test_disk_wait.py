@@ -15,6 +15,7 @@ from jobs.outdir.budget import DiskBudget
 from runtime.errors import BudgetExhausted
 
 WAIT_S = 10.0
+REFRESH_S = 2.0
 SHARD = 30_000
 
 
@@ -42,9 +43,10 @@ def full_lane(tmp_path) -> types.SimpleNamespace:
     return types.SimpleNamespace(budget=budget)
 
 
-def waiting(lane: types.SimpleNamespace) -> DiskWait:
-    progress = types.SimpleNamespace(disk_wait_started=lambda: None, disk_wait_ended=lambda seconds: None)
-    wait = DiskWait(WAIT_S, 1.0, progress, lambda lane, state: f"stopped: {state}")
+def waiting(lane: types.SimpleNamespace, rescan_s: float = 1.0) -> DiskWait:
+    progress = types.SimpleNamespace(disk_wait_started=lambda: None, disk_wait_ended=lambda seconds: None,
+                                     refresh_s=REFRESH_S)
+    wait = DiskWait(WAIT_S, rescan_s, progress, lambda lane, state: f"stopped: {state}")
     wait.update((lane, 50_000))
     return wait
 
@@ -78,3 +80,12 @@ def test_space_freed_that_is_still_too_little_restarts_the_wait(tmp_path, clock)
     with pytest.raises(BudgetExhausted):
         idle_for(wait, lane, 3, clock)
     assert clock.now == (WAIT_S - 2) + WAIT_S
+
+
+def test_a_rare_rescan_still_turns_the_loop_every_refresh(tmp_path, clock):
+    """output.rescan_s=60: the idle turn still comes every progress refresh, which sets the metrics (Ray drops a
+    gauge left unset for 20-30 s: the dashboard would lose the run while it waits)."""
+    lane = full_lane(tmp_path)
+    wait = waiting(lane, rescan_s=60.0)
+    wait.idle()
+    assert clock.now == REFRESH_S
