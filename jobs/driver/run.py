@@ -129,7 +129,8 @@ class ExtractionRun:
                         "reported it: %s)", self._engine.model_architecture)
         self._uploaders = start_uploaders(self._output, lanes)
         self._uploads = UploadQueue(
-            self._output.sink, self._uploaders, self._output.upload_attempts, lanes, self._manifest, self._work
+            self._output.sink, self._uploaders, self._output.upload_attempts, lanes, self._manifest, self._work,
+            retry_s=self._output.rescan_s,
         )
         self._scheduler = Scheduler(
             self._dataset, self._plan, self._shards, self._manifest, lanes, self._work, self._progress,

@@ -3,14 +3,18 @@
 An upload is verified remotely (size and checksum) before the queue records the
 shard as in the sink and deletes the local copy (record first: a crash in
 between leaves a local copy the next run removes). One that fails or does not
-verify leaves the file local, its error in the manifest, and is offered again at
-the next rescan, up to ``output.upload_attempts`` times per run; after that the
-shard stays local and the run ends with exit 7 naming it (a rerun tries again).
+verify leaves the file local, its error in the manifest, and is offered again
+once its pause is over: ``output.rescan_s`` after the first failure, four times
+longer after each next one, at most ``RETRY_MAX_S`` (10 s, 40 s, 160 s, ... by
+default: six tries span 45 minutes, so that a sink down for half an hour strands
+nothing), up to ``output.upload_attempts`` times per run; after that the shard
+stays local and the run ends with exit 7 naming it (a rerun tries again).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from jobs.driver.lanes import Lane, Lanes
@@ -20,13 +24,18 @@ from storage.manifest import LOCAL, SINK, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
 
+RETRY_GROWTH = 4
+"""Each failed upload's pause before the next try is this many times the one before."""
+RETRY_MAX_S = 1800.0
+
 
 class UploadQueue:
     def __init__(
         self, sink: str, uploaders: dict[str, list[Any]], max_attempts: int, lanes: Lanes, manifest: Manifest,
-        work: PendingWork,
+        work: PendingWork, retry_s: float,
     ) -> None:
-        """``uploaders``: each node's uploader actors (its files are on its local disk); none without a sink."""
+        """``uploaders``: each node's uploader actors (its files are on its local disk); none without a sink.
+        ``retry_s``: the pause after a shard's first failed upload."""
         self.sink = sink
         self._uploaders = uploaders
         self._max_attempts = max_attempts
@@ -37,6 +46,9 @@ class UploadQueue:
         self._uploading: set[int] = set()
         self._failures: dict[int, int] = {}
         self._retries: set[int] = set()
+        self._retry_s = retry_s
+        self._retry_at: dict[int, float] = {}
+        """When a shard whose upload failed may be offered again (monotonic seconds)."""
 
     @property
     def retries(self) -> bool:
@@ -52,6 +64,7 @@ class UploadQueue:
         if (
             not uploaders or record.location != LOCAL or record.index in self._uploading
             or self._failures.get(record.index, 0) >= self._max_attempts
+            or time.monotonic() < self._retry_at.get(record.index, 0.0)
         ):
             return
         uploader = uploaders[self._next % len(uploaders)]
@@ -70,11 +83,13 @@ class UploadQueue:
             message = f"upload to {self.sink} failed, the file stays local: {error_text(error)}"
             self._failures[shard] = self._failures.get(shard, 0) + 1
             left = self._max_attempts - self._failures[shard]
+            pause = min(RETRY_MAX_S, self._retry_s * RETRY_GROWTH ** (self._failures[shard] - 1))
             if left:
                 self._retries.add(shard)
+                self._retry_at[shard] = time.monotonic() + pause
             self._manifest.update(shard, error=message)
-            logger.error("shard %d: %s (%s)", shard, message, f"{left} more tries in this run" if left else
-                         "no tries left in this run (output.upload_attempts): a rerun tries again")
+            logger.error("shard %d: %s (%s)", shard, message, f"{left} more tries in this run, the next in {pause:.0f} s"
+                         if left else "no tries left in this run (output.upload_attempts): a rerun tries again")
             return
         record = self._manifest.update(shard, location=SINK, sink_url=url, error="")
         lane = self._lanes.home(record)

@@ -68,8 +68,10 @@ class OutputConfig(SinkOptions, OutputDir):
     A run starts no more than it has shards to write (a rerun of one shard: one writer)."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
-    upload_attempts: int = 3
-    """Tries per shard's upload in one run; after the last the shard stays local, listed, and the run exits 7."""
+    upload_attempts: int = 6
+    """Tries per shard's upload in one run, output.rescan_s apart after the first failure and four times longer after
+    each next one (at most 30 min): six span 45 minutes of a sink's outage. After the last the shard stays local,
+    listed, and the run exits 7."""
     max_inflight_batches: int = 0
     """Batches between extraction and a finished write; bounds the states held in memory. 0: writers + 2."""
     resume_check: ResumeCheck = "size"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import types
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -44,6 +45,8 @@ from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, SINK, Manifest
 
 BYTES_PER_TOKEN = 1000
 SAMPLES, SHARD_SIZE, TOKENS = 40, 10, 20
+UPLOAD_RETRY_S = 0.02
+"""output.rescan_s in the upload queue: the pause after a first failed upload."""
 """Four shards of ten 20-token samples, two batches each."""
 
 
@@ -217,7 +220,10 @@ class FakeUploader:
         self.upload = Method(world.runtime, self._upload)
 
     def _upload(self, path: str, nbytes: int, checksum: str) -> str:
-        if self.world.sink_broken:
+        now = time.monotonic()
+        self.world.upload_tries.setdefault(Path(path).name, []).append(now)
+        first = min(tries[0] for tries in self.world.upload_tries.values())
+        if self.world.sink_broken or now - first < self.world.sink_down_s:
             raise OSError(30, "Read-only file system")
         self.world.uploaded.append(Path(path).name)
         return f"file:///sink/{Path(path).name}"
@@ -233,6 +239,10 @@ class World:
     """Shards whose every batch meets a dead extractor."""
     max_restarts: int = 3
     sink_broken: bool = False
+    sink_down_s: float = 0.0
+    """The sink refuses every upload for this long from the first (real seconds)."""
+    upload_tries: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Each file's upload calls, when (monotonic)."""
     published: list[int] = dataclasses.field(default_factory=list)
     uploaded: list[str] = dataclasses.field(default_factory=list)
 
@@ -307,7 +317,8 @@ def make_run(
     progress = RunProgress(manifest, budget, {s.index: s.tokens for s in plan}, [s.index for s in plan],
                            run=str(directory), interval_s=3600, interactive=False)
     uploaders = {"n1": [FakeUploader(world)]} if sink else {}
-    uploads = UploadQueue("file:///sink" if sink else "", uploaders, upload_attempts, lanes, manifest, work)
+    uploads = UploadQueue("file:///sink" if sink else "", uploaders, upload_attempts, lanes, manifest, work,
+                          retry_s=UPLOAD_RETRY_S)
     scheduler = Scheduler(dataset, plan, manifest.in_state("pending"), manifest, lanes, work, progress,
                           BYTES_PER_TOKEN, max_attempts)
     completions = Completions(scheduler, uploads, work, lanes)
@@ -406,6 +417,19 @@ def test_no_consumer_and_no_sink_stops_for_disk_with_the_rest_pending(tmp_path, 
         run.loop.run()
     states = [r.state for r in run.manifest.shards.values()]
     assert states == [DONE, "pending", "pending", "pending"]
+
+
+def test_a_sink_outage_longer_than_quick_retries_strands_no_shard(tmp_path, dataset_path, hooks_while_sleeping):
+    """The sink refuses everything for 0.3 s (a sink down for half an hour, at the test's scale): each shard's
+    tries come 1, 4 and 16 pauses apart, so the fourth of four lands after the outage, where four tries a rescan
+    apart would all have met it and left the shards local for the rest of the run."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_down_s": 0.3}, sink=True, upload_attempts=4)
+    run.loop.run()
+    assert [r.location for r in run.manifest.shards.values()] == [SINK] * 4
+    first = run.world.upload_tries[shard_file_name(0)]
+    gaps = [later - earlier for earlier, later in zip(first, first[1:])]
+    assert len(first) == 4 and [round(gap / UPLOAD_RETRY_S) >= pause for gap, pause in zip(gaps, (1, 4, 16))] == [True] * 3
+    assert_every_shard_done_once(run, consumed=True)
 
 
 def test_a_broken_sink_leaves_the_shards_local_after_their_tries(tmp_path, dataset_path, hooks_while_sleeping):
