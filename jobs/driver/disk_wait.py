@@ -40,6 +40,8 @@ class DiskWait:
         self._blocked: Optional[tuple[Lane, int]] = None
         self._started = 0.0
         self._last_log = 0.0
+        self._counted = 0.0
+        """Until when the wait is counted in the metrics."""
         self._idle_since: Optional[float] = None
         self._used = 0
         """The blocking lane's budget use at the last look: less now means something freed space."""
@@ -54,7 +56,7 @@ class DiskWait:
         """What ``Scheduler.open_what_fits`` said: the lane and bytes of a shard that fits nowhere, or None."""
         now = time.monotonic()
         if blocked is not None and self._blocked is None:
-            self._started = self._last_log = now
+            self._started = self._last_log = self._counted = now
             self._idle_since = None
             lane, nbytes = blocked
             logger.warning("waiting for disk budget: %s (next shard needs %s)", lane.budget.describe_block(nbytes),
@@ -65,7 +67,7 @@ class DiskWait:
             self.blocked_seconds += waited
             lane = self._blocked[0]
             logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.describe_use())
-            self._progress.disk_wait_ended(waited)
+            self._progress.disk_wait_ended(now - self._counted)
         elif blocked is not None and blocked[0] is self._blocked[0] and blocked[0].budget.used < self._used:
             self._idle_since = None
             lane, nbytes = blocked
@@ -73,6 +75,8 @@ class DiskWait:
                         lane.budget.describe_block(nbytes))
         elif blocked is not None and now - self._last_log >= LOG_PERIOD_S:
             self._last_log = now
+            self._progress.disk_waited(now - self._counted)
+            self._counted = now
             lane, nbytes = blocked
             logger.warning("waiting for disk budget: %s", lane.budget.describe_block(nbytes))
         self._blocked = blocked
@@ -98,5 +102,7 @@ class DiskWait:
     def close(self) -> None:
         """The run ends: a wait still open counts to its end."""
         if self._blocked is not None:
-            self.blocked_seconds += time.monotonic() - self._started
+            now = time.monotonic()
+            self.blocked_seconds += now - self._started
+            self._progress.disk_waited(now - self._counted)
             self._blocked = None

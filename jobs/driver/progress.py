@@ -348,9 +348,14 @@ class RunProgress:
         self.waiting = True
         self.tick(force=True)
 
-    def disk_wait_ended(self, seconds: float) -> None:
-        self.waiting = False
+    def disk_waited(self, seconds: float) -> None:
+        """``seconds`` more of the wait for disk, counted while it lasts: the counter rises through a wait of hours."""
         self.metrics.add(self.metrics.wait_seconds, seconds)
+
+    def disk_wait_ended(self, seconds: float) -> None:
+        """The wait is over; ``seconds``: its part not counted yet."""
+        self.waiting = False
+        self.disk_waited(seconds)
         self.tick(force=True)
 
     def tick(self, force: bool = False) -> Optional[ProgressSnapshot]:

@@ -43,10 +43,27 @@ def full_lane(tmp_path) -> types.SimpleNamespace:
     return types.SimpleNamespace(budget=budget)
 
 
-def waiting(lane: types.SimpleNamespace, rescan_s: float = 1.0) -> DiskWait:
-    progress = types.SimpleNamespace(disk_wait_started=lambda: None, disk_wait_ended=lambda seconds: None,
-                                     refresh_s=REFRESH_S)
-    wait = DiskWait(WAIT_S, rescan_s, progress, lambda lane, state: f"stopped: {state}")
+class Progress:
+    """What the wait tells the run's progress: the seconds it has counted in the metrics."""
+
+    refresh_s = REFRESH_S
+
+    def __init__(self) -> None:
+        self.counted = 0.0
+
+    def disk_wait_started(self) -> None:
+        pass
+
+    def disk_waited(self, seconds: float) -> None:
+        self.counted += seconds
+
+    def disk_wait_ended(self, seconds: float) -> None:
+        self.disk_waited(seconds)
+
+
+def waiting(lane: types.SimpleNamespace, rescan_s: float = 1.0, wait_s: float = WAIT_S,
+            progress: Progress | None = None) -> DiskWait:
+    wait = DiskWait(wait_s, rescan_s, progress or Progress(), lambda lane, state: f"stopped: {state}")
     wait.update((lane, 50_000))
     return wait
 
@@ -89,3 +106,15 @@ def test_a_rare_rescan_still_turns_the_loop_every_refresh(tmp_path, clock):
     wait = waiting(lane, rescan_s=60.0)
     wait.idle()
     assert clock.now == REFRESH_S
+
+
+def test_the_metrics_count_a_long_wait_while_it_lasts(tmp_path, clock):
+    """ray_eagle3_disk_wait_seconds_total rises through a wait of hours (every 30 s), not only at its end; a wait
+    still open when the run ends counts too."""
+    lane = full_lane(tmp_path)
+    progress = Progress()
+    wait = waiting(lane, wait_s=7200, progress=progress)
+    idle_for(wait, lane, 3600, clock)
+    assert progress.counted >= 3600 - 30
+    wait.close()
+    assert progress.counted == 3600
