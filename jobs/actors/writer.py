@@ -249,10 +249,14 @@ class WriterPool:
         return any(writer is current for current in self.writers)
 
     def replace(self, dead: Any) -> Any:
-        """A new writer in the dead one's slot (once: later faults of the dead one change nothing)."""
+        """A new writer in the dead one's slot (once: later faults of the dead one change nothing). The old one is
+        killed first: Ray also reports a writer it cannot reach for now (``ActorUnavailableError``) as dead, and
+        such a one would go on holding its CPU, and the files it had open, beside its replacement."""
         for slot, writer in enumerate(self.writers):
             if writer is dead:
                 logger.error("a writer actor died; starting a new one in its place")
+                with contextlib.suppress(Exception):
+                    ray.kill(dead, no_restart=True)
                 self.writers[slot] = self._new()
                 return self.writers[slot]
         return None
