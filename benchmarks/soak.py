@@ -291,13 +291,15 @@ def measure_reference(address: str, job_args: list[str], data: Path, baseline_sa
 class Consumers:
     """``count`` trainer processes (``benchmarks.soak_consumer``) draining output.dir, each with its ledger."""
 
-    def __init__(self, count: int, output_dir: Path, work: Path, shard_size: int, samples: int) -> None:
+    def __init__(self, count: int, output_dir: Path, work: Path, shard_size: int, samples: int,
+                 pause_s: float = 0.0) -> None:
         self.stop_file = work / "consumers.stop"
         self.ledgers = [work / f"ledger-{i}.jsonl" for i in range(count)]
         self.processes = [
             subprocess.Popen([sys.executable, "-m", "benchmarks.soak_consumer", "--dir", str(output_dir),
                               "--ledger", str(ledger), "--stop", str(self.stop_file), "--shard-size", str(shard_size),
-                              "--samples", str(samples), "--index", str(i), "--of", str(count)],
+                              "--samples", str(samples), "--index", str(i), "--of", str(count),
+                              "--pause-s", str(pause_s)],
                              stderr=open(work / f"consumer-{i}.log", "w"))
             for i, ledger in enumerate(self.ledgers)
         ]
@@ -355,6 +357,9 @@ def run_phase(command: list[str], address: str, label: str, log: Path, consumers
     phase.ended, phase.exit_code = time.time(), driver.returncode
     logger.info("%s: the job's driver %s after %.0f s (exit %s)", label, "was killed" if phase.killed else "ended",
                 phase.ended - phase.started, phase.exit_code)
+    if not phase.killed and phase.exit_code != 0:
+        last = log.read_text().strip().splitlines()[-1:] or ["(its log is empty)"]
+        raise RuntimeError(f"{label}: the job exited {phase.exit_code}: {last[0]} (whole log: {log})")
     return phase
 
 
@@ -415,8 +420,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     references = reference_shards(shard_count, args.reference_shards)
     baseline_samples = args.baseline_samples or (
         math.ceil(BASELINE_TOKENS_ON_CUDA / args.tokens_per_sample) if args.device == "cuda" else min(samples, 32))
-    command = [sys.executable, "-m", "jobs.extract", *job_args, f"output.dir={output_dir}",
-               f"output.disk_budget={args.budget}", "output.rescan_s=0.5"]
+    command = [sys.executable, "-m", "jobs.extract", "output.rescan_s=0.5", *job_args, f"output.dir={output_dir}",
+               f"output.disk_budget={args.budget}"]
     results: dict[str, Any] = {
         "shape": args.shape, "device": args.device, "samples": samples, "tokens_per_sample": args.tokens_per_sample,
         "shard_size": args.shard_size, "shards": shard_count, "state_bytes_per_token": per_token,
@@ -437,7 +442,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         results.update({key: baseline[key] for key in ("tokens", "bare_prefill_tokens_per_s",
                                                        "extractor_alone_tokens_per_s", "extractor_alone_over_bare")})
         results["baseline_tokens"] = results.pop("tokens")
-        consumers = Consumers(args.consumers, output_dir, work, args.shard_size, samples)
+        consumers = Consumers(args.consumers, output_dir, work, args.shard_size, samples, args.consumer_pause_s)
         for sampler in samplers:
             sampler.start()
         phases.append(run_phase(command, heads[0].address, LABELS[0], work / "driver-1.log", consumers,
@@ -535,6 +540,8 @@ def main() -> None:
     parser.add_argument("--output-root", default="", help="where output.dir goes (e.g. /dev/shm); default --work-dir")
     parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the samples consumed at the kill")
     parser.add_argument("--consumers", type=int, default=4, help="consumer processes")
+    parser.add_argument("--consumer-pause-s", type=float, default=0.0,
+                        help="each consumer's pause after a shard (a trainer slower than the job: the job waits for disk)")
     parser.add_argument("--reference-shards", type=int, default=4, help="shards an uninterrupted run extracts too")
     parser.add_argument("--baseline-samples", type=int, default=0,
                         help=f"(a) on this many samples; 0: {BASELINE_TOKENS_ON_CUDA:,} tokens' worth on CUDA, 32 on CPU")

@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--samples", required=True, type=int)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--of", type=int, default=1)
+    parser.add_argument("--pause-s", type=float, default=0.0, help="pause after each shard: a trainer's time on it")
     args = parser.parse_args()
     with open(args.ledger, "a") as ledger:
         while True:
@@ -114,6 +115,7 @@ def main() -> None:
                     ledger.flush()
                 else:
                     ledger.write(json.dumps({"shard": shard, "vanished": True, "at": time.time()}) + "\n")
+                time.sleep(args.pause_s)
             if stopping and not mine:
                 return
             if not mine:
