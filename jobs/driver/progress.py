@@ -292,6 +292,8 @@ class RunProgress:
         self.settled: set[int] = set()
         """Shards of this run that are done or failed (a rerun shard may be either in the manifest until opened)."""
         self.waiting = False
+        self.waited = False
+        """The run has waited for disk: its consumer sets its pace."""
         self.last_metrics: Optional[float] = None
         self.last_report: Optional[float] = None
         self.live: Optional[LiveLine] = None
@@ -345,7 +347,7 @@ class RunProgress:
         self.open_tokens.pop(shard, None)
 
     def disk_wait_started(self) -> None:
-        self.waiting = True
+        self.waiting = self.waited = True
         self.tick(force=True)
 
     def disk_waited(self, seconds: float) -> None:
@@ -398,9 +400,9 @@ class RunProgress:
         in_flight = sum(self.open_tokens.values())
         now = time.monotonic()
         rate = self.meter.rate(now) if self.meter is not None else 0.0
-        # Waiting for disk, the last 30 s say nothing of when the run ends (their rate decays to nothing over the
-        # wait): the run's whole pace does, the waits for its consumer included.
-        pace = (self.meter.average(now) if self.waiting else rate) if self.meter is not None else 0.0
+        # Once the run has waited for disk, the last 30 s say nothing of when it ends (their rate decays to nothing
+        # over a wait and climbs back after it): the run's whole pace does, the waits for its consumer included.
+        pace = (self.meter.average(now) if self.waited else rate) if self.meter is not None else 0.0
         remaining = max(0, sum(self.shard_tokens[i] for i in self.to_run if i not in self.settled) - in_flight)
         eta = remaining / pace if pace > 0 else math.inf
         return ProgressSnapshot(

@@ -171,9 +171,10 @@ def test_disk_wait_shows_while_it_lasts(tmp_path):
 
 def test_hours_of_waiting_for_disk_keep_an_eta_at_the_runs_whole_pace(tmp_path, monkeypatch, caplog):
     """A run paced by its consumer, on the test's clock: an hour of batches at 30k tok/s, then eight hours waiting
-    for disk with the loop's idle turn every 10 s. The 30 s rate decays towards nothing over the wait; the ETA
-    follows the run's whole pace instead (its tokens over its time, the wait included) and stays a number, and
-    every report renders (an ETA from the decayed rate overflowed after 5.8 hours: the run stopped on it)."""
+    for disk with the loop's idle turn every 10 s, then batches again. The 30 s rate decays towards nothing over
+    the wait; the ETA follows the run's whole pace instead (its tokens over its time, the wait included), stays a
+    number and every report renders (an ETA from the decayed rate overflowed after 5.8 hours: the run stopped on
+    it), and after the wait it does not swing with the rate climbing back (it read 720 h a second after)."""
     clock = [0.0]
     monkeypatch.setattr("jobs.driver.progress.time.monotonic", lambda: clock[0])
     manifest = Manifest.open(tmp_path, {"k": 1}, [(i, 100 * i, 100 * (i + 1)) for i in range(150)])
@@ -196,6 +197,14 @@ def test_hours_of_waiting_for_disk_keep_an_eta_at_the_runs_whole_pace(tmp_path, 
     assert last.eta_seconds == pytest.approx(last.tokens_to_go / pace, rel=1e-3)
     assert all(0 < report["eta_seconds"] < 3e7 for report in summary.reports[-2880:])
     assert caplog.records[-1].getMessage() == last.describe() and "ETA 10d01h" in last.describe()
+    # The trainer frees space: batches again. The 30 s rate climbs back from nothing; the ETA keeps the run's pace.
+    progress.disk_wait_ended(8 * 3600)
+    for second in range(10):
+        clock[0] += 1
+        progress.tokens_written(second % 8, 30_000)
+        resumed = progress.snapshot()
+        pace = (3601 + second) * 30_000 / clock[0]
+        assert resumed.eta_seconds == pytest.approx(resumed.tokens_to_go / pace, rel=1e-3)
 
 
 def test_formats():
