@@ -44,7 +44,7 @@ class DiskWait:
         """Until when the wait is counted in the metrics."""
         self._idle_since: Optional[float] = None
         self._used = 0
-        """The blocking lane's budget use at the last look: less now means something freed space."""
+        """Every budget's use at the last look: less now means something freed space, on any node."""
         self.blocked_seconds = 0.0
         """Time the run held its next shard back for disk, over every wait."""
 
@@ -52,8 +52,9 @@ class DiskWait:
     def waiting(self) -> bool:
         return self._blocked is not None
 
-    def update(self, blocked: Optional[tuple[Lane, int]]) -> None:
-        """What ``Scheduler.open_what_fits`` said: the lane and bytes of a shard that fits nowhere, or None."""
+    def update(self, blocked: Optional[tuple[Lane, int]], used: int = 0) -> None:
+        """What ``Scheduler.open_what_fits`` said: the lane and bytes of a shard that fits nowhere, or None;
+        ``used``: every lane's budget use now (a consumer on any node frees space a shard may open in)."""
         now = time.monotonic()
         if blocked is not None and self._blocked is None:
             self._started = self._last_log = self._counted = now
@@ -68,10 +69,10 @@ class DiskWait:
             lane = self._blocked[0]
             logger.info("disk budget free again after %.1f s: %s", waited, lane.budget.describe_use())
             self._progress.disk_wait_ended(now - self._counted)
-        elif blocked is not None and blocked[0] is self._blocked[0] and blocked[0].budget.used < self._used:
+        elif blocked is not None and used < self._used:
             self._idle_since = None
             lane, nbytes = blocked
-            logger.info("%s freed, still waiting for disk budget: %s", format_bytes(self._used - lane.budget.used),
+            logger.info("%s freed, still waiting for disk budget: %s", format_bytes(self._used - used),
                         lane.budget.describe_block(nbytes))
         elif blocked is not None and now - self._last_log >= LOG_PERIOD_S:
             self._last_log = now
@@ -80,7 +81,7 @@ class DiskWait:
             lane, nbytes = blocked
             logger.warning("waiting for disk budget: %s", lane.budget.describe_block(nbytes))
         self._blocked = blocked
-        self._used = blocked[0].budget.used if blocked is not None else 0
+        self._used = used
 
     def busy(self) -> None:
         """Work is in flight: it may free space, so the wait is not idle."""

@@ -62,7 +62,7 @@ class DriverLoop:
         self._rescanner.rescan_if_due()
         if self._scheduler.has_work and not self._lanes.started:
             self._start_actors()
-        self._disk_wait.update(self._scheduler.open_what_fits())
+        self._disk_wait.update(self._scheduler.open_what_fits(), sum(budget.used for budget in self._lanes.budgets()))
         lane = self._lanes.ready()
         if lane is not None:
             self._scheduler.send_batch(lane)
@@ -71,7 +71,8 @@ class DriverLoop:
             # its model after a fault holds every batch of its lane).
             self._disk_wait.busy()
             self._completions.settle_one(timeout=self._progress.refresh_s)
-        elif self._disk_wait.waiting:
+        elif self._disk_wait.waiting and not self._uploads.retries:
             self._disk_wait.idle()  # BudgetExhausted once nothing could free space for budget_wait_s
-        else:  # only failed uploads left: the next rescan offers them again
+        else:  # failed uploads (they free space once through): the first rescan past their pause offers them again
+            self._disk_wait.busy()
             time.sleep(min(self._rescanner.rescan_s, self._progress.refresh_s))

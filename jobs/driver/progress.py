@@ -70,7 +70,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("eagle3_bytes_written", "Bytes of the done shard files (local or in the sink)", "bytes_written"),
     MetricSpec("eagle3_tokens_per_second", "This run's tokens written per second, over about the last 30 s",
                "tokens_per_second"),
-    MetricSpec("eagle3_eta_seconds", "Seconds until this run's shards are written at this run's rate (-1: unknown)",
+    MetricSpec("eagle3_eta_seconds", "Seconds until this run's shards are written at this run's rate, or at its whole "
+               "pace once it has waited for disk (-1: unknown)",
                "eta_seconds"),
     MetricSpec("eagle3_disk_used_bytes", "Committed local shard bytes + reservations", "disk_used"),
     MetricSpec("eagle3_disk_budget_bytes", "output.disk_budget", "disk_budget"),
@@ -100,7 +101,8 @@ class ProgressSnapshot:
     """This run's tokens a second, over about the last ``RATE_WINDOW_S`` (``RateMeter``; earlier runs' shards
     excluded)."""
     eta_seconds: float
-    """This run's tokens still to write at that rate; -1 until the rate is known."""
+    """This run's tokens still to write at that rate, or at the run's whole pace once it has waited for disk (the
+    waits included); -1 until known and past ``ETA_MAX_S``."""
     disk_used: int
     disk_budget: int
     waiting_for_disk: int

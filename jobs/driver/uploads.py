@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 RETRY_GROWTH = 4
 """Each failed upload's pause before the next try is this many times the one before."""
 RETRY_MAX_S = 1800.0
+"""The longest pause between two tries of one shard's upload."""
 
 
 class UploadQueue:
@@ -88,7 +89,7 @@ class UploadQueue:
                 self._retries.add(shard)
                 self._retry_at[shard] = time.monotonic() + pause
             self._manifest.update(shard, error=message)
-            logger.error("shard %d: %s (%s)", shard, message, f"{left} more tries in this run, the next in {pause:.0f} s"
+            logger.error("shard %d: %s (%s)", shard, message, f"{left} more tries in this run, the next in {pause:.1f} s"
                          if left else "no tries left in this run (output.upload_attempts): a rerun tries again")
             return
         record = self._manifest.update(shard, location=SINK, sink_url=url, error="")
@@ -97,5 +98,7 @@ class UploadQueue:
             lane.budget.delete_file(shard, shard_file_name(shard))
 
     def gone(self, shard: int) -> None:
-        """The local file is gone (a consumer deleted it): nothing left to upload."""
+        """The local file is gone (a consumer deleted it, or it was lost): nothing left to upload; a file written
+        again is offered at once."""
         self._retries.discard(shard)
+        self._retry_at.pop(shard, None)

@@ -35,9 +35,10 @@ def clock(monkeypatch) -> Clock:
     return clock
 
 
-def full_lane(tmp_path) -> types.SimpleNamespace:
+def full_lane(directory) -> types.SimpleNamespace:
     """A lane whose budget holds three shards' reservations of the 100 KB it has: a shard of 50 KB fits nowhere."""
-    budget = DiskBudget(tmp_path, 100_000, 0)
+    directory.mkdir(parents=True, exist_ok=True)
+    budget = DiskBudget(directory, 100_000, 0)
     for shard in range(3):
         budget.reserve(shard, SHARD)
     return types.SimpleNamespace(budget=budget)
@@ -64,15 +65,16 @@ class Progress:
 def waiting(lane: types.SimpleNamespace, rescan_s: float = 1.0, wait_s: float = WAIT_S,
             progress: Progress | None = None) -> DiskWait:
     wait = DiskWait(wait_s, rescan_s, progress or Progress(), lambda lane, state: f"stopped: {state}")
-    wait.update((lane, 50_000))
+    wait.update((lane, 50_000), lane.budget.used)
     return wait
 
 
-def idle_for(wait: DiskWait, lane: types.SimpleNamespace, seconds: float, clock: Clock) -> None:
-    """The driver's loop while nothing is in flight: a look at the budget, then a rescan's sleep."""
+def idle_for(wait: DiskWait, lane: types.SimpleNamespace, seconds: float, clock: Clock,
+             others: tuple[types.SimpleNamespace, ...] = ()) -> None:
+    """The driver's loop while nothing is in flight: a look at every budget, then a rescan's sleep."""
     end = clock.now + seconds
     while clock.now < end:
-        wait.update((lane, 50_000))
+        wait.update((lane, 50_000), sum(each.budget.used for each in (lane, *others)))
         wait.idle()
 
 
@@ -96,6 +98,19 @@ def test_space_freed_that_is_still_too_little_restarts_the_wait(tmp_path, clock)
     assert wait.waiting
     with pytest.raises(BudgetExhausted):
         idle_for(wait, lane, 3, clock)
+    assert clock.now == (WAIT_S - 2) + WAIT_S
+
+
+def test_space_freed_on_another_node_restarts_the_wait(tmp_path, clock):
+    """Two nodes, both full; the shard that fits nowhere is reported on the first. A trainer on the second takes
+    a shard, too little for the next: the run keeps waiting for it, as for one on the first node."""
+    lane, other = full_lane(tmp_path / "a"), full_lane(tmp_path / "b")
+    wait = waiting(lane)
+    idle_for(wait, lane, WAIT_S - 2, clock, others=(other,))
+    other.budget.release(0)
+    idle_for(wait, lane, WAIT_S - 2, clock, others=(other,))
+    with pytest.raises(BudgetExhausted):
+        idle_for(wait, lane, 3, clock, others=(other,))
     assert clock.now == (WAIT_S - 2) + WAIT_S
 
 

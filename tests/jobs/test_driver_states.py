@@ -432,6 +432,31 @@ def test_a_sink_outage_longer_than_quick_retries_strands_no_shard(tmp_path, data
     assert_every_shard_done_once(run, consumed=True)
 
 
+def test_an_upload_due_again_keeps_a_wait_for_disk_from_stopping_the_run(tmp_path, dataset_path, hooks_while_sleeping):
+    """The budget holds 1.5 shards and only uploads free it; the sink is down for 0.35 s, longer than
+    output.budget_wait_s (0.2 s): while a failed upload waits out its pause, the run is not idle (the upload will
+    free space), and every shard reaches the sink once the sink is back."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_down_s": 0.35}, sink=True, upload_attempts=4,
+                   budget_shards=1.5, budget_wait_s=0.2)
+    run.loop.run()
+    assert [r.location for r in run.manifest.shards.values()] == [SINK] * 4
+
+
+def test_a_file_lost_while_its_upload_waits_to_be_tried_again_is_uploaded_once_written_again(
+    tmp_path, dataset_path, hooks_while_sleeping, monkeypatch,
+):
+    """A shard's upload failed and waits out a long pause; meanwhile its file is deleted without a declaration:
+    the shard is extracted again, and its new file is offered to the sink at once, not turned away by the old
+    file's pause (the run ended with it local, tries left)."""
+    monkeypatch.setattr(__name__ + ".UPLOAD_RETRY_S", 0.5)
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_down_s": 0.1}, sink=True, upload_attempts=4,
+                   rescan_s=0)
+    run.world.runtime.hooks.append(deleter(run, {3}))
+    run.loop.run()
+    assert [r.location for r in run.manifest.shards.values()] == [SINK] * 4
+    assert run.manifest.shards[3].attempts == 2
+
+
 def test_a_broken_sink_leaves_the_shards_local_after_their_tries(tmp_path, dataset_path, hooks_while_sleeping):
     run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"sink_broken": True}, sink=True, upload_attempts=2)
     run.loop.run()
