@@ -3,10 +3,12 @@
 ``ExtractorHost`` is the driver's side of it: it starts the actor, waits for its
 model, and starts it again when it dies (its process, or a tensor-parallel rank
 whose loss its watchdog turns into the end of its process), at most
-``extract.max_restarts`` times in a row: a batch extracted in between starts that count anew, so a fault a day
-never adds up over a week-long run while an extractor that dies at every start ends it. While it loads, the actor posts what its load does now (importing
-SGLang, loading the weights, ...) to Ray's key-value store, where the host reads it for the driver's progress
-line: the actor answers no call before its constructor returns.
+``extract.max_restarts`` times in a row: a batch extracted in between starts that
+count anew, so a fault a day never adds up over a week-long run while an extractor
+that dies at every start ends it. While it loads, the actor posts what its load
+does now (importing SGLang, loading the weights, ...) to Ray's key-value store,
+where the host reads it for the driver's progress line: the actor answers no call
+before its constructor returns.
 """
 
 from __future__ import annotations

@@ -46,15 +46,14 @@ class UploadQueue:
         self._next = 0
         self._uploading: set[int] = set()
         self._failures: dict[int, int] = {}
-        self._retries: set[int] = set()
         self._retry_s = retry_s
         self._retry_at: dict[int, float] = {}
-        """When a shard whose upload failed may be offered again (monotonic seconds)."""
+        """Shards whose upload failed with tries left, not offered again yet: when they may be (monotonic s)."""
 
     @property
     def retries(self) -> bool:
         """Uploads failed with tries left: the run is not over before they are offered again."""
-        return bool(self._retries)
+        return bool(self._retry_at)
 
     def uploading(self, shard: int) -> bool:
         return shard in self._uploading
@@ -71,7 +70,7 @@ class UploadQueue:
         uploader = uploaders[self._next % len(uploaders)]
         self._next += 1
         self._uploading.add(record.index)
-        self._retries.discard(record.index)
+        self._retry_at.pop(record.index, None)
         path = lane.group.directory / record.file
         self._work.add(uploader.upload.remote(str(path), record.bytes, record.checksum), Upload(record.index))
 
@@ -86,7 +85,6 @@ class UploadQueue:
             left = self._max_attempts - self._failures[shard]
             pause = min(RETRY_MAX_S, self._retry_s * RETRY_GROWTH ** (self._failures[shard] - 1))
             if left:
-                self._retries.add(shard)
                 self._retry_at[shard] = time.monotonic() + pause
             self._manifest.update(shard, error=message)
             logger.error("shard %d: %s (%s)", shard, message, f"{left} more tries in this run, the next in {pause:.1f} s"
@@ -100,5 +98,4 @@ class UploadQueue:
     def gone(self, shard: int) -> None:
         """The local file is gone (a consumer deleted it, or it was lost): nothing left to upload; a file written
         again is offered at once."""
-        self._retries.discard(shard)
         self._retry_at.pop(shard, None)
