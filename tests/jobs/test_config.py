@@ -403,6 +403,8 @@ def test_writer_cpus_pin_and_lower_every_thread_of_a_writer():
 
 def test_the_copy_pieces_reach_the_engine_in_bytes():
     pieces = load_config(["extract.copy_piece_mb=16"])
-    whole = load_config([])
+    whole = load_config(["extract.copy_piece_mb=0"])
+    default = load_config([])
     assert build_engine_spec(pieces.model, pieces.extract, [1], "cuda", 100).copy_piece_bytes == 16 << 20
     assert build_engine_spec(whole.model, whole.extract, [1], "cuda", 100).copy_piece_bytes == 0
+    assert build_engine_spec(default.model, default.extract, [1], "cuda", 100).copy_piece_bytes == 4 << 20
