@@ -180,9 +180,9 @@ class HostCopier:
             return PendingCopy(self, buffer, lengths, done=None)
         if spans is not None:
             spans.mark("capture")
-        ready = torch.cuda.Event()
+        ready = _waited_event()
         ready.record(torch.cuda.current_stream())  # the forward that produced the states, and their check
-        done = torch.cuda.Event()
+        done = _waited_event()
         pending = PendingCopy(self, buffer, lengths, done, spans)
         with self._turns:
             # The states stay referenced until their copy is queued: the allocator must not hand their
@@ -240,7 +240,7 @@ class HostCopier:
         GIL) for the batch's forward to end first, so that nothing on the copy stream waits for a forward, then
         queues each piece once the one before has landed."""
         assert self._stream is not None
-        landed = torch.cuda.Event() if self._piece_bytes else None
+        landed = _waited_event() if self._piece_bytes else None
         if landed is None:
             self._stream.wait_event(copy.ready)
         else:
@@ -284,6 +284,13 @@ class _DeferredCopy:
         """(host buffer tensor, device states) pairs."""
         self.released = False
         """In pieces: the next forward has launched (or none is coming); its caller queues it."""
+
+
+def _waited_event() -> torch.cuda.Event:
+    """An event a thread beside the forward waits on. Blocking: the waiting thread sleeps until the event
+    fires; CUDA's default wait polls the driver for the whole forward from a second thread, beside the
+    forward thread's own launches."""
+    return torch.cuda.Event(blocking=True)
 
 
 def pieces(rows: int, row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
