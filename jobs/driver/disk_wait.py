@@ -52,7 +52,7 @@ class DiskWait:
     def waiting(self) -> bool:
         return self._blocked is not None
 
-    def update(self, blocked: Optional[tuple[Lane, int]], used: int = 0) -> None:
+    def update(self, blocked: Optional[tuple[Lane, int]], used: int) -> None:
         """What ``Scheduler.open_what_fits`` said: the lane and bytes of a shard that fits nowhere, or None;
         ``used``: every lane's budget use now (a consumer on any node frees space a shard may open in)."""
         now = time.monotonic()
@@ -95,7 +95,7 @@ class DiskWait:
         idle_for = now - self._idle_since
         if idle_for >= self._wait_s:
             lane, nbytes = self._blocked
-            self.update(None)
+            self.update(None, self._used)
             raise BudgetExhausted(self._exhausted(lane, lane.budget.describe_block(nbytes)))
         # Also every refresh: the metrics are set only by the loop's turns, and Ray drops a gauge left unset.
         time.sleep(min(self._rescan_s, self._progress.refresh_s, self._wait_s - idle_for))
