@@ -42,6 +42,7 @@ BENCHMARK_TESTS = {
     "benchmarks.test_benchmarks": ("benchmarks.throughput", "benchmarks.extract_wall"),
     "benchmarks.test_acceptance_cpu": ("benchmarks.acceptance",),
     "benchmarks.test_quantize_int4": ("benchmarks.acceptance.quantize_int4",),
+    "benchmarks.test_jit_prebuild": ("benchmarks.gpu.jit_prebuild",),
 }
 """The test files whose subject is a benchmark, and the benchmark each may import."""
 

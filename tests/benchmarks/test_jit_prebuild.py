@@ -1,0 +1,107 @@
+"""benchmarks/gpu/jit_prebuild.py: SGLang's tvm-ffi kernels compiled by this machine's nvcc for the H200's
+architecture, with no GPU here, under the directory name SGLang looks for, loadable, and added to a JIT cache
+tarball that keeps what it held."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu.jit_prebuild import CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, main, nvcc_release
+from tests.conftest import REPO_ROOT
+
+CUDA_HOME = Path("/usr/local/cuda")
+
+
+def _tarball(path: Path, files: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as out:
+        for name, data in files.items():
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+
+
+def _read(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path, "r:gz") as tar:
+        return {member.name: tar.extractfile(member).read() for member in tar if member.isfile()}
+
+
+def test_the_tarball_keeps_what_it_held_and_each_built_directory_replaces_its_namesake(tmp_path):
+    tarball = tmp_path / "jit-cache.tar.gz"
+    _tarball(tarball, {
+        ".triton/cache/K/kernel.cubin": b"triton",
+        f"{CACHE_PREFIX}/kept_kernel/kept_kernel.so": b"kept",
+        f"{CACHE_PREFIX}/rebuilt/rebuilt.so": b"stale",
+        f"{CACHE_PREFIX}/rebuilt/old-only.txt": b"stale",
+        f"{CACHE_PREFIX}/rebuilt_longer/rebuilt_longer.so": b"a name that starts like the rebuilt one",
+    })
+    built = tmp_path / "built"
+    for name, data in {"rebuilt/rebuilt.so": b"fresh", "rebuilt/cuda_0.o": b"object", "rebuilt/cuda.cu": b"src",
+                       "new/new.so": b"new", "new/.ninja_log": b"log"}.items():
+        (built / name).parent.mkdir(parents=True, exist_ok=True)
+        (built / name).write_bytes(data)
+
+    assert add_to_tarball(tarball, built) == ["new", "rebuilt"]
+
+    assert _read(tarball) == {
+        ".triton/cache/K/kernel.cubin": b"triton",
+        f"{CACHE_PREFIX}/kept_kernel/kept_kernel.so": b"kept",
+        f"{CACHE_PREFIX}/rebuilt_longer/rebuilt_longer.so": b"a name that starts like the rebuilt one",
+        f"{CACHE_PREFIX}/rebuilt/rebuilt.so": b"fresh",
+        f"{CACHE_PREFIX}/rebuilt/cuda.cu": b"src",
+        f"{CACHE_PREFIX}/new/new.so": b"new",
+    }
+    assert not list(tmp_path.glob("*.partial"))
+
+
+ON_THE_NODES_RELEASE = importlib.metadata.version("sglang") == SGLANG_RELEASE
+
+
+@pytest.mark.skipif(ON_THE_NODES_RELEASE, reason=f"SGLang {SGLANG_RELEASE} here: the next test builds")
+def test_another_sglang_release_is_refused_before_anything_is_built(tmp_path):
+    with pytest.raises(SystemExit, match=f"the node runs {SGLANG_RELEASE}"):
+        main(["--kernels", "gptq_marlin_repack", "--into", str(tmp_path / "jit-cache.tar.gz")])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not ON_THE_NODES_RELEASE, reason=f"builds SGLang {SGLANG_RELEASE}'s cache: scripts/test.sh runs it "
+                    "on that release")
+@pytest.mark.skipif(not (CUDA_HOME / "bin" / "nvcc").is_file(), reason="no CUDA toolkit at /usr/local/cuda")
+def test_a_kernel_built_here_for_hopper_is_loaded_by_sglang_from_the_unpacked_tarball_without_compiling(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_HOME", raising=False)  # the build sets both for itself
+    monkeypatch.delenv("TVM_FFI_CACHE_DIR", raising=False)
+    tarball = tmp_path / "jit-cache.tar.gz"
+    release = nvcc_release(CUDA_HOME)
+    assert main(["--arch", "9.0", "--kernels", "gptq_marlin_repack", "--into", str(tarball),
+                 "--cuda-home", str(CUDA_HOME), "--cuda", release]) == 0
+
+    files = _read(tarball)
+    libraries = [name for name in files if name.endswith(".so")]
+    assert len(libraries) == 1 and "gptq_marlin_repack" in libraries[0], sorted(files)
+    assert not [name for name in files if name.endswith(".o")]
+    home = tmp_path / "home"
+    with tarfile.open(tarball, "r:gz") as tar:
+        tar.extractall(home, filter="data")
+    elf = subprocess.run(["readelf", "-d", str(home / libraries[0])], capture_output=True, text=True, check=True)
+    assert f"libcudart.so.{release.split('.')[0]}" in elf.stdout
+
+    # As a node's fresh process would: SGLang's own builder, for the H200, with the unpacked cache and no toolkit
+    # (a compile would fail at once): it finds the library by the name it computes itself and loads it.
+    before = sorted(path.relative_to(home) for path in home.rglob("*"))
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from sglang.kernels.jit.utils.arch import override_jit_cuda_arch\n"
+         "from benchmarks.gpu.jit_prebuild import KERNELS\n"
+         "with override_jit_cuda_arch(9, 0):\n    KERNELS['gptq_marlin_repack'].build()\n"],
+        env={**os.environ, "TVM_FFI_CACHE_DIR": str(home / CACHE_PREFIX), "CUDA_HOME": str(tmp_path / "no-cuda"),
+             "PATH": "/usr/bin:/bin"},
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert sorted(path.relative_to(home) for path in home.rglob("*")) == before
