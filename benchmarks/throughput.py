@@ -120,6 +120,7 @@ ROWS = {
     "b2-shared": Row("(b2-shared) as b2, writers on the extractor's cores", ("output.writer_cpus=all",), True),
     "b2-sha256": Row("(b2-sha256) as b2, output.checksum=sha256", ("output.checksum=sha256",), True),
     "b2-whole": Row("(b2-whole) as b2, the host copy of a batch at once", ("extract.copy_piece_mb=0",), True),
+    "b2-kernel": Row("(b2-kernel) as b2, the host copy by a kernel", ("extract.copy_by=kernel",), True),
     **{f"b2-piece{mb}": Row(f"(b2-piece{mb}) as b2, the host copy in {mb} MB pieces", (f"extract.copy_piece_mb={mb}",),
                             True) for mb in (1, 16)},
     "b-fp8": Row("(b-fp8) full job, fp8 states", tuple(FP8)),

@@ -9,6 +9,8 @@ from typing import Any, Literal, Mapping, Optional
 from common.checks import check_choice, check_int, check_number, is_int
 from storage.schema import FINAL_STATES, ModelDtype, NonfiniteAction
 
+CopyBy = Literal["copy_engine", "kernel"]
+
 Device = Literal["auto", "cpu", "cuda"]
 Engine = Literal["sglang", "synthetic"]
 # extract.last_hidden_state=true/false, as OmegaConf hands a boolean to a str field: post_norm or none.
@@ -146,6 +148,10 @@ class ExtractConfig:
     """GPU: copy a batch's states to the host in pieces of this many MB, each once the one before has landed, so
     that SGLang's small reads in the next forward wait for one piece, not the whole batch (0: the whole batch at once;
     on the H200, 4 MB: 0.968 of bare prefill where the whole batch gave 0.941, docs/benchmarks.md)."""
+    copy_by: CopyBy = "copy_engine"
+    """GPU: what moves a batch's states to the host: copy_engine (the GPU's DMA engine, in copy_piece_mb pieces) or
+    kernel (a Triton kernel on 16 SMs storing into the pinned host buffer itself, the batch whole, leaving the copy
+    engine to SGLang's own reads; copy_piece_mb unused; not yet measured on a GPU)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and (
@@ -162,6 +168,8 @@ class ExtractConfig:
         check_int("extract.max_restarts", self.max_restarts, 0, "0: never restart")
         check_int("extract.max_attempts", self.max_attempts, 1)
         check_int("extract.copy_piece_mb", self.copy_piece_mb, 0, "0: the whole batch at once")
+        check_choice("extract.copy_by", self.copy_by, CopyBy, (
+            "copy_engine copies with the GPU's DMA engine, kernel with a kernel storing into the host buffer"))
         kind = _BOOLEAN_FINAL_STATES.get(str(self.last_hidden_state).lower(), self.last_hidden_state)
         if kind not in FINAL_STATES:
             raise ValueError(

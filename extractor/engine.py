@@ -88,6 +88,7 @@ class CaptureEngine:
             spec.device, getattr(torch, spec.dtype), spec.max_tokens_per_batch, layers=len(layer_ids),
             hidden_size=self.info.hidden_size, last_hidden_state=spec.has_last_hidden_state, fp8=spec.fp8,
             count=spec.host_buffers, times=self.times, piece_bytes=spec.copy_piece_bytes,
+            by_kernel=spec.copy_by == "kernel",
         ) if tp_rank == 0 else None
         if spec.device == "cuda":
             stage("warm-up forward")

@@ -13,6 +13,9 @@ With ``piece_bytes`` the copy goes in pieces, each queued by the batch's own
 caller once the one before has landed, so that a read the forward makes
 mid-way waits for one piece at most instead of the batch's whole copy (queued
 all at once, pieces changed nothing on the H200: they wait in one queue).
+With ``by_kernel`` a kernel stores the states into the pinned buffer itself
+(``extractor.kernel_copy``), the batch whole, and the copy engine carries
+SGLang's reads alone.
 A caller holds its buffer (``with pending as batch:``) until it has handed the
 bytes on, then the buffer goes back to the pool. With fp8 storage the states
 are quantized on the device before the copy, so the copy moves half the bytes.
@@ -106,11 +109,14 @@ class HostCopier:
     """
 
     def __init__(self, device: str, dtype: torch.dtype, max_tokens: int, layers: int, hidden_size: int,
-                 last_hidden_state: bool, fp8: bool, count: int, times: StageTimes, piece_bytes: int = 0) -> None:
+                 last_hidden_state: bool, fp8: bool, count: int, times: StageTimes, piece_bytes: int = 0,
+                 by_kernel: bool = False) -> None:
         cuda = device == "cuda"
         self.times = times
         """The engine's: the copy's wait and device spans are added to it."""
-        self._piece_bytes = piece_bytes
+        self._by_kernel = by_kernel and cuda
+        """CUDA: a kernel stores each batch's states into its host buffer, whole (``extractor.kernel_copy``)."""
+        self._piece_bytes = 0 if self._by_kernel else piece_bytes
         """0: a batch's copy is queued whole by the next forward's ``start``; else in pieces of about this many
         bytes, each queued by the batch's caller once the one before has landed (``wait_until_queued``)."""
         self._pacing = threading.Lock()
@@ -130,6 +136,10 @@ class HostCopier:
         for _ in range(count):  # pinning takes a while: done before the first batch
             self._free.put(_HostBuffer(max_tokens, widths, pin=cuda))
         self._stream = torch.cuda.Stream() if cuda else None
+        if self._by_kernel:
+            from extractor.kernel_copy import warm_up
+
+            warm_up()
         self._deferred: list[_DeferredCopy] = []
         """Copies prepared on the compute stream, not yet queued on the copy stream (CUDA), oldest first."""
         self._turns = threading.Condition()
@@ -240,6 +250,9 @@ class HostCopier:
         GIL) for the batch's forward to end first, so that nothing on the copy stream waits for a forward, then
         queues each piece once the one before has landed."""
         assert self._stream is not None
+        if self._by_kernel:
+            self._queue_kernel(copy)
+            return
         landed = _waited_event() if self._piece_bytes else None
         if landed is None:
             self._stream.wait_event(copy.ready)
@@ -262,6 +275,22 @@ class HostCopier:
                     queued = True
             if spans is not None:
                 spans.mark("copy", self._stream)
+            copy.done.record(self._stream)
+
+    def _queue_kernel(self, copy: "_DeferredCopy") -> None:
+        """One batch's copy as kernels on the copy stream, after the batch's forward: one launch per tensor."""
+        from extractor.kernel_copy import copy_words, device_view  # Triton: only where a kernel copies
+
+        assert self._stream is not None
+        self._stream.wait_event(copy.ready)
+        with torch.cuda.stream(self._stream):
+            if copy.spans is not None:
+                copy.spans.mark(None, self._stream)
+            for host, states in copy.copies:
+                states.record_stream(self._stream)
+                copy_words(device_view(host[:copy.tokens]), states.contiguous())
+            if copy.spans is not None:
+                copy.spans.mark("copy", self._stream)
             copy.done.record(self._stream)
 
     def give_back(self, buffer: _HostBuffer) -> None:

@@ -40,6 +40,8 @@ class EngineSpec:
     before is handed on. The extractor actor runs this many calls concurrently."""
     copy_piece_bytes: int = 0
     """extract.copy_piece_mb in bytes: the states' copy to the host in pieces (``extractor.host_copy``); 0 whole."""
+    copy_by: str = "copy_engine"
+    """extract.copy_by: copy_engine | kernel (``extractor.kernel_copy``)."""
     state_dtype: str = "model"
     """model | float8_e4m3fn: quantized on the device, before the host copy."""
     engine: str = "sglang"

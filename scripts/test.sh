@@ -24,7 +24,8 @@ python_0517=$(bash scripts/setup.sh sglang-0.5.17)
 # On 0.5.17, only the parts where the releases differ: the capture and final-state taps (parity
 # with HF), the deepseek_v2 layer rule (its three cases), the Kimi-K2.5 wrapper (its states, its
 # INT4 experts, the drafter check through it), SGLang's parser of a serving command, its JIT kernels
-# built here for the H200 (benchmarks/gpu/jit_prebuild.py). The rest runs on 0.5.23 above.
+# built here for the H200 (benchmarks/gpu/jit_prebuild.py), the host copy's kernel compiled by its
+# Triton. The rest runs on 0.5.23 above.
 EAGLE3_EXPECT_SGLANG=0.5.17 exec "$python_0517" -m pytest "${parallel[@]}" \
   "tests/extractor/test_parity.py::test_aux_and_final_states_match_hf[llama-default]" \
   "tests/extractor/test_parity.py::test_aux_and_final_states_match_hf[qwen3-default]" \
@@ -35,4 +36,5 @@ EAGLE3_EXPECT_SGLANG=0.5.17 exec "$python_0517" -m pytest "${parallel[@]}" \
   tests/extractor/test_kimi.py::test_kimi_k25_reduced_shape_gets_sglangs_int4_moe_path \
   tests/extractor/test_kimi.py::test_check_drafter_through_the_wrapper \
   tests/extractor/test_serving.py::test_sglang_parses_the_command_and_refuses_what_it_refuses \
-  tests/benchmarks/test_jit_prebuild.py
+  tests/benchmarks/test_jit_prebuild.py \
+  tests/extractor/test_host_copy.py::test_the_kernel_copy_compiles_for_the_h200

@@ -36,6 +36,7 @@ def build_engine_spec(
         max_tokens_per_batch=max(extract.max_tokens_per_batch, longest_sample),
         max_samples_per_batch=extract.max_samples_per_batch,
         copy_piece_bytes=extract.copy_piece_mb << 20,
+        copy_by=extract.copy_by,
         context_length=model.context_length,
         mem_fraction_static=model.mem_fraction_static,
         load_format=model.load_format,

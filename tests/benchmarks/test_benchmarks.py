@@ -184,11 +184,13 @@ def test_default_layers_are_valid_for_every_shape(shape):
 
 def test_every_throughput_row_is_a_job_config_the_job_accepts(tmp_path):
     """A row's keys go to the job as they stand on the device: a misspelt key or value would fail there, after the
-    model's load; the piece rows copy in pieces of their size, the whole row at once, the others in the default's."""
+    model's load; the piece rows copy in pieces of their size, the whole row at once, the kernel row by a kernel, the
+    others in the default's pieces."""
     for name, row in ROWS.items():
         config = job_config(tmp_path / "model", tmp_path / "data.parquet", tmp_path / "out", *row.overrides)
         pieces = int(name.removeprefix("b2-piece")) if "piece" in name else 0 if name == "b2-whole" else 4
         assert config.extract.copy_piece_mb == pieces, name
+        assert config.extract.copy_by == ("kernel" if name == "b2-kernel" else "copy_engine"), name
     assert [name for name in ROWS if "piece" in name or "whole" in name] == ["b2-whole", "b2-piece1", "b2-piece16"]
 
 

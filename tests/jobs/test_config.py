@@ -184,7 +184,7 @@ CHOICE_KEYS = [(command.modules[0], command.schema, *key) for command in COMMAND
 def test_choice_keys_are_typed_with_their_choices():
     keys = {key for module, _, key, _, _ in CHOICE_KEYS if module == "jobs.extract"}
     assert keys == {"model.dtype", "model.device", "model.engine", "data.on_invalid", "extract.on_nonfinite",
-                    "output.resume_check", "output.checksum", "output.state_dtype", "demo.arch"}
+                    "extract.copy_by", "output.resume_check", "output.checksum", "output.state_dtype", "demo.arch"}
     assert {key for module, _, key, _, _ in CHOICE_KEYS if module == "jobs.prepare"} == {
         "model.dtype", "model.device", "data.format", "data.other_roles", "data.on_invalid", "data.on_too_long"}
 
@@ -216,6 +216,8 @@ def test_sections_check_themselves_when_built_in_python():
         ExtractConfig(on_nonfinite="ignore")
     with pytest.raises(ValueError, match="extract.copy_piece_mb=-1: must be an integer >= 0"):
         ExtractConfig(copy_piece_mb=-1)
+    with pytest.raises(ValueError, match="extract.copy_by='sm': use one of copy_engine, kernel"):
+        ExtractConfig(copy_by="sm")
     with pytest.raises(ValueError, match="output.max_inflight_batches=-1"):
         OutputConfig(max_inflight_batches=-1)
     assert OutputConfig(disk_budget="64GiB").disk_budget_bytes == 64 * 2**30
@@ -408,3 +410,6 @@ def test_the_copy_pieces_reach_the_engine_in_bytes():
     assert build_engine_spec(pieces.model, pieces.extract, [1], "cuda", 100).copy_piece_bytes == 16 << 20
     assert build_engine_spec(whole.model, whole.extract, [1], "cuda", 100).copy_piece_bytes == 0
     assert build_engine_spec(default.model, default.extract, [1], "cuda", 100).copy_piece_bytes == 4 << 20
+    assert build_engine_spec(default.model, default.extract, [1], "cuda", 100).copy_by == "copy_engine"
+    by_kernel = load_config(["extract.copy_by=kernel"])
+    assert build_engine_spec(by_kernel.model, by_kernel.extract, [1], "cuda", 100).copy_by == "kernel"
