@@ -66,6 +66,13 @@ class PendingCopy:
         self._done = done
         """CUDA: recorded on the copy stream once the copy is queued there (``HostCopier``); None on CPU."""
         self._spans = spans
+        self._never_queued: Optional[BaseException] = None
+        """Why this copy never went to the device (``never_queued``), if it did not."""
+
+    def never_queued(self, error: BaseException) -> None:
+        """The thread queueing this batch's copy failed before it (``HostCopier._release_deferred``): its ``done`` will
+        never be recorded, so a wait on it would return at once over another batch's bytes. Entering raises instead."""
+        self._never_queued = error
 
     def __enter__(self) -> CapturedBatch:
         """Waits for the copy; the arrays are views of the buffer, valid until the block ends."""
@@ -73,6 +80,9 @@ class PendingCopy:
             try:
                 with self._copier.times.stage("copy_wait"):
                     self._copier.wait_until_queued(self)
+                    if self._never_queued is not None:
+                        raise RuntimeError("this batch's states were never copied to the host: queueing an "
+                                           "earlier batch's copy failed") from self._never_queued
                     self._done.synchronize()  # releases the GIL: the next forward keeps launching
             except BaseException:
                 self.__exit__(None, None, None)  # the buffer goes back: a later start would wait for it forever
@@ -241,8 +251,14 @@ class HostCopier:
                 copy.released = True
         else:
             deferred, self._deferred = self._deferred, []
-            for copy in deferred:
-                self._queue(copy)
+            for index, copy in enumerate(deferred):
+                try:
+                    self._queue(copy)
+                except BaseException as error:  # raised here, in the next forward's thread: tell each owner too
+                    for lost in deferred[index:]:
+                        lost.pending.never_queued(error)
+                    self._turns.notify_all()
+                    raise
         self._turns.notify_all()
 
     def _queue(self, copy: "_DeferredCopy") -> None:
@@ -282,6 +298,9 @@ class HostCopier:
         from extractor.kernel_copy import copy_words, device_view  # Triton: only where a kernel copies
 
         assert self._stream is not None
+        for host, states in copy.copies:
+            if host.dtype != states.dtype:  # the copy engine would convert; the kernel moves bytes
+                raise TypeError(f"a kernel copy moves bytes: {states.dtype} states into a {host.dtype} buffer")
         self._stream.wait_event(copy.ready)
         with torch.cuda.stream(self._stream):
             if copy.spans is not None:

@@ -21,7 +21,7 @@ BLOCK = 4096
 
 @triton.jit
 def copy_words_kernel(source, target, words, BLOCK: tl.constexpr, CTAS: tl.constexpr):
-    for start in range(tl.program_id(0) * BLOCK, words, CTAS * BLOCK):
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, words, CTAS * BLOCK):  # int64: no wrap past 2**31
         offsets = start + tl.arange(0, BLOCK)
         inside = offsets < words
         tl.store(target + offsets, tl.load(source + offsets, mask=inside), mask=inside)
@@ -42,10 +42,11 @@ def copy_words(target: torch.Tensor, source: torch.Tensor) -> None:
 
 def warm_up() -> None:
     """Compile, before the first batch, the kernel's variants a batch's tensors need: Triton specializes on a word
-    count's divisibility by 16 (32-bit words: the states, divisible; the flags and fp8 scales, either) and on the word
-    size (bytes: flags of a size not a multiple of 4)."""
-    buffers = [torch.empty(count, dtype=dtype, pin_memory=True)
-               for dtype, count in ((torch.int32, 16), (torch.int32, 20), (torch.uint8, 7))]
+    count's divisibility by 16 and on a count of 1 (32-bit words: the states, divisible; the flags and fp8 scales,
+    any; one word: a one-token batch's flags or scale) and on the word size (bytes: flags of a size not a multiple
+    of 4)."""
+    buffers = [torch.empty(count, dtype=dtype, pin_memory=True) for dtype, count in (
+        (torch.int32, 16), (torch.int32, 20), (torch.int32, 1), (torch.uint8, 7), (torch.uint8, 1))]
     for host in buffers:
         copy_words(device_view(host), torch.zeros_like(host, device="cuda"))
     torch.cuda.synchronize()  # the stores land before the buffers go
@@ -59,8 +60,10 @@ def device_view(host: torch.Tensor) -> torch.Tensor:
 
 
 class _CudaArray:
-    """``__cuda_array_interface__`` over a pinned host tensor's bytes: how torch wraps memory it did not allocate
-    (the CUDA tensor keeps this object, and so the host tensor, alive)."""
+    """``__cuda_array_interface__`` over a pinned host tensor's bytes: how torch wraps memory it did not allocate.
+    The CUDA tensor keeps this object, and so the host tensor, alive while it lives, not while a kernel writes
+    through it: the caller keeps the host memory until the copy's event has fired (``HostCopier``'s pool gives a
+    buffer back only after its copy has been waited for)."""
 
     def __init__(self, host: torch.Tensor) -> None:
         self.host = host

@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 SGLANG_RELEASE = "0.5.17"
 """The release whose JIT cache this builds (the GPU node's, requirements/gpu-lock.txt): 0.5.23 keeps its builds
 elsewhere (``~/.cache/sglang/jit``), under other names."""
+GPU_LOCK = Path(__file__).resolve().parents[2] / "requirements" / "gpu-lock.txt"
+"""What the node installs: its tvm-ffi release names the directories its SGLang looks in."""
 CACHE_PREFIX = ".cache/tvm-ffi"
 """Where tvm-ffi keeps its builds under $HOME (its default ``~/.cache/tvm-ffi``), as in the tarball."""
 LEFT_OUT = re.compile(r"(\.o|\.o\.d|\.ninja_deps|\.ninja_log)$")
@@ -65,6 +67,15 @@ KERNELS = {
 }
 """SGLang 0.5.17's builders of the kernels its compressed-tensors W4A16 paths compile: the dense GEMM, the weights'
 repacking at load, the MoE GEMM (Kimi-K2.5's INT4 experts)."""
+
+
+def locked_version(package: str) -> str:
+    """``package``'s version in the node's lock (``requirements/gpu-lock.txt``)."""
+    for line in GPU_LOCK.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower() == package:
+            return version.split(";")[0].split()[0]
+    raise SystemExit(f"jit_prebuild: {GPU_LOCK} pins no {package}")
 
 
 def nvcc_release(cuda_home: Path) -> str:
@@ -139,6 +150,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"JIT cache this builds: run it with that release's Python "
                          f"(~/.venvs/eagle3-extract-sglang-{SGLANG_RELEASE}/bin/python, `bash scripts/setup.sh "
                          f"sglang-{SGLANG_RELEASE}`)")
+    tvm_ffi, node_tvm_ffi = importlib.metadata.version("apache-tvm-ffi"), locked_version("apache-tvm-ffi")
+    if tvm_ffi != node_tvm_ffi:
+        raise SystemExit(f"jit_prebuild: this Python has tvm-ffi {tvm_ffi}, the node {node_tvm_ffi} ({GPU_LOCK}): the "
+                         "node's SGLang would look for the kernels under another directory and compile them again")
     major, _, minor = args.arch.partition(".")
     release = nvcc_release(args.cuda_home)
     if release.split(".")[0] != args.cuda.split(".")[0]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu.jit_prebuild import CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, main, nvcc_release
+from benchmarks.gpu.jit_prebuild import (CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, locked_version, main,
+                                         nvcc_release)
 from tests.conftest import REPO_ROOT
 
 CUDA_HOME = Path("/usr/local/cuda")
@@ -76,6 +77,8 @@ def test_another_sglang_release_is_refused_before_anything_is_built(tmp_path):
 @pytest.mark.skipif(not (CUDA_HOME / "bin" / "nvcc").is_file(), reason="no CUDA toolkit at /usr/local/cuda")
 def test_a_kernel_built_here_for_hopper_is_loaded_by_sglang_from_the_unpacked_tarball_without_compiling(
         tmp_path, monkeypatch):
+    """The weights' repacking kernel (10 s to build) stands for the GEMM the docs stage (4-5 minutes): one builder
+    path, one cache layout."""
     monkeypatch.delenv("CUDA_HOME", raising=False)  # the build sets both for itself
     monkeypatch.delenv("TVM_FFI_CACHE_DIR", raising=False)
     tarball = tmp_path / "jit-cache.tar.gz"
@@ -86,6 +89,7 @@ def test_a_kernel_built_here_for_hopper_is_loaded_by_sglang_from_the_unpacked_ta
     files = _read(tarball)
     libraries = [name for name in files if name.endswith(".so")]
     assert len(libraries) == 1 and "gptq_marlin_repack" in libraries[0], sorted(files)
+    assert f"__arch_9.0a__tvmffi_{locked_version('apache-tvm-ffi')}/" in libraries[0]  # the H200's, the node's tvm-ffi
     assert not [name for name in files if name.endswith(".o")]
     home = tmp_path / "home"
     with tarfile.open(tarball, "r:gz") as tar:

@@ -74,17 +74,59 @@ def test_the_kernel_copy_moves_every_byte_unchanged_through_tritons_interpreter(
     assert result.returncode == 0 and "copied 6" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("word", ["*i32", "*u8"])
-def test_the_kernel_copy_compiles_for_the_h200(word):
-    """Triton lowers the kernel for sm_90 with no GPU here; scripts/test.sh runs this on SGLang 0.5.17's Triton too,
-    the one the GPU node has."""
+@pytest.mark.parametrize("word,stores", [("*i32", "st.global.v4.b32"), ("*u8", "st.global")])
+def test_the_kernel_copy_compiles_for_the_h200(word, stores):
+    """Triton lowers the kernel for sm_90 with no GPU here, as a launch specializes it (pointers and word count
+    divisible by 16: the states' 32-bit words go as 16-byte stores); scripts/test.sh runs this on SGLang 0.5.17's
+    Triton too, the one the GPU node has."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from extractor.kernel_copy import BLOCK, CTAS, copy_words_kernel
 
-    source = ASTSource(copy_words_kernel, constexprs={"BLOCK": BLOCK, "CTAS": CTAS}, signature={
+    aligned = {(argument,): [["tt.divisibility", 16]] for argument in range(3)} if word == "*i32" else {}
+    source = ASTSource(copy_words_kernel, constexprs={"BLOCK": BLOCK, "CTAS": CTAS}, attrs=aligned, signature={
         "source": word, "target": word, "words": "i32", "BLOCK": "constexpr", "CTAS": "constexpr"})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"] and f"st.global.b{8 if word == '*u8' else 32}" in compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and stores in compiled.asm["ptx"]
+
+
+def test_a_copy_that_was_never_queued_fails_its_batch_instead_of_handing_on_old_bytes(monkeypatch):
+    """On a GPU the next forward's thread queues the copies deferred before it, oldest first; if queueing one fails,
+    the exception is that thread's, and the batches whose copies never went would otherwise wait on events never
+    recorded (a wait that returns at once) and hand on whatever their reused buffer held. Each such batch's owner
+    gets an error instead, and its buffer goes back. The device is what cannot run here: a stand-in copy stream whose
+    queueing fails, around the real copier's bookkeeping."""
+    import numpy as np
+    import torch
+
+    from extractor.host_copy import HostCopier, PendingCopy, _DeferredCopy
+    from extractor.timing import StageTimes
+
+    class NeverFired:
+        def synchronize(self):
+            raise AssertionError("waited on an event no copy will record")
+
+    copier = HostCopier("cpu", torch.bfloat16, max_tokens=4, layers=1, hidden_size=8, last_hidden_state=False,
+                        fp8=False, count=2, times=StageTimes())
+    copier._stream = object()  # as on CUDA: copies are deferred to the next forward's start
+    owners = []
+    for _ in range(2):
+        buffer = copier._free.get()
+        pending = PendingCopy(copier, buffer, np.array([4]), done=NeverFired())
+        copier._deferred.append(_DeferredCopy(pending, NeverFired(), NeverFired(), None, 4, []))
+        owners.append(pending)
+
+    def failing_queue(copy):
+        raise torch.OutOfMemoryError("no room for the copy")
+
+    monkeypatch.setattr(copier, "_queue", failing_queue)
+    with pytest.raises(torch.OutOfMemoryError), copier._turns:  # its callers hold the lock
+        copier._release_deferred()
+    for pending in owners:
+        with pytest.raises(RuntimeError, match="never copied to the host") as raised:
+            with pending:
+                pass
+        assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+    assert copier._deferred == [] and copier._free.qsize() == 2
