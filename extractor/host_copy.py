@@ -32,7 +32,7 @@ import contextlib
 import queue
 import threading
 from types import TracebackType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -124,9 +124,15 @@ class HostCopier:
         cuda = device == "cuda"
         self.times = times
         """The engine's: the copy's wait and device spans are added to it."""
-        self._by_kernel = by_kernel and cuda
-        """CUDA: a kernel stores each batch's states into its host buffer, whole (``extractor.kernel_copy``)."""
-        self._piece_bytes = 0 if self._by_kernel else piece_bytes
+        self._kernel_copy: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+        """CUDA, ``by_kernel``: what stores each batch's states into its host buffer, whole, in place of the copy
+        engine (``extractor.kernel_copy``)."""
+        if by_kernel and cuda:
+            from extractor.kernel_copy import copy_to_pinned, warm_up  # Triton: only where a kernel copies
+
+            warm_up()
+            self._kernel_copy = copy_to_pinned
+        self._piece_bytes = 0 if self._kernel_copy else piece_bytes
         """0: a batch's copy is queued whole by the next forward's ``start``; else in pieces of about this many
         bytes, each queued by the batch's caller once the one before has landed (``wait_until_queued``)."""
         self._pacing = threading.Lock()
@@ -146,10 +152,6 @@ class HostCopier:
         for _ in range(count):  # pinning takes a while: done before the first batch
             self._free.put(_HostBuffer(max_tokens, widths, pin=cuda))
         self._stream = torch.cuda.Stream() if cuda else None
-        if self._by_kernel:
-            from extractor.kernel_copy import warm_up
-
-            warm_up()
         self._deferred: list[_DeferredCopy] = []
         """Copies prepared on the compute stream, not yet queued on the copy stream (CUDA), oldest first."""
         self._turns = threading.Condition()
@@ -262,13 +264,10 @@ class HostCopier:
         self._turns.notify_all()
 
     def _queue(self, copy: "_DeferredCopy") -> None:
-        """One batch's copy on the copy stream, whole or piece by piece. In pieces this thread waits (without the
-        GIL) for the batch's forward to end first, so that nothing on the copy stream waits for a forward, then
-        queues each piece once the one before has landed."""
+        """One batch's copy on the copy stream, whole or piece by piece, by the copy engine or the kernel. In
+        pieces this thread waits (without the GIL) for the batch's forward to end first, so that nothing on the copy
+        stream waits for a forward, then queues each piece once the one before has landed."""
         assert self._stream is not None
-        if self._by_kernel:
-            self._queue_kernel(copy)
-            return
         landed = _waited_event() if self._piece_bytes else None
         if landed is None:
             self._stream.wait_event(copy.ready)
@@ -287,29 +286,13 @@ class HostCopier:
                     if landed is not None and queued:
                         landed.record(self._stream)
                         landed.synchronize()
-                    host[start:end].copy_(states[start:end], non_blocking=True)
+                    if self._kernel_copy is None:
+                        host[start:end].copy_(states[start:end], non_blocking=True)
+                    else:
+                        self._kernel_copy(host[start:end], states[start:end])
                     queued = True
             if spans is not None:
                 spans.mark("copy", self._stream)
-            copy.done.record(self._stream)
-
-    def _queue_kernel(self, copy: "_DeferredCopy") -> None:
-        """One batch's copy as kernels on the copy stream, after the batch's forward: one launch per tensor."""
-        from extractor.kernel_copy import copy_words, device_view  # Triton: only where a kernel copies
-
-        assert self._stream is not None
-        for host, states in copy.copies:
-            if host.dtype != states.dtype:  # the copy engine would convert; the kernel moves bytes
-                raise TypeError(f"a kernel copy moves bytes: {states.dtype} states into a {host.dtype} buffer")
-        self._stream.wait_event(copy.ready)
-        with torch.cuda.stream(self._stream):
-            if copy.spans is not None:
-                copy.spans.mark(None, self._stream)
-            for host, states in copy.copies:
-                states.record_stream(self._stream)
-                copy_words(device_view(host[:copy.tokens]), states.contiguous())
-            if copy.spans is not None:
-                copy.spans.mark("copy", self._stream)
             copy.done.record(self._stream)
 
     def give_back(self, buffer: _HostBuffer) -> None:

@@ -40,6 +40,14 @@ def copy_words(target: torch.Tensor, source: torch.Tensor) -> None:
                                    BLOCK=BLOCK, CTAS=CTAS)
 
 
+def copy_to_pinned(host: torch.Tensor, states: torch.Tensor) -> None:
+    """Launch the copy of device ``states`` into the pinned ``host`` tensor of their dtype and shape, on the current
+    stream; the caller keeps ``host`` until the stream has passed the copy."""
+    if host.dtype != states.dtype:  # the copy engine would convert; this moves bytes
+        raise TypeError(f"a kernel copy moves bytes: {states.dtype} states into a {host.dtype} buffer")
+    copy_words(device_view(host), states.contiguous())
+
+
 def warm_up() -> None:
     """Compile, before the first batch, the kernel's variants a batch's tensors need: Triton specializes on a word
     count's divisibility by 16 and on a count of 1 (32-bit words: the states, divisible; the flags and fp8 scales,

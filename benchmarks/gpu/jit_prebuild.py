@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 SGLANG_RELEASE = "0.5.17"
-"""The release whose JIT cache this builds (the GPU node's, requirements/gpu-lock.txt): 0.5.23 keeps its builds
-elsewhere (``~/.cache/sglang/jit``), under other names."""
+"""The release whose builders ``KERNELS`` names and whose JIT cache layout this writes (0.5.23 keeps its builds
+elsewhere, ``~/.cache/sglang/jit``, under other names): the one the GPU node's lock pins."""
 GPU_LOCK = Path(__file__).resolve().parents[2] / "requirements" / "gpu-lock.txt"
 """What the node installs: its tvm-ffi release names the directories its SGLang looks in."""
 CACHE_PREFIX = ".cache/tvm-ffi"
@@ -144,6 +144,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cuda-home", type=Path, default=Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")))
     parser.add_argument("--cuda", default="13.0", help="the node's CUDA release (its torch's: cu130 is 13.0)")
     args = parser.parse_args(argv)
+    if locked_version("sglang") != SGLANG_RELEASE:
+        raise SystemExit(f"jit_prebuild: {GPU_LOCK} pins SGLang {locked_version('sglang')}; the kernels' builders "
+                         f"here are {SGLANG_RELEASE}'s: check them against that release's first")
     installed = importlib.metadata.version("sglang")
     if installed != SGLANG_RELEASE:
         raise SystemExit(f"jit_prebuild: this Python has SGLang {installed}; the node runs {SGLANG_RELEASE}, whose "

@@ -35,7 +35,7 @@ def test_a_batch_of_deepseek_width_goes_in_pieces_of_16_mb():
 KERNEL_COPY = """
 import sys
 import torch
-from extractor.kernel_copy import BLOCK, CTAS, copy_words
+from extractor.kernel_copy import BLOCK, CTAS, copy_to_pinned, copy_words
 
 generator = torch.Generator().manual_seed(0)
 bits = torch.randint(-2**15, 2**15, (37, 3 * 64), dtype=torch.int16, generator=generator)
@@ -61,6 +61,12 @@ for target, source in ((torch.empty(5, dtype=torch.uint8), torch.empty(4, dtype=
         assert "contiguous tensors of equal size" in str(refused)
     else:
         sys.exit(f"not refused: {tuple(target.shape)} <- {tuple(source.shape)}")
+try:
+    copy_to_pinned(torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float16))
+except TypeError as refused:
+    assert "moves bytes: torch.float16 states into a torch.bfloat16 buffer" in str(refused)
+else:
+    sys.exit("float16 states copied as bytes into a bfloat16 buffer")
 print("copied", len(cases))
 """
 
@@ -68,7 +74,8 @@ print("copied", len(cases))
 def test_the_kernel_copy_moves_every_byte_unchanged_through_tritons_interpreter():
     """``extract.copy_by=kernel``'s Triton kernel, run on CPU by Triton's interpreter: bf16 states with NaN payloads and
     denormals, fp8 bytes of an odd size, the finite flags, more words than one pass of its fixed grid, scales, an empty
-    batch; byte for byte. On a GPU it stores into the pinned host buffer itself (not run here: no GPU)."""
+    batch; byte for byte; states of another dtype than their buffer refused. On a GPU it stores into the pinned host
+    buffer itself (not run here: no GPU)."""
     result = subprocess.run([sys.executable, "-c", KERNEL_COPY], cwd=REPO_ROOT, env=python_env(TRITON_INTERPRET="1"),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "copied 6" in result.stdout, result.stderr[-3000:]
