@@ -2,7 +2,7 @@
 
     python -m benchmarks.acceptance.background start --work DIR [benchmark arguments]
     python -m benchmarks.acceptance.background status --work DIR [--wait-s S] [--collect DEST]
-    python -m benchmarks.acceptance.background report --collected DEST --work LOCAL_DIR
+    python -m benchmarks.acceptance.background report --collected DEST [DEST ...] --work LOCAL_DIR
 
 ``start`` checks the arguments as the benchmark does (a refusal exits 2 here), then starts
 ``python -m benchmarks.acceptance`` with them in a session of its own (setsid: it outlives the call that
@@ -21,6 +21,9 @@ run or it died without an exit record (killed).
 ``report`` builds the results from a DEST that a status call filled, on any machine (CPU): the step records and
 served results go into LOCAL_DIR (a new directory), and the benchmark's report stage runs there with the run's
 own arguments: the tables of a run whose machine went before its report stage, over the engines it finished.
+Several DESTs, from runs with the same arguments but their training seeds (one seed per machine's half hour),
+make one report: every seed per arm, pooled over all of them, every difference paired on the same held-out
+prompts.
 """
 
 from __future__ import annotations
@@ -200,25 +203,75 @@ REPLACED_OPTIONS = ("--work", "--device", "--stages", "--out")
 """The run's options that a report built elsewhere sets itself."""
 
 
-def report(collected: Path, work: Path) -> int:
-    """The report stage over what a status call collected into ``collected``, in the new directory ``work``."""
+def _seeds(argv: Sequence[str]) -> tuple[int, ...]:
+    from benchmarks.acceptance.cli import parse_args
+
+    return parse_args(argv).seeds
+
+
+def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The step records, the engines' results and the arguments of the runs whose status calls filled ``folders``:
+    runs with the same arguments but their ``--seeds``, none serving an engine another did. A step every run
+    recorded (the prompts, the answers, the extractions) keeps the first folder's record; the held-out prompts must
+    be the same in all (the differences pair arms prompt by prompt). Raises ValueError naming what does not fit."""
+    steps: dict[str, Any] = {}
+    engines: dict[str, Any] = {}
+    seeds: list[int] = []
+    first_argv: list[str] = []
+    for folder in folders:
+        run_steps, served = _read(folder / "steps.json"), _read(folder / SERVED_FILE)
+        if run_steps is None or served is None:
+            raise ValueError(f"{folder} lacks steps.json or {SERVED_FILE}: collect them with `status --collect` "
+                             "while the run's machine is still held (no engine had finished when the last call "
+                             "collected)")
+        recipe = _without(served["argv"], (*REPLACED_OPTIONS, "--seeds"))
+        first_argv = first_argv or list(served["argv"])
+        if recipe != (first_recipe := _without(first_argv, (*REPLACED_OPTIONS, "--seeds"))):
+            raise ValueError(f"the run collected in {folder} differs from {folders[0]}'s in more than its seeds: "
+                             f"{' '.join(recipe)} against {' '.join(first_recipe)}; one report pools runs of one "
+                             "recipe")
+        if twice := sorted(set(engines) & set(served["engines"])):
+            raise ValueError(f"{folder} holds engines an earlier folder holds too ({', '.join(twice)}): name each "
+                             "seed's run once")
+        engines.update(served["engines"])
+        seeds += [seed for seed in _seeds(served["argv"]) if seed not in seeds]
+        for name, record in run_steps.items():
+            if name not in steps:
+                steps[name] = record
+            elif _less_time(record) != _less_time(steps[name]):
+                if name == "prompts":
+                    raise ValueError(f"{folder}'s run held out other prompts than {folders[0]}'s ({_less_time(record)} "
+                                     f"against {_less_time(steps[name])}): its arms cannot be paired with theirs")
+                print(f"note: step {name} recorded other values in {folder} than in {folders[0]} "
+                      f"({json.dumps(_less_time(record))[:200]}); the report keeps {folders[0]}'s")
+    return steps, engines, _with_option(first_argv, "--seeds", ",".join(map(str, seeds)))
+
+
+def _less_time(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in record.items() if key != "seconds"}
+
+
+def report(collected: Sequence[Path], work: Path) -> int:
+    """The report stage over what status calls collected into ``collected`` (one run, or one per training seed), in
+    the new directory ``work``."""
     from benchmarks.acceptance.cli import main
 
-    steps, served = _read(collected / "steps.json"), _read(collected / SERVED_FILE)
-    if steps is None or served is None:
-        print(f"error: {collected} lacks steps.json or {SERVED_FILE}: collect them with `status --collect` while "
-              "the run's machine is still held (no engine had finished when the last call collected)", file=sys.stderr)
+    try:
+        steps, engines, argv = merge_collected(collected)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if work.exists():
         print(f"error: {work} exists: name a new directory for the report (nothing in it is replaced)",
               file=sys.stderr)
         return 2
-    for folder, records in (("steps", steps), ("serve", served["engines"])):
+    for folder, records in (("steps", steps), ("serve", engines)):
         (work / folder).mkdir(parents=True)
         for name, record in records.items():
             _write(record, work / folder / f"{name}.json")
-    argv = [*_without(served["argv"], REPLACED_OPTIONS), "--work", str(work), "--device", "cpu", "--stages", "report"]
-    print(f"the report over {len(served['engines'])} engines' results, as `python -m benchmarks.acceptance "
+    argv = [*_without(argv, REPLACED_OPTIONS), "--work", str(work), "--device", "cpu", "--stages", "report"]
+    runs = f" from {len(collected)} runs" if len(collected) > 1 else ""
+    print(f"the report over {len(engines)} engines' results{runs}, as `python -m benchmarks.acceptance "
           f"{' '.join(argv)}`")
     return main(argv)
 
@@ -236,6 +289,24 @@ def _without(argv: Sequence[str], options: Sequence[str]) -> list[str]:
     return kept
 
 
+def _with_option(argv: Sequence[str], option: str, value: str) -> list[str]:
+    """``argv`` with ``option`` set to ``value``: in its place where ``argv`` names it, else at the end."""
+    out, found, skip = [], False, False
+    for word in argv:
+        if skip:
+            out.append(value)
+            skip = False
+        elif word == option:
+            out.append(word)
+            skip = found = True
+        elif word.startswith(f"{option}="):
+            out.append(f"{option}={value}")
+            found = True
+        else:
+            out.append(word)
+    return out if found else [*out, option, value]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["start"]:
@@ -250,12 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--collect", default="", help="copy the step records so far here (and the results once "
                         "the run has ended)")
     parser.add_argument("--lines", type=int, default=25, help="the log's last lines to print")
-    parser.add_argument("--collected", default="", help="report: what status --collect brought back")
+    parser.add_argument("--collected", nargs="+", default=[],
+                        help="report: what status --collect brought back (one folder per run: runs of the same "
+                             "arguments but their --seeds make one report)")
     args = parser.parse_args(argv)
     if args.command == "report":
         if not args.collected:
-            parser.error("report needs --collected DEST (a folder a status call filled)")
-        return report(Path(args.collected), Path(args.work).expanduser().absolute())
+            parser.error("report needs --collected DEST [DEST ...] (folders status calls filled)")
+        return report([Path(folder) for folder in args.collected], Path(args.work).expanduser().absolute())
     return status(Path(args.work).expanduser().absolute(), args.wait_s, Path(args.collect) if args.collect else None,
                   args.lines)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import shutil
 import socket
@@ -90,8 +91,11 @@ def stage_prompts(p: Pipeline) -> None:
         train, held_out = split_prompts(p.args.train_prompts, p.args.eval_prompts, p.args.prompt_seed)
         p.train_conversations.parent.mkdir(parents=True, exist_ok=True)
         write_conversations(train, p.train_conversations)
-        p.eval_prompts.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in held_out))
-        return {"train": len(train), "held_out": len(held_out), "prompt_seed": p.args.prompt_seed}
+        held_out_text = "".join(json.dumps({"prompt": prompt}) + "\n" for prompt in held_out)
+        p.eval_prompts.write_text(held_out_text)
+        # the digest tells runs apart whose held-out prompts differ (a report pooling runs pairs them prompt by prompt)
+        return {"train": len(train), "held_out": len(held_out), "prompt_seed": p.args.prompt_seed,
+                "held_out_sha256": hashlib.sha256(held_out_text.encode()).hexdigest()}
     p.step("prompts", make)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -839,8 +841,11 @@ def test_the_background_run_goes_to_its_end_and_a_status_call_collects_it(tmp_pa
     assert "steps done (2): checkpoint" in done.stdout and "step prompts done" in done.stdout  # the log's tail
     collected = sorted(str(path.relative_to(tmp_path / "out")) for path in (tmp_path / "out").rglob("*"))
     assert collected == ["exit.json", "log-tail.txt", "progress.json", "steps.json"]
-    assert sorted(json.loads((tmp_path / "out" / "steps.json").read_text())) == ["checkpoint", "prompts"]
+    steps = json.loads((tmp_path / "out" / "steps.json").read_text())
+    assert sorted(steps) == ["checkpoint", "prompts"]
     assert len((work / "prompts" / "train.jsonl").read_text().splitlines()) == 300
+    held_out = (work / "prompts" / "eval.jsonl").read_bytes()
+    assert len(held_out.splitlines()) == 200 and steps["prompts"]["held_out_sha256"] == hashlib.sha256(held_out).hexdigest()
 
     # still running (a live pid, no exit record): the steps so far are collected, no results yet
     (work / "background" / "exit.json").unlink()
@@ -912,6 +917,63 @@ def test_a_run_cut_short_is_reported_elsewhere_from_what_a_status_call_collected
     assert again.returncode == 2 and "exists" in again.stderr
     nothing = background("report", "--collected", str(tmp_path / "nowhere"), "--work", str(tmp_path / "other"))
     assert nothing.returncode == 2 and "lacks steps.json" in nothing.stderr and not (tmp_path / "other").exists()
+
+
+def _collected_run(folder: Path, seeds: str, results: dict[str, int], extra: Sequence[str] = (),
+                   held_out_sha256: str = "same") -> Path:
+    """What a status call brings back from a run of arms A and B over ``seeds``: its step records and each engine's
+    per-prompt results (``results``: engine name to correct drafts per 40 verify steps, over 50 prompts)."""
+    argv = ["--work", "/root/acceptance", "--device", "cuda", "--arms", "A,B", "--seeds", seeds, "--batch-size", "32",
+            *extra]
+    engines = {name: {"engine": {"dtype": "bfloat16"}, "versions": {"sglang": "0.5.17"}, "answers": [],
+                      "prompts": [dataclasses.asdict(PromptResult(40, correct, 60, "x"))] * 50}
+               for name, correct in results.items()}
+    steps = {"prompts": {"train": 300, "held_out": 50, "prompt_seed": 0, "held_out_sha256": held_out_sha256,
+                         "seconds": 1.0},
+             "prepare": {"samples": 300, "tokens": 90000 + int(seeds[0]), "loss_tokens_per_epoch": 40000,
+                         "seconds": 2.0}}
+    steps |= {f"train-{name}": {"metrics": {"step": 225, "loss": 1.5, "acc": 0.6}, "curve": [], "ttt_length": 7,
+                                "draft_vocab": 0, "warm_head": False, "seconds": 3.0} for name in results}
+    folder.mkdir()
+    write_json(steps, folder / "steps.json")
+    write_json({"argv": argv, "engines": engines}, folder / "served.json")
+    return folder
+
+
+def test_one_report_pools_the_runs_of_each_seed_and_refuses_runs_that_do_not_pair(tmp_path):
+    """Seed 0 served on one machine, seed 1 on another (one run per machine's half hour): the report over both
+    folders gives each arm per seed and pooled, and A-B per seed and pooled, as one run of both seeds would; runs of
+    another recipe, with other held-out prompts or serving the same engine twice are refused, naming the folder."""
+    first = _collected_run(tmp_path / "seed0", "0", {"A-s0": 28, "B-s0": 20})
+    second = _collected_run(tmp_path / "seed1", "1", {"A-s1": 32, "B-s1": 24})
+
+    def report(*folders: Path, work: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "benchmarks.acceptance.background", "report", "--collected",
+                               *map(str, folders), "--work", str(tmp_path / work)], cwd=tmp_path, env=project_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    built = report(first, second, work="both")
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "from 2 runs" in built.stdout and "--arms A,B --seeds 0,1 --batch-size 32" in built.stdout
+    assert "step prepare recorded other values" in built.stdout  # each machine regenerated its own answers
+    results = json.loads((tmp_path / "both" / "results.json").read_text())
+    assert results["not_served"] == [] and results["data"]["tokens"] == 90000  # the first folder's
+    arms = results["acceptance"]["arms"]
+    assert arms["A"]["seeds"]["1"]["acceptance_length"] == pytest.approx(1.8)
+    assert arms["A"]["pooled"]["acceptance_length"] == pytest.approx(1.75)
+    assert arms["B"]["pooled"]["acceptance_length"] == pytest.approx(1.55)
+    assert results["acceptance"]["differences"]["A-B"]["pooled"]["estimate"] == pytest.approx(0.2)
+    assert sorted(results["training"]) == ["A-s0", "A-s1", "B-s0", "B-s1"]
+
+    other_recipe = _collected_run(tmp_path / "lr", "1", {"A-s1": 32, "B-s1": 24}, extra=["--lr", "3e-4"])
+    refused = report(first, other_recipe, work="report-recipe")
+    assert refused.returncode == 2 and "in more than its seeds" in refused.stderr and str(other_recipe) in refused.stderr
+    other_prompts = _collected_run(tmp_path / "prompts", "1", {"A-s1": 32, "B-s1": 24}, held_out_sha256="other")
+    refused = report(first, other_prompts, work="report-prompts")
+    assert refused.returncode == 2 and "held out other prompts" in refused.stderr
+    twice = report(first, _collected_run(tmp_path / "again", "0,1", {"A-s0": 28, "A-s1": 30}), work="report-twice")
+    assert twice.returncode == 2 and "(A-s0)" in twice.stderr
+    assert not any((tmp_path / work).exists() for work in ("report-recipe", "report-prompts", "report-twice"))
 
 
 STAND_IN = ["--dtype", "float32", "--json-model-override-args", '{"rms_norm_eps": 0.5}']
