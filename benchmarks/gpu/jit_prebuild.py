@@ -20,6 +20,7 @@ import importlib
 import importlib.metadata
 import os
 import re
+import struct
 import subprocess
 import sys
 import tarfile
@@ -126,6 +127,54 @@ def add_to_tarball(tarball: Path, cache_dir: Path) -> list[str]:
     return added
 
 
+FATBIN_MAGIC = 0xBA55ED50
+CUBIN = 2
+"""A fatbin entry's kind for machine code (1 is PTX, which a driver would compile at load)."""
+
+
+def cubin_architectures(library: Path) -> list[int]:
+    """The SM versions (90 for 9.0) of the machine code in ``library``'s ``.nv_fatbin`` section, one per cubin; PTX
+    entries are left out. Read from the ELF section headers and the fatbin's entry headers (no cuobjdump needed)."""
+    data = library.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError(f"{library} is not a 64-bit ELF library")
+    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, section_offset + index * entry_size) for index in range(count)]
+    names_at = headers[names_index][4]
+    for name, _, _, _, offset, size in headers:
+        if data[names_at + name : data.index(b"\0", names_at + name)] == b".nv_fatbin":
+            return _fatbin_cubins(data[offset : offset + size])
+    return []
+
+
+def _fatbin_cubins(fatbin: bytes) -> list[int]:
+    """Each cubin's SM in a fatbin section: one or more fatbins, each a header and its entries."""
+    found, position = [], 0
+    while position + 16 <= len(fatbin):
+        magic, _, header_size, body_size = struct.unpack_from("<IHHQ", fatbin, position)
+        if magic != FATBIN_MAGIC:
+            break
+        entry, end = position + header_size, position + header_size + body_size
+        while entry < end:
+            kind, _, entry_header_size, payload_size = struct.unpack_from("<HHIQ", fatbin, entry)
+            if kind == CUBIN:
+                found.append(struct.unpack_from("<I", fatbin, entry + 28)[0])
+            entry += entry_header_size + payload_size
+        position = end
+    return found
+
+
+def check_architecture(cache_dir: Path, arch: tuple[int, int]) -> None:
+    """Every library built under ``cache_dir`` holds machine code for ``arch``: one without it would fail on the
+    node at its first launch, after the engine had loaded (or be compiled there from PTX, if it carried any)."""
+    wanted = arch[0] * 10 + arch[1]
+    for library in sorted(cache_dir.rglob("*.so")):
+        if wanted not in (found := cubin_architectures(library)):
+            raise SystemExit(f"jit_prebuild: {library.name} holds machine code for SM {found or 'none'}, none for the "
+                             f"node's {wanted} ({arch[0]}.{arch[1]}): not staged")
+
+
 def _build_directory(name: str) -> str:
     """``.cache/tvm-ffi/DIR`` of a member inside a build directory (or the member's own name)."""
     return "/".join(name.rstrip("/").split("/")[:3])
@@ -166,6 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seconds = build(args.kernels, (int(major), int(minor or 0)), args.cuda_home, Path(cache_dir))
         if not any(Path(cache_dir).iterdir()):
             raise SystemExit(f"jit_prebuild: SGLang built nothing under {cache_dir}: its JIT cache is elsewhere")
+        check_architecture(Path(cache_dir), (int(major), int(minor or 0)))
         added = add_to_tarball(args.into, Path(cache_dir))
     for name, took in seconds.items():
         print(f"jit_prebuild: {name} built in {took:.0f} s (nvcc {release}, sm {args.arch})")

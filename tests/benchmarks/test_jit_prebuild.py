@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
+import struct
 import subprocess
 import sys
 import tarfile
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu.jit_prebuild import (CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, locked_version, main,
-                                         nvcc_release)
+from benchmarks.gpu.jit_prebuild import (CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, check_architecture,
+                                         cubin_architectures, locked_version, main, nvcc_release)
 from tests.conftest import REPO_ROOT
 
 CUDA_HOME = Path("/usr/local/cuda")
@@ -62,6 +63,42 @@ def test_the_tarball_keeps_what_it_held_and_each_built_directory_replaces_its_na
     assert not list(tmp_path.glob("*.partial"))
 
 
+def _fatbin(entries: list[tuple[int, int]]) -> bytes:
+    """A fatbin as nvcc lays one out: its header, then per entry (kind, SM) a 64-byte header and a payload."""
+    body = b"".join(struct.pack("<HHIQ", kind, 0x101, 64, 8) + bytes(12) + struct.pack("<I", sm) + bytes(32)
+                    + b"PAYLOAD!" for kind, sm in entries)
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def _library(path: Path, fatbins: list[bytes]) -> Path:
+    """A shared library (gcc) whose .nv_fatbin section holds ``fatbins``, as a CUDA library's does."""
+    data = b"".join(fatbins)
+    source = path.with_suffix(".c")
+    source.write_text('__attribute__((section(".nv_fatbin"), used)) const unsigned char fatbin[] = {'
+                      + ", ".join(map(str, data)) + "};\nint answer(void) { return 42; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    return path
+
+
+@pytest.mark.skipif(subprocess.run(["sh", "-c", "command -v gcc"], capture_output=True).returncode != 0,
+                    reason="no gcc to build a library with")
+def test_a_library_without_machine_code_for_the_nodes_architecture_is_not_staged(tmp_path):
+    """The SMs are read from the library's .nv_fatbin (two fatbins here, PTX left out); a build for another GPU,
+    or PTX alone, is refused, naming the library."""
+    (tmp_path / "ampere").mkdir()
+    (tmp_path / "hopper").mkdir()
+    ampere = _library(tmp_path / "ampere" / "kernel.so", [_fatbin([(1, 90), (2, 80)]), _fatbin([(1, 80)])])
+    hopper = _library(tmp_path / "hopper" / "kernel.so", [_fatbin([(2, 80)]), _fatbin([(1, 90), (2, 90)])])
+    assert cubin_architectures(ampere) == [80] and cubin_architectures(hopper) == [80, 90]
+    check_architecture(tmp_path / "hopper", (9, 0))
+    with pytest.raises(SystemExit, match=r"kernel.so holds machine code for SM \[80\], none for the node's 90"):
+        check_architecture(tmp_path / "ampere", (9, 0))
+    (tmp_path / "ptx").mkdir()
+    _library(tmp_path / "ptx" / "kernel.so", [_fatbin([(1, 90)])])
+    with pytest.raises(SystemExit, match="SM none"):
+        check_architecture(tmp_path / "ptx", (9, 0))
+
+
 ON_THE_NODES_RELEASE = importlib.metadata.version("sglang") == SGLANG_RELEASE
 
 
@@ -96,6 +133,7 @@ def test_a_kernel_built_here_for_hopper_is_loaded_by_sglang_from_the_unpacked_ta
         tar.extractall(home, filter="data")
     elf = subprocess.run(["readelf", "-d", str(home / libraries[0])], capture_output=True, text=True, check=True)
     assert f"libcudart.so.{release.split('.')[0]}" in elf.stdout
+    assert cubin_architectures(home / libraries[0]) == [90]  # machine code for the H200, not PTX for its driver
 
     # As a node's fresh process would: SGLang's own builder, for the H200, with the unpacked cache and no toolkit
     # (a compile would fail at once): it finds the library by the name it computes itself and loads it.
