@@ -225,10 +225,6 @@ class RunIndex:
         group = bisect.bisect_right(starts, row) - 1
         return file, group, row - starts[group]
 
-    def file_start(self, file: int) -> int:
-        """Global index of the first sample of file number ``file``."""
-        return self._file_starts[file]
-
 
 def _starts(counts: Any) -> list[int]:
     starts = [0]

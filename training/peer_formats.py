@@ -8,8 +8,6 @@ layouts as a user sees them: docs/training.md.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from storage.reader import Sample
@@ -160,18 +158,6 @@ def speculators_item(sample: Sample, hidden_size: int,
         "loss_mask": sample.loss_mask.to(torch.int64),
         "lengths": torch.tensor([tokens], dtype=torch.long),
         "position_ids": torch.arange(tokens, dtype=torch.long),
-    }
-
-
-def speculators_row(sample: Sample) -> dict[str, Any]:
-    """The sample's row of speculators' preprocessed dataset: ``save_to_disk`` by ``scripts/prepare_data.py``,
-    columns ``input_ids`` and ``loss_mask`` int64 lists and ``seq_len``, torch format, with ``token_freq.pt``
-    beside it (``speculators/train/vocab_mapping.py`` ``save_token_frequency_distribution``: {token id: count
-    over loss-masked tokens})."""
-    return {
-        "input_ids": sample.input_ids.to(torch.int64).numpy(),
-        "loss_mask": sample.loss_mask.to(torch.int64).numpy(),
-        "seq_len": int(sample.input_ids.shape[0]),
     }
 
 
