@@ -29,7 +29,6 @@ from extractor.serving import (
     runner_server_args,
 )
 from jobs.check_serving import main as check_serving
-from jobs.config import load_config
 from jobs.extract import main as extract_main
 from jobs.extract import run
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE
