@@ -27,7 +27,7 @@ import threading
 import time
 import unittest.mock
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import ray
@@ -47,6 +47,8 @@ from jobs.planning.shards import pack_batches
 from runtime.cluster.session import ray_session, resolve_device
 from storage.consumed import consume_shard
 from testbeds.shapes import SHAPES
+
+logger = logging.getLogger("benchmarks.throughput")
 
 DISK_PROBE_CHUNK = 64 * 1024 * 1024
 
@@ -311,6 +313,8 @@ def main() -> None:
         results = measure(args, rows, work)
     print_table(results)
     write_results(results, args.out)
+    if failed := sorted(set(results["rows"]) - set(measured_rows(results))):
+        raise SystemExit(f"rows failed: {', '.join(failed)} (their errors above; the other rows' numbers stand)")
 
 
 class ShardConsumer(threading.Thread):
@@ -374,14 +378,16 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
             if not args.capacity_only:
                 results.update(measure_extractor(warm, job_args, data, args.baseline_samples or args.samples, args.fp8))
             bare = results.get("bare_prefill_tokens_per_s")
+
+            def measure_row(name: str) -> dict:
+                row = ROWS[name]
+                synthetic = ([f"model.synthetic_tokens_per_s={args.synthetic_tokens_per_s}"]
+                             if SYNTHETIC[0] in row.overrides else [])
+                output_dir = tmpfs_dir(args.memory_dir) if row.in_memory else work / f"out-{name}"
+                return job_row(run_job([*job_args, *row.overrides, *synthetic], output_dir, args.consume), bare)
+
             with jobs_on(warm):
-                for name in rows:
-                    row = ROWS[name]
-                    synthetic = ([f"model.synthetic_tokens_per_s={args.synthetic_tokens_per_s}"]
-                                 if SYNTHETIC[0] in row.overrides else [])
-                    output_dir = tmpfs_dir(args.memory_dir) if row.in_memory else work / f"out-{name}"
-                    summary = run_job([*job_args, *row.overrides, *synthetic], output_dir, args.consume)
-                    measured[name] = job_row(summary, bare)
+                measured = run_rows(rows, measure_row, after_failure=warm.close)
         finally:
             warm.close()
     results["rows"] = measured
@@ -390,9 +396,29 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
     return results
 
 
+def run_rows(rows: list[str], measure_row: Callable[[str], dict], after_failure: Callable[[], None]) -> dict[str, dict]:
+    """Each row measured in turn. A row that fails is recorded with its error (``{"failed": ...}``) and the rows after
+    it still run, after ``after_failure`` (the warm extractor goes: the failure may have been its): a row on a path
+    new to the device costs that row, not the call's other numbers."""
+    measured: dict[str, dict] = {}
+    for name in rows:
+        try:
+            measured[name] = measure_row(name)
+        except Exception as error:
+            logger.exception("row %s failed; the next rows still run", name)
+            measured[name] = {"failed": f"{type(error).__name__}: {error}"}
+            after_failure()
+    return measured
+
+
+def measured_rows(results: dict) -> dict[str, dict]:
+    """The rows that ran to their end."""
+    return {name: row for name, row in results["rows"].items() if "failed" not in row}
+
+
 def headline(results: dict) -> dict:
     """The figures the result table leads with: the run's shape and the first job row against (a)."""
-    rows = results["rows"]
+    rows = measured_rows(results)
     first = next(iter(rows.values()), None)
     if first is None:
         return {}
@@ -460,7 +486,7 @@ WRITER_STAGES = ("fetch", "encode", "write", "hash", "sync", "commit")
 
 def extractor_lines(results: dict) -> list[str]:
     timed = [("a", results.get("a_time")), ("a2", results.get("a2_time"))]
-    timed += [(name, row["time"]) for name, row in results["rows"].items()]
+    timed += [(name, row["time"]) for name, row in measured_rows(results).items()]
     header = f"  {'row':<10}" + "".join(f"{title:>12}" for title, _ in EXTRACTOR_COLUMNS)
     lines = ["  where the extractor's time goes, seconds per million tokens (thread: the forward thread under its lock; "
              "dev: CUDA events)", header]
@@ -476,7 +502,7 @@ def writer_lines(results: dict) -> list[str]:
     """The writers' CPU seconds per GB of states by stage, and how busy their main threads were."""
     lines = ["  the writers' CPU seconds per GB of states (main threads busy: wall of fetch..commit over writers x run)",
              f"  {'row':<10}" + "".join(f"{stage:>9}" for stage in WRITER_STAGES) + f"{'total':>9}{'busy':>7}  cores"]
-    for name, row in results["rows"].items():
+    for name, row in measured_rows(results).items():
         gigabytes = row["bytes"] / 1e9
         cpu = row["stage_cpu_seconds"]
         main = sum(v for k, v in row["stage_seconds"].items() if k in ("fetch", "encode", "write", "commit"))
@@ -503,6 +529,9 @@ def print_table(results: dict) -> None:
         line("(a2) extractor alone (copy + object store)", f"{results['extractor_alone_tokens_per_s']:,.0f} tok/s",
              f"a2/a = {results['extractor_alone_over_bare']:.3f}")
     for name, row in rows.items():
+        if "failed" in row:
+            line(ROWS[name].title, "FAILED", row["failed"][:300])
+            continue
         rates = f"{format_rate(row['bytes_per_s'])}, {row['bytes_per_token']:,.0f} B/token, {row['writers']} writers"
         if name.startswith("b"):
             line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s", f"{name}/a = {row['over_bare']}, {rates}")
@@ -524,7 +553,7 @@ def print_table(results: dict) -> None:
             print(f"  the disk ({format_rate(disk_bps)}) is slower than the states arrive ({format_rate(states_bps)}): "
                   "rows on it run at its pace, the in-flight cap holds the extractor back")
     print("\n".join(extractor_lines(results)))
-    if rows:
+    if measured_rows(results):
         print("\n".join(writer_lines(results)))
 
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.extract_wall import engine_alone
-from benchmarks.throughput import ROWS, benchmark_layer_ids
+from benchmarks.throughput import ROWS, benchmark_layer_ids, headline, print_table, run_rows
 from extractor.layers import check_layer_ids
 from testbeds.shapes import SHAPES
 from tests.conftest import REPO_ROOT
@@ -192,6 +192,35 @@ def test_every_throughput_row_is_a_job_config_the_job_accepts(tmp_path):
         assert config.extract.copy_piece_mb == pieces, name
         assert config.extract.copy_by == ("kernel" if name == "b2-kernel" else "copy_engine"), name
     assert [name for name in ROWS if "piece" in name or "whole" in name] == ["b2-whole", "b2-piece1", "b2-piece16"]
+
+
+def test_a_row_that_fails_costs_that_row_only(capsys):
+    """A row failing on a path new to the device (the kernel copy's first run there) is recorded with its error and
+    the rows after it still run, after the warm extractor went; the tables show the others' numbers and name the
+    failure. The rows here are those of an H200 run (benchmarks/results), one of them made to fail."""
+    recorded = json.loads((REPO_ROOT / "benchmarks" / "results" / "throughput-2026-12-05-h200-deepseek-pieces.json")
+                          .read_text())
+    ran, closed = [], []
+
+    def measure_row(name: str) -> dict:
+        ran.append(name)
+        if name == "b2-kernel":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return recorded["rows"]["b2" if name == "b2" else "b2-piece16"]
+
+    rows = run_rows(["b2", "b2-kernel", "b2-piece16"], measure_row, after_failure=lambda: closed.append(1))
+    assert ran == ["b2", "b2-kernel", "b2-piece16"] and closed == [1]
+    assert rows["b2-kernel"] == {"failed": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    results = {**{key: value for key, value in recorded.items() if key != "rows"}, "rows": rows}
+    results.update(headline(results))
+    assert results["job_tokens_per_s"] == recorded["rows"]["b2"]["tokens_per_s"]
+    print_table(results)
+    table = capsys.readouterr().out
+    assert "(b2-kernel) as b2, the host copy by a kernel" in table and "FAILED" in table and "illegal memory" in table
+    assert "b2-piece16/a = 0.967" in table
+    timed = [line.split()[0] for line in table.split("where the extractor's time goes")[1].splitlines()[2:]
+             if line.startswith("  ") and not line.startswith("  the writers")]
+    assert "b2-piece16" in timed and "b2-kernel" not in timed
 
 
 @pytest.mark.extended
