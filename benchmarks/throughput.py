@@ -231,16 +231,23 @@ def measure_extractor(warm: WarmExtractor, job_args: list[str], data: Path, samp
     before_alone = ray.get(actor.activity.remote())
     started = time.perf_counter()
     in_flight: list[ray.ObjectRef] = []
+    first_done: Optional[float] = None
     for batch in batches:  # as the job feeds it: the next batch is queued while one is handed on
         in_flight.append(actor.extract.remote(TokenBatch.of(batch)))
         if len(in_flight) > spec.host_buffers:
             ray.get(in_flight.pop(0))
+            first_done = first_done or time.perf_counter()
     ray.get(in_flight)
-    alone_seconds = time.perf_counter() - started
+    ended = time.perf_counter()
+    alone_seconds = ended - started
+    # the steady state as the job's: from the first batch done to the last, the first batch's tokens left out
+    steady = ((tokens - sum(len(ids) for ids in batches[0])) / (ended - first_done)
+              if first_done is not None and ended > first_done else None)
     results = {
         "tokens": tokens, "bare_prefill_tokens_per_s": round(bare, 1),
         "extractor_alone_tokens_per_s": round(tokens / alone_seconds, 1),
         "extractor_alone_over_bare": round(tokens / alone_seconds / bare, 3),
+        "extractor_alone_steady_over_bare": round(steady / bare, 3) if steady else None,
         "a_time": time_report(activity_between(before, after_bare), tokens, bare_wall, tokens / bare),
         "a2_time": time_report(activity_between(before_alone, ray.get(actor.activity.remote())), tokens, alone_seconds),
     }
@@ -455,6 +462,9 @@ def job_row(summary: dict, bare: float | None) -> dict:
         "tokens": summary["tokens"], "bytes": summary["bytes"], "seconds": seconds,
         "tokens_per_s": summary["tokens_per_second"],
         "over_bare": round(summary["tokens_per_second"] / bare, 3) if bare else None,
+        "steady_tokens_per_s": (steady := summary["steady_tokens_per_second"]),
+        "steady_over_bare": round(steady / bare, 3) if bare and steady else None,
+        "first_batch_seconds": summary["first_batch_seconds"],
         "bytes_per_s": round(summary["bytes"] / seconds), "bytes_per_token": round(summary["bytes"] / summary["tokens"], 1),
         "writers": summary["writers"], "writer_cpus": sorted({n["writer_cpus"] for n in summary["nodes"].values()}),
         "last_hidden_state": summary["last_hidden_state"],
@@ -513,6 +523,11 @@ def writer_lines(results: dict) -> list[str]:
     return lines
 
 
+def _steady(over_bare: Optional[float]) -> str:
+    """The steady state's ratio beside a whole row's: the pipeline full, its first batch and drain left out."""
+    return f" (steady {over_bare:.3f})" if over_bare else ""
+
+
 def print_table(results: dict) -> None:
     def line(name: str, value: str, note: str = "") -> None:
         print(f"  {name:<52} {value:>16}  {note}")
@@ -527,14 +542,15 @@ def print_table(results: dict) -> None:
     if "bare_prefill_tokens_per_s" in results:
         line("(a) bare SGLang prefill", f"{results['bare_prefill_tokens_per_s']:,.0f} tok/s")
         line("(a2) extractor alone (copy + object store)", f"{results['extractor_alone_tokens_per_s']:,.0f} tok/s",
-             f"a2/a = {results['extractor_alone_over_bare']:.3f}")
+             f"a2/a = {results['extractor_alone_over_bare']:.3f}{_steady(results.get('extractor_alone_steady_over_bare'))}")
     for name, row in rows.items():
         if "failed" in row:
             line(ROWS[name].title, "FAILED", row["failed"][:300])
             continue
         rates = f"{format_rate(row['bytes_per_s'])}, {row['bytes_per_token']:,.0f} B/token, {row['writers']} writers"
         if name.startswith("b"):
-            line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s", f"{name}/a = {row['over_bare']}, {rates}")
+            line(ROWS[name].title, f"{row['tokens_per_s']:,.0f} tok/s",
+                 f"{name}/a = {row['over_bare']}{_steady(row.get('steady_over_bare'))}, {rates}")
         else:
             line(ROWS[name].title, format_rate(row["bytes_per_s"]), f"{row['tokens_per_s']:,.0f} tok/s, {rates}")
     disk_bps = results["disk_write_bytes_per_s"]

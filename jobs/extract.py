@@ -54,11 +54,21 @@ def final_message(summary: dict) -> str:
     return (
         f"\n{summary['shards_done']} of {summary['plan']['shards']} shards done in {out}: {summary['samples']} samples, "
         f"{summary['tokens']} tokens, {summary['bytes'] / 1e6:.1f} MB; this run extracted "
-        f"{this_run['tokens']} tokens in {this_run['seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)\n"
+        f"{this_run['tokens']} tokens in {this_run['seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s"
+        f"{_steady(summary)})\n"
         f"layers {engine['layer_ids']} (SGLang {engine['sglang_version']} layers_to_capture "
         f"{engine['layers_to_capture']}); drafter config: {Path(out) / DRAFTER_CONFIG_FILE} "
         f"eagle_aux_hidden_state_layer_ids={engine['drafter_layer_ids']}"
     )
+
+
+def _steady(summary: dict) -> str:
+    """The steady state beside the whole run's rate, where the run wrote more than one batch."""
+    rate = summary.get("steady_tokens_per_second")
+    if rate is None:
+        return ""
+    return (f"; {rate:.0f} tokens/s once the pipeline was full: the first batch took "
+            f"{summary['first_batch_seconds']:.1f} s, closing the last shards {summary['drain_seconds']:.1f} s")
 
 
 cli = console_entry(main)

@@ -11,13 +11,13 @@ attempts), the extractor's host (its restarts), the upload queue (uploads).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import ray
 
 from jobs.actors.writer import ExtractorLost, ShardDiskFull
 from jobs.driver.lanes import Lane, Lanes, ShardAttempt
+from jobs.driver.result import WriteClock
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import (
@@ -41,8 +41,8 @@ class Completions:
         self._lanes = lanes
         self._uploads = uploads
         self._work = work
-        self.last_write_done = 0.0
-        """perf_counter of the last batch written: the run's drain is measured from it."""
+        self.writes = WriteClock()
+        """When batches were written: the run's first batch, steady state and drain are measured from it."""
 
     def settle_one(self, timeout: float | None) -> bool:
         """Handle the next completion within ``timeout`` seconds; False if none came."""
@@ -77,7 +77,7 @@ class Completions:
         except ray.exceptions.RayActorError as error:
             self._scheduler.writer_died(lane, item.writer, error_text(error))
             return
-        self.last_write_done = time.perf_counter()
+        self.writes.batch_written(tokens)
         lane.extractor.batch_extracted(item.generation)
         self._scheduler.batch_written(attempt, tokens)
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import time
+from typing import Any, Optional
 
 from extractor.types import CaptureActivity, EngineInfo
 from jobs.driver.lanes import Lanes
@@ -17,6 +18,14 @@ class RunResult:
     """Actors up and the model loaded: the time to the first batch."""
     seconds: float
     """From the first batch to the last file committed (and uploaded)."""
+    first_batch_seconds: float
+    """From the first batch sent to the first batch written: one batch's way through the pipeline (forward, copy,
+    hand-on, the writer's write)."""
+    steady_seconds: float
+    """From the first batch written to the last: the pipeline full, the run's steady state."""
+    steady_tokens: int
+    """Tokens written after the first batch, up to the last: ``steady_tokens / steady_seconds`` is the rate a longer
+    run of the same data keeps."""
     drain_seconds: float
     """From the last batch written (not yet fsynced) to the end: closing, syncing, uploading."""
     budget_peak: int
@@ -35,6 +44,33 @@ class RunResult:
     """Per data-parallel group's node: its directory, node id, writers, budget peak and overshoot, restarts."""
     extracted_again: tuple[int, ...] = ()
     """Done shards whose files were lost while the run went on (gone, not declared consumed): written again."""
+
+    @property
+    def steady_tokens_per_second(self) -> Optional[float]:
+        """Tokens per second between the first batch written and the last; None with fewer than two batches."""
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+
+
+class WriteClock:
+    """When the run's batches were written (perf_counter): the first and the last, and the tokens written after the
+    first. Between the first and the last the pipeline is full: the rate there is the run's steady state, apart from
+    the first batch's way through the pipeline and the closing of the last shards, which a run pays once."""
+
+    def __init__(self) -> None:
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self.tokens_after_first = 0
+
+    def batch_written(self, tokens: int) -> None:
+        """A batch of ``tokens`` written now (0: a writer that dropped its shard wrote nothing)."""
+        if tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.tokens_after_first += tokens
+        self.last = now
 
 
 def node_figures(lanes: Lanes) -> dict[str, dict[str, Any]]:

@@ -145,6 +145,8 @@ class ExtractionRun:
             self._work, self._start_late,
         ).run()
         self._clock["end"] = time.perf_counter()
+        if (last := self._completions.writes.last) is not None:  # known only now: the last batch written
+            self._timeline.enter("closing the last shards", seconds_ago=self._clock["end"] - last)
 
     def _start_actors(self, stage: Callable[[str, Optional[Callable[[], str]]], None]) -> None:
         self._engine = start_actors(self._lanes, self._spec, self._groups, self._extract, self._output, stage)
@@ -163,12 +165,17 @@ class ExtractionRun:
         """What the run measured; only after it ran to its end and the ``with`` block stopped its actors."""
         lanes, budgets = self._lanes, self._lanes.budgets()
         activity, writer_seconds = self._stopped
-        clock = self._clock
+        clock, writes = self._clock, self._completions.writes
+        first_written = clock["end"] if writes.first is None else writes.first
+        last_written = clock["end"] if writes.last is None else writes.last
         return RunResult(
             engine=self._engine,
             startup_seconds=clock["first_batch"] - clock["start"],
             seconds=clock["end"] - clock["first_batch"],
-            drain_seconds=clock["end"] - max(clock["first_batch"], self._completions.last_write_done),
+            first_batch_seconds=first_written - clock["first_batch"],
+            steady_seconds=last_written - first_written,
+            steady_tokens=writes.tokens_after_first,
+            drain_seconds=clock["end"] - max(clock["first_batch"], last_written),
             budget_peak=max(budget.peak for budget in budgets),
             budget_overshoot=max(budget.overshoot for budget in budgets),
             blocked_seconds=self._disk_wait.blocked_seconds,

@@ -254,6 +254,11 @@ def _result_fields(result: Any) -> dict[str, Any]:
     return {
         "startup_seconds": round(result.startup_seconds, 3),
         "seconds": round(result.seconds, 3),
+        "first_batch_seconds": round(result.first_batch_seconds, 3),
+        "steady_seconds": round(result.steady_seconds, 3),
+        "steady_tokens": result.steady_tokens,
+        "steady_tokens_per_second": (round(rate, 1) if (rate := result.steady_tokens_per_second) is not None
+                                     else None),
         "drain_seconds": round(result.drain_seconds, 3),
         "writers": result.writers,
         "peak_open_shards": result.peak_open_shards,

@@ -23,10 +23,12 @@ class Timeline:
         self._phase = ""
         self._since = self._started
 
-    def enter(self, phase: str) -> None:
-        """From now on the command is in ``phase``; the phase before it ends here."""
+    def enter(self, phase: str, seconds_ago: float = 0.0) -> None:
+        """From now on the command is in ``phase``; the phase before it ends here. With ``seconds_ago``, ``phase``
+        began that long ago (a boundary known only afterwards, such as the last batch written), though not before
+        the phase before it began."""
         with self._lock:
-            now = time.monotonic()
+            now = max(self._since, time.monotonic() - max(0.0, seconds_ago))
             if self._phase:
                 self._seconds[self._phase] = self._seconds.get(self._phase, 0.0) + now - self._since
             self._phase, self._since = phase, now

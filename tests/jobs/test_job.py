@@ -78,8 +78,19 @@ def test_job_writes_every_sample_bit_exact(llama_fp32, demo_dataset, bf16_run):
     wall = summary["wall_seconds"]
     assert [phase for phase, _ in wall["phases"]] == [
         "reading the inputs", "checking the layers SGLang captures", "starting Ray", "checking the run's directories",
-        "loading the model and starting the writers", "warming the object store", "extracting", "winding down"]
+        "loading the model and starting the writers", "warming the object store", "extracting the first batch",
+        "extracting", "closing the last shards", "winding down"]
     assert sum(seconds for _, seconds in wall["phases"]) == pytest.approx(wall["total"], abs=0.05)
+    # the steady state apart from what a run pays once: the first batch through the pipeline (a whole shard here:
+    # its tokens are left out of the steady state's), the last shards' closing
+    assert summary["tokens"] - summary["steady_tokens"] in summary["plan"]["shard_tokens"].values()
+    parts = summary["first_batch_seconds"] + summary["steady_seconds"] + summary["drain_seconds"]
+    assert parts == pytest.approx(summary["this_run"]["seconds"], abs=0.01) and summary["steady_seconds"] > 0
+    assert summary["steady_tokens_per_second"] == pytest.approx(summary["steady_tokens"] / summary["steady_seconds"],
+                                                                rel=0.01)  # the seconds are rounded to ms
+    phases = dict(wall["phases"])
+    assert phases["extracting the first batch"] == pytest.approx(summary["first_batch_seconds"], abs=0.05)
+    assert phases["closing the last shards"] == pytest.approx(summary["drain_seconds"], abs=0.05)
     assert_reads_as_parquet_dataset(out, len(dataset))
 
     samples = read_all(out)

@@ -37,7 +37,9 @@ from jobs.outdir.budget import DiskBudget
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
 from runtime.display.live import LiveLine, format_duration
+from runtime.display import timeline as timeline_module
 from runtime.display.stages import StageLine
+from runtime.display.timeline import Timeline
 from storage.manifest import DONE, FAILED, PENDING, Manifest
 from tests.conftest import REPO_ROOT
 from tests.helpers import session_ray_address, user_env
@@ -350,6 +352,25 @@ def test_stages_show_from_the_start_then_hand_over_to_the_runs_line(tmp_path, ca
     assert text.startswith("\rstarting Ray (0s)\x1b[K\r\r\x1b[Ka record while the stage shows\n"), text
     loading = text.index("\rloading the model (0s): 1 of 1 extractors ready\x1b[K\r\r\x1b[K")  # shown, then erased
     assert text.index("\r[--------------------]   0% tokens 0/60, 0 tok/s, ETA ?") > loading
+
+
+def test_a_phase_known_only_afterwards_begins_where_it_began(monkeypatch):
+    """The run's phases around its batches: the first batch, the steady state from the first batch written, the
+    last shards' closing from the last batch written (known once the run is over: entered with ``seconds_ago``,
+    never before the phase before it began); the phases still add up to the total."""
+    now = [100.0]
+    monkeypatch.setattr(timeline_module.time, "monotonic", lambda: now[0])
+    timeline = Timeline()
+    timeline.enter("extracting the first batch")
+    now[0] = 101.5
+    timeline.enter("extracting")
+    now[0] = 130.0
+    timeline.enter("closing the last shards", seconds_ago=0.75)  # the last batch was written at 129.25
+    timeline.enter("winding down", seconds_ago=99.0)  # not before "closing the last shards" began
+    now[0] = 131.0
+    assert timeline.seconds() == {"phases": [["extracting the first batch", 1.5], ["extracting", 27.75],
+                                             ["closing the last shards", 0.0], ["winding down", 1.75]],
+                                  "total": 31.0}
 
 
 # -- a real run on a terminal ------------------------------------------------------------------------
