@@ -203,6 +203,18 @@ REPLACED_OPTIONS = ("--work", "--device", "--stages", "--out")
 """The run's options that a report built elsewhere sets itself."""
 
 
+SCHEDULING_OPTIONS = ("work", "out", "device", "stages", "seeds", "deadline_s", "train_parallel", "serve_parallel")
+"""The parsed options that say how and where a run went, not what it measured: runs pooled into one report may
+differ in them."""
+
+
+def _recipe(argv: Sequence[str]) -> dict[str, Any]:
+    """What a run's arguments say it measured: the parsed options (any spelling, any order) but how it was run."""
+    from benchmarks.acceptance.cli import parse_args
+
+    return {key: value for key, value in vars(parse_args(argv)).items() if key not in SCHEDULING_OPTIONS}
+
+
 def _seeds(argv: Sequence[str]) -> tuple[int, ...]:
     from benchmarks.acceptance.cli import parse_args
 
@@ -211,9 +223,10 @@ def _seeds(argv: Sequence[str]) -> tuple[int, ...]:
 
 def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """The step records, the engines' results and the arguments of the runs whose status calls filled ``folders``:
-    runs with the same arguments but their ``--seeds``, none serving an engine another did. A step every run
-    recorded (the prompts, the answers, the extractions) keeps the first folder's record; the held-out prompts must
-    be the same in all (the differences pair arms prompt by prompt). Raises ValueError naming what does not fit."""
+    runs of one recipe (their arguments but ``SCHEDULING_OPTIONS``), none serving an engine another did. A step
+    every run recorded (the prompts, the answers, the extractions) keeps the first folder's record; the held-out
+    prompts must be the same in all (the differences pair arms prompt by prompt): their digest is compared where
+    both runs recorded one. Raises ValueError naming what does not fit."""
     steps: dict[str, Any] = {}
     engines: dict[str, Any] = {}
     seeds: list[int] = []
@@ -224,12 +237,13 @@ def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, 
             raise ValueError(f"{folder} lacks steps.json or {SERVED_FILE}: collect them with `status --collect` "
                              "while the run's machine is still held (no engine had finished when the last call "
                              "collected)")
-        recipe = _without(served["argv"], (*REPLACED_OPTIONS, "--seeds"))
         first_argv = first_argv or list(served["argv"])
-        if recipe != (first_recipe := _without(first_argv, (*REPLACED_OPTIONS, "--seeds"))):
+        recipe, first_recipe = _recipe(served["argv"]), _recipe(first_argv)
+        if recipe != first_recipe:
+            differ = sorted(key for key in recipe.keys() | first_recipe.keys() if recipe.get(key) != first_recipe.get(key))
             raise ValueError(f"the run collected in {folder} differs from {folders[0]}'s in more than its seeds: "
-                             f"{' '.join(recipe)} against {' '.join(first_recipe)}; one report pools runs of one "
-                             "recipe")
+                             + ", ".join(f"{key} {recipe.get(key)!r} against {first_recipe.get(key)!r}" for key in differ)
+                             + "; one report pools runs of one recipe")
         if twice := sorted(set(engines) & set(served["engines"])):
             raise ValueError(f"{folder} holds engines an earlier folder holds too ({', '.join(twice)}): name each "
                              "seed's run once")
@@ -238,13 +252,24 @@ def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, 
         for name, record in run_steps.items():
             if name not in steps:
                 steps[name] = record
+            elif name == "prompts":
+                _check_same_prompts(folder, folders[0], record, steps[name])
             elif _less_time(record) != _less_time(steps[name]):
-                if name == "prompts":
-                    raise ValueError(f"{folder}'s run held out other prompts than {folders[0]}'s ({_less_time(record)} "
-                                     f"against {_less_time(steps[name])}): its arms cannot be paired with theirs")
                 print(f"note: step {name} recorded other values in {folder} than in {folders[0]} "
                       f"({json.dumps(_less_time(record))[:200]}); the report keeps {folders[0]}'s")
     return steps, engines, _with_option(first_argv, "--seeds", ",".join(map(str, seeds)))
+
+
+def _check_same_prompts(folder: Path, first: Path, record: dict[str, Any], first_record: dict[str, Any]) -> None:
+    """The held-out prompts of two runs are the same ones, by the digest each recorded (a run recorded before the
+    digest was kept is taken on its arguments, which name the same prompts: said, not refused)."""
+    digests = record.get("held_out_sha256"), first_record.get("held_out_sha256")
+    if None in digests:
+        print(f"note: {folder if digests[0] is None else first}'s run recorded no digest of its held-out prompts: "
+              "they are taken to be the same as its arguments say")
+    elif digests[0] != digests[1]:
+        raise ValueError(f"{folder}'s run held out other prompts than {first}'s (digest {digests[0][:12]} against "
+                         f"{digests[1][:12]}): its arms cannot be paired with theirs")
 
 
 def _less_time(record: dict[str, Any]) -> dict[str, Any]:

@@ -136,15 +136,20 @@ def cubin_architectures(library: Path) -> list[int]:
     """The SM versions (90 for 9.0) of the machine code in ``library``'s ``.nv_fatbin`` section, one per cubin; PTX
     entries are left out. Read from the ELF section headers and the fatbin's entry headers (no cuobjdump needed)."""
     data = library.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2:
+    if data[:4] != b"\x7fELF" or len(data) < 0x40 or data[4] != 2:
         raise ValueError(f"{library} is not a 64-bit ELF library")
     section_offset, = struct.unpack_from("<Q", data, 0x28)
     entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", data, section_offset + index * entry_size) for index in range(count)]
-    names_at = headers[names_index][4]
-    for name, _, _, _, offset, size in headers:
-        if data[names_at + name : data.index(b"\0", names_at + name)] == b".nv_fatbin":
-            return _fatbin_cubins(data[offset : offset + size])
+    if not section_offset or not count or names_index >= count:  # no section table (or names beyond it): no fatbin
+        return []
+    try:
+        headers = [struct.unpack_from("<IIQQQQ", data, section_offset + index * entry_size) for index in range(count)]
+        names_at = headers[names_index][4]
+        for name, _, _, _, offset, size in headers:
+            if data[names_at + name : data.index(b"\0", names_at + name)] == b".nv_fatbin":
+                return _fatbin_cubins(data[offset : offset + size])
+    except (struct.error, ValueError) as error:
+        raise ValueError(f"{library}: its ELF section table is cut short or malformed ({error})") from error
     return []
 
 
@@ -170,7 +175,11 @@ def check_architecture(cache_dir: Path, arch: tuple[int, int]) -> None:
     node at its first launch, after the engine had loaded (or be compiled there from PTX, if it carried any)."""
     wanted = arch[0] * 10 + arch[1]
     for library in sorted(cache_dir.rglob("*.so")):
-        if wanted not in (found := cubin_architectures(library)):
+        try:
+            found = cubin_architectures(library)
+        except ValueError as error:
+            raise SystemExit(f"jit_prebuild: {error}: not staged") from error
+        if wanted not in found:
             raise SystemExit(f"jit_prebuild: {library.name} holds machine code for SM {found or 'none'}, none for the "
                              f"node's {wanted} ({arch[0]}.{arch[1]}): not staged")
 

@@ -10,6 +10,10 @@ from extractor.types import CaptureActivity, EngineInfo
 from jobs.driver.lanes import Lanes
 
 
+STEADY_MIN_SECONDS = 1.0
+"""The shortest window between the first batch written and the last that gives a steady rate."""
+
+
 @dataclasses.dataclass
 class RunResult:
     engine: EngineInfo
@@ -44,11 +48,18 @@ class RunResult:
     """Per data-parallel group's node: its directory, node id, writers, budget peak and overshoot, restarts."""
     extracted_again: tuple[int, ...] = ()
     """Done shards whose files were lost while the run went on (gone, not declared consumed): written again."""
+    attempts_undone: int = 0
+    """Attempts whose written batches came to nothing (a shard failed, or discarded after a fault)."""
 
     @property
     def steady_tokens_per_second(self) -> Optional[float]:
-        """Tokens per second between the first batch written and the last; None with fewer than two batches."""
-        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+        """Tokens per second between the first batch written and the last: the rate a longer run of the same data
+        keeps. None where the figure would not be that: a window under ``STEADY_MIN_SECONDS`` (the driver hears of
+        writes in bursts: two batches heard together would make any rate), or work thrown away and done again
+        (an extractor restarted, an attempt undone), whose batches the window counts."""
+        if self.steady_seconds < STEADY_MIN_SECONDS or self.extractor_restarts or self.attempts_undone:
+            return None
+        return self.steady_tokens / self.steady_seconds
 
 
 class WriteClock:

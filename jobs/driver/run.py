@@ -145,8 +145,10 @@ class ExtractionRun:
             self._work, self._start_late,
         ).run()
         self._clock["end"] = time.perf_counter()
-        if (last := self._completions.writes.last) is not None:  # known only now: the last batch written
-            self._timeline.enter("closing the last shards", seconds_ago=self._clock["end"] - last)
+        # known only now: the last batch written (none written: the run only closed, or uploaded, what it had)
+        last = self._completions.writes.last
+        self._timeline.enter("closing the last shards",
+                             seconds_ago=self._clock["end"] - (self._clock["first_batch"] if last is None else last))
 
     def _start_actors(self, stage: Callable[[str, Optional[Callable[[], str]]], None]) -> None:
         self._engine = start_actors(self._lanes, self._spec, self._groups, self._extract, self._output, stage)
@@ -166,8 +168,8 @@ class ExtractionRun:
         lanes, budgets = self._lanes, self._lanes.budgets()
         activity, writer_seconds = self._stopped
         clock, writes = self._clock, self._completions.writes
-        first_written = clock["end"] if writes.first is None else writes.first
-        last_written = clock["end"] if writes.last is None else writes.last
+        first_written = clock["first_batch"] if writes.first is None else writes.first
+        last_written = clock["first_batch"] if writes.last is None else writes.last
         return RunResult(
             engine=self._engine,
             startup_seconds=clock["first_batch"] - clock["start"],
@@ -187,6 +189,7 @@ class ExtractionRun:
             extractor_restarts=sum(lane.extractor.generation for lane in lanes),
             nodes=node_figures(lanes),
             extracted_again=tuple(sorted(self._scheduler.extracted_again)),
+            attempts_undone=self._scheduler.attempts_undone,
         )
 
     def _exhausted(self, lane: Lane, state: str) -> str:

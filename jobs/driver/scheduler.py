@@ -84,6 +84,8 @@ class Scheduler:
         self.extracted_again: set[int] = set()
         """Done shards whose files were lost while the run went on: this run writes them again too."""
         self.peak_open_shards = 0
+        self.attempts_undone = 0
+        """Attempts whose written batches came to nothing: failed, or discarded after a fault."""
 
     @property
     def has_work(self) -> bool:
@@ -170,6 +172,7 @@ class Scheduler:
 
     def failed(self, attempt: ShardAttempt, message: str) -> None:
         """The writer reported an error for the shard (its temp file is gone): failed, its reservation freed."""
+        self.attempts_undone += 1
         self._settled(attempt)
         attempt.lane.budget.release(attempt.index)
         self._manifest.update(attempt.index, state=FAILED, error=message)
@@ -206,6 +209,7 @@ class Scheduler:
     def discarded(self, attempt: ShardAttempt) -> None:
         """What a lost attempt wrote is gone: extract the shard again, before the shards not started yet;
         JobFault once it has had ``extract.max_attempts`` tries in this run."""
+        self.attempts_undone += 1
         attempt.lane.budget.release(attempt.index)
         self._progress.shard_discarded(attempt.index)
         self._settled(attempt)

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pytest
@@ -920,16 +920,16 @@ def test_a_run_cut_short_is_reported_elsewhere_from_what_a_status_call_collected
 
 
 def _collected_run(folder: Path, seeds: str, results: dict[str, int], extra: Sequence[str] = (),
-                   held_out_sha256: str = "same") -> Path:
+                   held_out_sha256: Optional[str] = "same") -> Path:
     """What a status call brings back from a run of arms A and B over ``seeds``: its step records and each engine's
     per-prompt results (``results``: engine name to correct drafts per 40 verify steps, over 50 prompts)."""
     argv = ["--work", "/root/acceptance", "--device", "cuda", "--arms", "A,B", "--seeds", seeds, "--batch-size", "32",
-            *extra]
+            "--lr", "1e-3", *extra]
     engines = {name: {"engine": {"dtype": "bfloat16"}, "versions": {"sglang": "0.5.17"}, "answers": [],
                       "prompts": [dataclasses.asdict(PromptResult(40, correct, 60, "x"))] * 50}
                for name, correct in results.items()}
-    steps = {"prompts": {"train": 300, "held_out": 50, "prompt_seed": 0, "held_out_sha256": held_out_sha256,
-                         "seconds": 1.0},
+    prompts = {"train": 300, "held_out": 50, "prompt_seed": 0, "seconds": 1.0}
+    steps = {"prompts": prompts | ({"held_out_sha256": held_out_sha256} if held_out_sha256 else {}),
              "prepare": {"samples": 300, "tokens": 90000 + int(seeds[0]), "loss_tokens_per_epoch": 40000,
                          "seconds": 2.0}}
     steps |= {f"train-{name}": {"metrics": {"step": 225, "loss": 1.5, "acc": 0.6}, "curve": [], "ttt_length": 7,
@@ -954,7 +954,7 @@ def test_one_report_pools_the_runs_of_each_seed_and_refuses_runs_that_do_not_pai
 
     built = report(first, second, work="both")
     assert built.returncode == 0, built.stdout + built.stderr
-    assert "from 2 runs" in built.stdout and "--arms A,B --seeds 0,1 --batch-size 32" in built.stdout
+    assert "from 2 runs" in built.stdout and "--arms A,B --seeds 0,1 --batch-size 32 --lr 1e-3" in built.stdout
     assert "step prepare recorded other values" in built.stdout  # each machine regenerated its own answers
     results = json.loads((tmp_path / "both" / "results.json").read_text())
     assert results["not_served"] == [] and results["data"]["tokens"] == 90000  # the first folder's
@@ -965,9 +965,17 @@ def test_one_report_pools_the_runs_of_each_seed_and_refuses_runs_that_do_not_pai
     assert results["acceptance"]["differences"]["A-B"]["pooled"]["estimate"] == pytest.approx(0.2)
     assert sorted(results["training"]) == ["A-s0", "A-s1", "B-s0", "B-s1"]
 
+    # how a run was scheduled is not what it measured; an option's other spelling is the same option; a run
+    # recorded before the prompts' digest was kept is taken on its arguments
+    rescheduled = _collected_run(tmp_path / "rescheduled", "2", {"A-s2": 30, "B-s2": 22},
+                                 extra=["--deadline-s", "1500", "--serve-parallel", "1", "--learning-rate", "0.001"],
+                                 held_out_sha256=None)
+    pooled = report(first, rescheduled, work="report-rescheduled")
+    assert pooled.returncode == 0 and "recorded no digest" in pooled.stdout, pooled.stdout + pooled.stderr
     other_recipe = _collected_run(tmp_path / "lr", "1", {"A-s1": 32, "B-s1": 24}, extra=["--lr", "3e-4"])
     refused = report(first, other_recipe, work="report-recipe")
-    assert refused.returncode == 2 and "in more than its seeds" in refused.stderr and str(other_recipe) in refused.stderr
+    assert refused.returncode == 2 and "in more than its seeds: learning_rate 0.0003 against 0.001" in refused.stderr
+    assert str(other_recipe) in refused.stderr
     other_prompts = _collected_run(tmp_path / "prompts", "1", {"A-s1": 32, "B-s1": 24}, held_out_sha256="other")
     refused = report(first, other_prompts, work="report-prompts")
     assert refused.returncode == 2 and "held out other prompts" in refused.stderr

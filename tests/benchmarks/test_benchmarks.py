@@ -257,7 +257,10 @@ def test_soak_benchmark_smoke(tmp_path):
     states = results["shard_states"]
     assert states.get("done/consumed", 0) + results["declarations_not_yet_recorded"] == results["shards"], states
     assert states.get("done/local", 0) == results["declarations_not_yet_recorded"]
-    assert results["shard_files_removed_by_resume"] == 0
+    # A shard file a writer renamed into place as the driver died is complete but unrecorded: the resume deletes it
+    # and writes the shard again (jobs.rundir.resume.clean_output_dir), so that no row is in two files. Whether the
+    # SIGKILL lands in that window is timing (a loaded machine widens it): at most one file per writer.
+    assert results["shard_files_removed_by_resume"] <= results["summary"]["writers"]
     assert results["manifest_bytes"] > 0 and results["bare_prefill_tokens_per_s"] > 0
     names = {row["name"] for row in results["memory"]}
     assert {"python -m jobs.extract", "python -m benchmarks.soak_consumer", "ray::ExtractorActor"} <= names, names

@@ -32,6 +32,7 @@ from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.loop import DriverLoop
 from jobs.driver.progress import RunProgress
+from jobs.driver.result import STEADY_MIN_SECONDS, RunResult
 from jobs.driver.rescan import Rescanner
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
@@ -268,6 +269,9 @@ def hooks_while_sleeping(monkeypatch):
                 hook()
 
     monkeypatch.setattr("time.sleep", sleep)
+    # The host's restart kills its old actor: a fake here. Ray's own kill would first connect this process to a Ray
+    # cluster (any one it finds), and a later test's ray.init in the same process would then fail.
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: None)
     return worlds
 
 
@@ -281,6 +285,8 @@ class Run:
     extractor: FakeExtractor
     starts: list[int]
     """One entry per time the loop started the lane's actors (those of a run made with actors_started=False)."""
+    scheduler: Scheduler
+    completions: Completions
 
     def shard_files(self) -> list[str]:
         return sorted(p.name for p in self.world.directory.glob("shard-*.parquet"))
@@ -326,7 +332,7 @@ def make_run(
     disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
     progress.begin([budget])
     loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work, start_actors)
-    return Run(world, manifest, loop, budget, pool, extractor, starts)
+    return Run(world, manifest, loop, budget, pool, extractor, starts, scheduler, completions)
 
 
 def consumer(run: Run, keep: int = 1) -> Callable[[], None]:
@@ -355,11 +361,30 @@ def test_plain_run_writes_every_shard_once(tmp_path, dataset_path, hooks_while_s
     run = make_run(tmp_path, dataset_path, hooks_while_sleeping, writers=2)
     run.loop.run()
     assert_every_shard_done_once(run)
+    # the steady state's tokens: every batch's but the first's (batches of half a shard), nothing undone
+    writes = run.completions.writes
+    assert writes.tokens_after_first == SAMPLES * TOKENS - SHARD_SIZE * TOKENS // 2 and writes.last >= writes.first
+    assert run.scheduler.attempts_undone == 0
+
+
+def test_the_steady_rate_is_given_only_where_a_longer_run_would_keep_it():
+    """Tokens over the window between the first batch written and the last; none for a window too short to time
+    (writes heard in a burst), nor where work was thrown away and done again (the window counts its batches)."""
+    def result(**changes: Any) -> RunResult:
+        fields = dict(engine=None, startup_seconds=1.0, seconds=3.0, first_batch_seconds=0.5, steady_seconds=2.0,
+                      steady_tokens=1000, drain_seconds=0.5, budget_peak=0, budget_overshoot=0, blocked_seconds=0.0,
+                      writers=1, peak_open_shards=1, max_inflight_batches=3, extractor=None, writer_seconds={})
+        return RunResult(**{**fields, **changes})
+
+    assert result().steady_tokens_per_second == 500.0
+    assert result(steady_seconds=STEADY_MIN_SECONDS * 0.99).steady_tokens_per_second is None
+    assert result(extractor_restarts=1).steady_tokens_per_second is None
+    assert result(attempts_undone=1).steady_tokens_per_second is None
 
 
 @pytest.mark.parametrize("dies_at", [1, 2, 3, 4, 6, 8])
 def test_extractor_death_while_waiting_for_disk_loses_no_shard(tmp_path, dataset_path, hooks_while_sleeping, dies_at):
-    """Issue: with the budget at ~1.5 shards and a consumer freeing space, a fault while the run waited
+    """A defect once: with the budget at ~1.5 shards and a consumer freeing space, a fault while the run waited
     for disk sent a shard back to the queue as the scheduler was opening the next: one shard was never
     written, and the run said complete."""
     run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"extractor_dies_at": {dies_at}}, budget_shards=1.5)
@@ -368,6 +393,7 @@ def test_extractor_death_while_waiting_for_disk_loses_no_shard(tmp_path, dataset
     assert_every_shard_done_once(run, consumed=True)
     assert run.extractor.generation == 1
     assert {r.location for r in run.manifest.shards.values()} <= {LOCAL, CONSUMED}
+    assert run.scheduler.attempts_undone == 1  # the attempt the fault cut short, discarded and written again
 
 
 def test_extractor_deaths_with_batches_extracted_between_never_add_up(tmp_path, dataset_path, hooks_while_sleeping):
@@ -509,6 +535,7 @@ def test_a_writer_error_fails_its_shard_and_the_others_are_written(tmp_path, dat
     run = make_run(tmp_path, dataset_path, hooks_while_sleeping, {"fail_shards": {2}}, writers=2)
     run.loop.run()
     assert [r.state for r in run.manifest.shards.values()] == [DONE, DONE, FAILED, DONE]
+    assert run.scheduler.attempts_undone == 1  # the failed shard's batches came to nothing
     assert run.budget.used == sum(DiskBudget.taken(r.bytes) for r in run.manifest.in_state(DONE))
 
 
