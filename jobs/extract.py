@@ -63,7 +63,8 @@ def final_message(summary: dict) -> str:
 
 
 def _steady(summary: dict) -> str:
-    """The steady state beside the whole run's rate, where the run wrote more than one batch."""
+    """The steady state beside the whole run's rate, where the run measured one
+    (``RunResult.steady_tokens_per_second``)."""
     rate = summary.get("steady_tokens_per_second")
     if rate is None:
         return ""

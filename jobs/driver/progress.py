@@ -289,8 +289,6 @@ class RunProgress:
         self.stages = stages
         self.meter: Optional[RateMeter] = None
         """This run's rate, from its first batch on."""
-        self._written = False
-        """A batch's states were written: the timeline's first batch is over."""
         self.open_tokens: dict[int, int] = {}
         """Tokens written into shards not yet settled (done or failed)."""
         self.settled: set[int] = set()
@@ -319,7 +317,7 @@ class RunProgress:
         self.metrics.stop_holding()
         if self.stages is not None:
             self.stages.close()
-            self.stages.timeline.enter("extracting the first batch")
+            self.stages.timeline.enter("extracting the first batch")  # the run's own end places what follows
         self.meter = RateMeter(RATE_WINDOW_S, time.monotonic())
         if self.interactive:
             self.live = LiveLine(self.stream)
@@ -329,9 +327,6 @@ class RunProgress:
         """A batch of ``shard`` was written: ``tokens`` more (failed shards' count in the rate too)."""
         if self.meter is not None:
             self.meter.add(tokens, time.monotonic())
-        if tokens > 0 and not self._written and self.stages is not None:
-            self.stages.timeline.enter("extracting")  # the first batch is through the pipeline: it is full from now
-        self._written = self._written or tokens > 0
         # A batch's completion may reach the driver after its shard's publication did (Ray reports the
         # writer's two results independently): the manifest's record already counts those tokens.
         if shard not in self.settled:

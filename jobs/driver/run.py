@@ -97,6 +97,7 @@ class ExtractionRun:
         lost there is no actor to stop or ask: a shard a writer published unrecorded, and the temp files of open
         ones, are removed by the next run's start."""
         ended_early = error is not None
+        self._writes_on_the_timeline(ended_early)
         self._timeline.enter("winding down")
         lanes = self._lanes if self._lanes is not None else Lanes([], self._output_dir)
         if error is not None and isinstance(stop_in(error), ClusterLost):  # the actors went with the cluster
@@ -145,10 +146,19 @@ class ExtractionRun:
             self._work, self._start_late,
         ).run()
         self._clock["end"] = time.perf_counter()
-        # known only now: the last batch written (none written: the run only closed, or uploaded, what it had)
-        last = self._completions.writes.last
-        self._timeline.enter("closing the last shards",
-                             seconds_ago=self._clock["end"] - (self._clock["first_batch"] if last is None else last))
+
+    def _writes_on_the_timeline(self, ended_early: bool) -> None:
+        """The phases the batches' writes bound, known only afterwards: extracting with the pipeline full from the
+        first batch written and, after a run that went to its end, closing the last shards from the last one (from
+        the first batch sent where none was written: the run only closed, or uploaded, what it had)."""
+        if self._completions is None:  # stopped before its first batch
+            return
+        writes, now = self._completions.writes, time.perf_counter()
+        if writes.first is not None:
+            self._timeline.enter("extracting", seconds_ago=now - writes.first)
+        if not ended_early:
+            last = self._clock["first_batch"] if writes.last is None else writes.last
+            self._timeline.enter("closing the last shards", seconds_ago=now - last)
 
     def _start_actors(self, stage: Callable[[str, Optional[Callable[[], str]]], None]) -> None:
         self._engine = start_actors(self._lanes, self._spec, self._groups, self._extract, self._output, stage)
