@@ -208,17 +208,9 @@ SCHEDULING_OPTIONS = ("work", "out", "device", "stages", "seeds", "deadline_s", 
 differ in them."""
 
 
-def _recipe(argv: Sequence[str]) -> dict[str, Any]:
-    """What a run's arguments say it measured: the parsed options (any spelling, any order) but how it was run."""
-    from benchmarks.acceptance.cli import parse_args
-
-    return {key: value for key, value in vars(parse_args(argv)).items() if key not in SCHEDULING_OPTIONS}
-
-
-def _seeds(argv: Sequence[str]) -> tuple[int, ...]:
-    from benchmarks.acceptance.cli import parse_args
-
-    return parse_args(argv).seeds
+def _recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run's parsed arguments say it measured (any spelling, any order): all but how it was run."""
+    return {key: value for key, value in vars(args).items() if key not in SCHEDULING_OPTIONS}
 
 
 def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -227,18 +219,23 @@ def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, 
     every run recorded (the prompts, the answers, the extractions) keeps the first folder's record; the held-out
     prompts must be the same in all (the differences pair arms prompt by prompt): their digest is compared where
     both runs recorded one. Raises ValueError naming what does not fit."""
+    from benchmarks.acceptance.cli import parse_args
+
     steps: dict[str, Any] = {}
     engines: dict[str, Any] = {}
     seeds: list[int] = []
     first_argv: list[str] = []
+    first_recipe: dict[str, Any] = {}
     for folder in folders:
         run_steps, served = _read(folder / "steps.json"), _read(folder / SERVED_FILE)
         if run_steps is None or served is None:
             raise ValueError(f"{folder} lacks steps.json or {SERVED_FILE}: collect them with `status --collect` "
                              "while the run's machine is still held (no engine had finished when the last call "
                              "collected)")
-        first_argv = first_argv or list(served["argv"])
-        recipe, first_recipe = _recipe(served["argv"]), _recipe(first_argv)
+        args = parse_args(served["argv"])
+        recipe = _recipe(args)
+        if not first_argv:
+            first_argv, first_recipe = list(served["argv"]), recipe
         if recipe != first_recipe:
             differ = sorted(key for key in recipe.keys() | first_recipe.keys() if recipe.get(key) != first_recipe.get(key))
             raise ValueError(f"the run collected in {folder} differs from {folders[0]}'s in more than its seeds: "
@@ -248,7 +245,7 @@ def merge_collected(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, 
             raise ValueError(f"{folder} holds engines an earlier folder holds too ({', '.join(twice)}): name each "
                              "seed's run once")
         engines.update(served["engines"])
-        seeds += [seed for seed in _seeds(served["argv"]) if seed not in seeds]
+        seeds += [seed for seed in args.seeds if seed not in seeds]
         for name, record in run_steps.items():
             if name not in steps:
                 steps[name] = record
