@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from benchmarks.throughput import benchmark_job_args, build_model
+from benchmarks.throughput import benchmark_job_args, build_model, gpu_memory_bytes, refuse_shape_too_large
 from benchmarks.workdir import work_dir, write_results
 from extractor.actor import Extractor
 from extractor.checkpoint import read_checkpoint_info
@@ -60,6 +60,7 @@ def engine_spec(args: argparse.Namespace, work: Path) -> tuple[EngineSpec, list[
     config = load_config([*benchmark_job_args(job, model, load_format, data, checkpoint.num_layers),
                           f"output.dir={work / 'unused'}"])
     dataset = open_tokenized_dataset(str(data), checkpoint.vocab_size, 1 << 30)
+    refuse_shape_too_large(args.shape, config.model, gpu_memory_bytes())
     layer_ids = check_layer_ids(config.extract.layers, checkpoint.num_layers)
     spec = build_engine_spec(config.model, config.extract, layer_ids, "cuda",
                              int(dataset.lengths.max()))

@@ -43,7 +43,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.soak_consumer import sample_digests
-from benchmarks.throughput import WarmExtractor, benchmark_job_args, build_model, jobs_on, measure_extractor
+from benchmarks.throughput import (WarmExtractor, benchmark_job_args, build_model, gpu_memory_bytes, jobs_on,
+                                   measure_extractor, refuse_shape_too_large)
 from benchmarks.workdir import work_dir, write_results
 from common.checks import format_bytes, parse_bytes
 from extractor.checkpoint import read_checkpoint_info
@@ -413,6 +414,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     output_dir = Path(tempfile.mkdtemp(prefix="soak-out-", dir=args.output_root or work))
     data = work / "data.parquet"
     job_args = benchmark_job_args(args, model, load_format, data, checkpoint.num_layers)
+    refuse_shape_too_large(args.shape, load_config(job_args).model, gpu_memory_bytes())
     per_token = state_bytes_per_token(job_args, checkpoint.hidden_size)
     samples = args.samples or math.ceil(args.target_bytes / (per_token * args.tokens_per_sample))
     write_dataset(data, samples, args.tokens_per_sample, checkpoint.vocab_size)

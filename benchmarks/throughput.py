@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ import ray
 
 from benchmarks.workdir import work_dir, write_results
 from extractor.checkpoint import read_checkpoint_info
+from extractor.config import SGLangModelConfig
 from extractor.layers import check_layer_ids, default_layer_ids
 from extractor.types import CaptureActivity, EngineSpec, TokenBatch
 from inputs.dataset import open_tokenized_dataset
@@ -46,7 +48,7 @@ from jobs.planning.engine import build_engine_spec
 from jobs.planning.shards import pack_batches
 from runtime.cluster.session import ray_session, resolve_device
 from storage.consumed import consume_shard
-from testbeds.shapes import SHAPES
+from testbeds.shapes import SHAPES, weight_bytes
 
 logger = logging.getLogger("benchmarks.throughput")
 
@@ -79,6 +81,30 @@ def build_model(shape: str, directory: Path) -> tuple[Path, str]:
     (directory / "model").mkdir(parents=True, exist_ok=True)
     (directory / "model" / "config.json").write_text(json.dumps(config))
     return directory / "model", "dummy"
+
+
+def gpu_memory_bytes() -> Optional[int]:
+    """The first GPU's memory as ``nvidia-smi`` gives it (without starting CUDA here); None without one."""
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        return int(mib.strip()) << 20
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def refuse_shape_too_large(shape: str, model: SGLangModelConfig, gpu_bytes: Optional[int]) -> None:
+    """Stop before loading a shape whose weights cannot fit what SGLang may fill (mem_fraction_static of each of
+    tp_size GPUs): the load would end minutes later in CUDA out of memory."""
+    if shape not in SHAPES or model.device == "cpu" or gpu_bytes is None:
+        return
+    per_gpu = weight_bytes(SHAPES[shape]) / model.tp_size
+    if per_gpu > model.mem_fraction_static * gpu_bytes:
+        raise SystemExit(
+            f"--shape {shape}: ~{per_gpu / 1e9:.0f} GB of weights per GPU at TP={model.tp_size}, more than "
+            f"mem_fraction_static {model.mem_fraction_static} of this GPU's {gpu_bytes / 1e9:.0f} GB; run it on GPUs "
+            f"of at least {per_gpu / model.mem_fraction_static / 1e9:.0f} GB (one H200 has 141) or over more of them "
+            "(model.tp_size)")
 
 
 def benchmark_layer_ids(num_layers: int) -> list[int]:
@@ -374,6 +400,8 @@ def measure(args: argparse.Namespace, rows: list[str], work: Path) -> dict:
         max_len=args.tokens_per_sample,
     )
     job_args = benchmark_job_args(args, model, load_format, data, checkpoint.num_layers)
+    if not args.capacity_only:
+        refuse_shape_too_large(args.shape, load_config(job_args).model, gpu_memory_bytes())
     results: dict = {"shape": args.shape, "device": args.device, "tp_size": args.tp_size, "samples": args.samples,
                      "set": list(args.set),
                      "cpus": len(os.sched_getaffinity(0)), "disk_probe_bytes": args.disk_probe_bytes,

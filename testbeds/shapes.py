@@ -104,3 +104,27 @@ def kimi_k25_reduced() -> dict[str, Any]:
 
 
 SHAPES = {"llama8b": LLAMA_8B, "deepseek_v3_reduced": DEEPSEEK_V3_REDUCED, "kimi_k25_reduced": kimi_k25_reduced()}
+
+
+def weight_bytes(config: dict[str, Any]) -> int:
+    """Bytes of a shape's language-model weights as SGLang holds them: the embeddings, lm_head, attention and MLPs
+    in the config's 16-bit dtype; routed experts packed where its quantization config says so (bits per weight
+    plus one 16-bit scale per group). Norms, router gates and a vision tower (under 1% here) are left out."""
+    text = config.get("text_config", config)
+    hidden, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    heads = text["num_attention_heads"]
+    params = 2 * vocab * hidden  # embeddings and lm_head (untied in every shape here)
+    if "kv_lora_rank" not in text:  # Llama: grouped-query attention, a gated MLP in every layer
+        kv_width = text["num_key_value_heads"] * hidden // heads
+        params += layers * (2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * text["intermediate_size"])
+        return 2 * params
+    qk_head = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]  # DeepSeek-V3: MLA, then dense or MoE MLPs
+    q_lora, kv_lora = text["q_lora_rank"], text["kv_lora_rank"]
+    attention = (hidden * q_lora + q_lora * heads * qk_head + hidden * (kv_lora + text["qk_rope_head_dim"])
+                 + kv_lora * heads * (text["qk_nope_head_dim"] + text["v_head_dim"]) + heads * text["v_head_dim"] * hidden)
+    dense, moe = text["first_k_dense_replace"], layers - text["first_k_dense_replace"]
+    expert = 3 * hidden * text["moe_intermediate_size"]
+    params += layers * attention + dense * 3 * hidden * text["intermediate_size"] + moe * text["n_shared_experts"] * expert
+    quantized = text.get("quantization_config", {}).get("config_groups", {}).get("group_0", {}).get("weights")
+    bytes_per_expert_weight = quantized["num_bits"] / 8 + 2 / quantized["group_size"] if quantized else 2
+    return round(2 * params + moe * text["n_routed_experts"] * expert * bytes_per_expert_weight)

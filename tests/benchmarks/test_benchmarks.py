@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.extract_wall import engine_alone
-from benchmarks.throughput import ROWS, benchmark_layer_ids, headline, print_table, run_rows
+from benchmarks.throughput import ROWS, benchmark_layer_ids, headline, print_table, refuse_shape_too_large, run_rows
+from extractor.config import SGLangModelConfig
 from extractor.layers import check_layer_ids
-from testbeds.shapes import SHAPES
+from testbeds.shapes import DEEPSEEK_V3_REDUCED, LLAMA_8B, SHAPES, weight_bytes
 from tests.conftest import REPO_ROOT
 from tests.helpers import job_config, python_env
 
@@ -180,6 +181,41 @@ def test_default_layers_are_valid_for_every_shape(shape):
     assert check_layer_ids(layer_ids, num_layers) == layer_ids
     expected = {"llama8b": [2, 16, 29], "deepseek_v3_reduced": [1, 2], "kimi_k25_reduced": [2, 5, 7]}
     assert layer_ids == expected[shape]
+
+
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("config", [
+    {**LLAMA_8B, **SMALL, "num_key_value_heads": 2, "num_hidden_layers": 3},
+    {**DEEPSEEK_V3_REDUCED, **SMALL, "num_key_value_heads": 4, "moe_intermediate_size": 64, "n_routed_experts": 8,
+     "n_group": 2, "topk_group": 1, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+     "qk_nope_head_dim": 32, "v_head_dim": 32},
+], ids=["llama", "deepseek_v3"])
+def test_a_shapes_weight_bytes_are_hf_models_own(config):
+    """The shapes' families, narrowed: the estimate equals the bf16 bytes of every matrix HF's model holds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    matrices = [(name, p) for name, p in model.named_parameters() if "norm" not in name
+                and not name.endswith("mlp.gate.weight") and "e_score_correction_bias" not in name]
+    assert weight_bytes(config) == sum(p.numel() * p.element_size() for _, p in matrices)
+
+
+def test_a_shape_too_large_for_the_gpu_is_refused_before_loading():
+    """kimi_k25_reduced stopped in CUDA out of memory on an H100 (2026-12-05: 83 GB allocated and 5.6 GB more asked)
+    and ran on the H200 at mem_fraction_static 0.8 (113 GB): its INT4 estimate lies between."""
+    assert 89e9 < weight_bytes(SHAPES["kimi_k25_reduced"]) < 113e9
+    h100, h200 = 81559 << 20, 143771 << 20  # nvidia-smi's memory.total, MiB
+    with pytest.raises(SystemExit, match=r"--shape kimi_k25_reduced: ~94 GB of weights per GPU at TP=1.*one H200"):
+        refuse_shape_too_large("kimi_k25_reduced", SGLangModelConfig(device="cuda"), h100)
+    refuse_shape_too_large("kimi_k25_reduced", SGLangModelConfig(device="cuda"), h200)
+    refuse_shape_too_large("kimi_k25_reduced", SGLangModelConfig(device="cuda", tp_size=2), h100)
+    refuse_shape_too_large("deepseek_v3_reduced", SGLangModelConfig(device="cuda"), h100)
+    refuse_shape_too_large("kimi_k25_reduced", SGLangModelConfig(device="cuda"), None)  # no nvidia-smi: SGLang says
 
 
 def test_every_throughput_row_is_a_job_config_the_job_accepts(tmp_path):
