@@ -95,7 +95,7 @@ def gpu_memory_bytes() -> Optional[int]:
 
 def refuse_shape_too_large(shape: str, model: SGLangModelConfig, gpu_bytes: Optional[int]) -> None:
     """Stop before loading a shape whose weights cannot fit what SGLang may fill (mem_fraction_static of each of
-    tp_size GPUs): the load would end minutes later in CUDA out of memory."""
+    tp_size GPUs), which would otherwise end its load a minute or more later in CUDA out of memory."""
     if shape not in SHAPES or model.device == "cpu" or gpu_bytes is None:
         return
     per_gpu = weight_bytes(SHAPES[shape]) / model.tp_size
