@@ -49,7 +49,7 @@ from benchmarks.workdir import work_dir, write_results
 from common.checks import format_bytes, parse_bytes
 from extractor.checkpoint import read_checkpoint_info
 from jobs.cluster.nodes import NODE_LABEL
-from jobs.config import load_config
+from jobs.config import JobConfig, load_config
 from jobs.driver.job import run
 from jobs.rundir.summary import SUMMARY_FILE
 from runtime.cluster.session import ray_session
@@ -258,9 +258,9 @@ def write_dataset(path: Path, samples: int, tokens: int, vocab_size: int) -> Pat
     return path
 
 
-def state_bytes_per_token(job_args: list[str], hidden_size: int) -> int:
+def state_bytes_per_token(config: JobConfig, hidden_size: int) -> int:
     """States stored per token: the captured layers and the final state, at the stored dtype's width."""
-    extract, output = (config := load_config(job_args)).extract, config.output
+    extract, output = config.extract, config.output
     states = len(extract.layers) + (extract.last_hidden_state != "none")
     return states * hidden_size * (1 if "float8" in output.state_dtype else 2)
 
@@ -414,8 +414,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     output_dir = Path(tempfile.mkdtemp(prefix="soak-out-", dir=args.output_root or work))
     data = work / "data.parquet"
     job_args = benchmark_job_args(args, model, load_format, data, checkpoint.num_layers)
-    refuse_shape_too_large(args.shape, load_config(job_args).model, gpu_memory_bytes())
-    per_token = state_bytes_per_token(job_args, checkpoint.hidden_size)
+    config = load_config(job_args)
+    refuse_shape_too_large(args.shape, config.model, gpu_memory_bytes())
+    per_token = state_bytes_per_token(config, checkpoint.hidden_size)
     samples = args.samples or math.ceil(args.target_bytes / (per_token * args.tokens_per_sample))
     write_dataset(data, samples, args.tokens_per_sample, checkpoint.vocab_size)
     shard_count = math.ceil(samples / args.shard_size)
