@@ -20,7 +20,6 @@ from typing import Any, Optional, Sequence
 from common.checks import format_bytes
 from common.config import RunDir
 from jobs.cli import console_entry, run_command
-from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.config import parse_command
 from jobs.driver.progress import ProgressSnapshot
 from jobs.outdir.config import OutputConfig, parse_disk_budget
@@ -34,6 +33,7 @@ from jobs.rundir.summary import (
 )
 from runtime.errors import EXIT_OK
 from runtime.lock import LOCK_FILE, read_owner
+from storage.claim import CLAIM_FILE
 from storage.consumed import RECORD_GLOB
 from storage.manifest import (
     CONSUMED,

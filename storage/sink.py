@@ -9,18 +9,21 @@ price of reading each shard once more over the network.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import uuid
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Collection
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 import storage.checksum as checksum
-from storage.atomic import open_new, remove_quietly
+from storage.atomic import fsync_path, open_new, remove_quietly
+from storage.claim import CLAIM_FILE, link_new_claim
+from storage.writer import SHARD_GLOB
 
 READ_CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -63,6 +66,7 @@ def _copy_into_place(source: str, target: Path) -> None:
             writer.flush()
             os.fsync(writer.fileno())
         os.replace(temp, target)
+        fsync_path(target.parent)  # the rename itself survives a crash: the local copy is deleted next
     except BaseException:
         remove_quietly(temp)
         raise
@@ -85,3 +89,42 @@ def probe(sink: str, storage_options: dict[str, Any]) -> None:
     finally:
         with contextlib.suppress(NotImplementedError):
             fs.rm_file(remote)
+
+
+def claim_refusal(sink: str, storage_options: dict[str, Any], run_id: str, own_files: Collection[str]) -> str:
+    """Why ``sink`` is not the run ``run_id``'s to upload into ('' when it is, or is free to claim): another run's
+    claim (a run's sink, or a node directory of another run), or no claim but shard files ``own_files`` (the files
+    this run recorded uploaded there) do not name. Uploads replace a file of the same name and then delete the local
+    copy: two runs sharing a sink would each replace the other's only copy."""
+    fs, root = fsspec.core.url_to_fs(sink, **storage_options)
+    try:
+        holder = json.loads(fs.cat_file(f"{root.rstrip('/')}/{CLAIM_FILE}"))
+    except FileNotFoundError:
+        holder = None
+    except ValueError:
+        holder = {"output_dir": f"(unreadable {sink_url_for(sink, CLAIM_FILE)})"}
+    if holder is not None:
+        if holder.get("run_id") == run_id:
+            return ""
+        return f"belongs to the run whose output.dir is {holder.get('output_dir')} on {holder.get('host', '?')}"
+    found = {PurePosixPath(path).name for path in fs.glob(f"{root.rstrip('/')}/{SHARD_GLOB}")}
+    strangers = sorted(found - set(own_files))
+    if strangers:
+        return f"holds {len(strangers)} shard files (e.g. {strangers[0]}) that this run did not upload"
+    return ""
+
+
+def claim(sink: str, storage_options: dict[str, Any], owner: dict[str, str], own_files: Collection[str]) -> str:
+    """Make ``sink`` the run ``owner`` names (``run_id``, ``output_dir``, ``host``) its own before its first upload;
+    '' once it is, else why not (``claim_refusal``). A directory is claimed as a node's directory is (exactly one of
+    two runs claiming at once wins); an object store keeps the last of two claims written at the same moment."""
+    refusal = claim_refusal(sink, storage_options, owner["run_id"], own_files)
+    if refusal:
+        return refusal
+    fs, root = fsspec.core.url_to_fs(sink, **storage_options)
+    fs.makedirs(root, exist_ok=True)
+    if isinstance(fs, LocalFileSystem):
+        link_new_claim(Path(root), owner)
+    elif not fs.exists(f"{root.rstrip('/')}/{CLAIM_FILE}"):
+        fs.pipe_file(f"{root.rstrip('/')}/{CLAIM_FILE}", json.dumps(owner).encode())
+    return claim_refusal(sink, storage_options, owner["run_id"], own_files)  # read back: whose it is now

@@ -10,19 +10,15 @@ behind the writers).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from storage import checksum
-from storage.atomic import replace_atomically, write_synced
+from storage.atomic import replace_atomically
+from storage.claim import CLAIM_FILE, link_new_claim
 from storage.consumed import RECORD_GLOB, file_of_record, read_records
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name, temp_file_name
-
-CLAIM_FILE = ".eagle3-claim.json"
-"""In every directory a run writes shards to: which run it is (``Manifest.run_id``) and where that run's
-output.dir is. A run removes files only in a directory it claims, and no run claims another's."""
 
 
 def _free_and_unwritten(directory: str, reserved: dict[int, int]) -> tuple[int, int]:
@@ -116,16 +112,7 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> dict[str
         files = sorted(file.name for file in [*path.glob(SHARD_GLOB), *path.glob(TEMP_GLOB)])
         if files and not adopt_files:
             return {"files": files}
-        # Written whole under a private name, then linked to the claim's: of two runs claiming at once,
-        # exactly one link succeeds, and nobody ever reads a half-written claim.
-        temp = path / f"{CLAIM_FILE}.{os.getpid()}.tmp"
-        write_synced(temp, json.dumps(owner).encode())
-        try:
-            os.link(temp, claim)
-        except FileExistsError:
-            pass  # another run claimed it a moment ago: read whose it is below
-        finally:
-            temp.unlink()
+        link_new_claim(path, owner)
     try:
         holder = json.loads(claim.read_text())
     except ValueError:

@@ -37,7 +37,7 @@ from jobs.planning.content import RECORDED_SINCE, resumed_device
 from jobs.planning.engine import build_engine_spec, planned_metadata
 from jobs.planning.inputs import RunInputs, check_resumable, read_inputs
 from jobs.planning.own_files import own_files
-from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink
+from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, claim_sink
 from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.rundir.resume import (
     check_done_files,
@@ -262,9 +262,11 @@ def _prepare_directories(
 ) -> list[ShardRecord]:
     """Claim every directory of the run, check the done files there, then clean them; the shards to write.
 
-    Every directory is claimed before any is checked or cleaned: a refusal leaves all of them untouched. Done
-    files recorded on a node label no node goes by now are recorded where they are before the clean-up.
+    Every directory, and the sink, is claimed before any is checked or cleaned: a refusal leaves all of them
+    untouched. Done files recorded on a node label no node goes by now are recorded where they are before the
+    clean-up.
     """
+    claim_sink(config.output.sink, config.output.sink_options, manifest)
     claimed = [claim_directory(group.disk(), manifest, group.name, group.directory == output_dir) for group in groups]
     relabel_moved_files(manifest, claimed)
     for group in groups:

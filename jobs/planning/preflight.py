@@ -15,6 +15,7 @@ import errno
 import fnmatch
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,7 +34,8 @@ from jobs.planning.shards import Shard
 from runtime.errors import BudgetExhausted, ConfigError
 from runtime.lock import LOCK_FILE
 from storage import ShardMetadata
-from storage.manifest import MANIFEST_FILE, read_manifest
+from storage.manifest import MANIFEST_FILE, SINK, Manifest, read_manifest
+from storage.sink import claim, claim_refusal, sink_url_for
 from storage.sink import probe as probe_sink
 from storage.writer import state_bytes_per_token
 
@@ -222,8 +224,8 @@ def _unwritable(output_dir: Path, error: OSError) -> ConfigError:
 
 
 def check_sink(sink: str, options: dict[str, Any], output_dir: Path, node_dir: str = "") -> None:
-    """output.sink is not where the run keeps its shards (``refuse_sink_in_output``), and takes a file, gives it
-    back and deletes it, within SINK_PROBE_TIMEOUT_S."""
+    """output.sink is not where the run keeps its shards (``refuse_sink_in_output``), takes a file, gives it
+    back and deletes it, within SINK_PROBE_TIMEOUT_S, and is not another run's (``refuse_foreign_sink``)."""
     if not sink:
         return
     refuse_sink_in_output(sink, options, output_dir, node_dir)
@@ -242,3 +244,37 @@ def check_sink(sink: str, options: dict[str, Any], output_dir: Path, node_dir: s
         ) from None
     finally:
         pool.shutdown(wait=False)
+    refuse_foreign_sink(sink, options, output_dir)
+
+
+def refuse_foreign_sink(sink: str, options: dict[str, Any], output_dir: Path) -> None:
+    """ConfigError when output.sink belongs to another run (its claim: ``storage.sink.claim``), or holds shard files
+    the run in output.dir did not upload: an upload replaces a file of the same name, then deletes the local copy."""
+    stored = read_manifest(output_dir) if (output_dir / MANIFEST_FILE).exists() else {"run_id": "", "shards": []}
+    why = claim_refusal(sink, options, stored.get("run_id", ""), uploaded_into(sink, stored["shards"]))
+    if why:
+        raise ConfigError(sink_taken(sink, why))
+
+
+def claim_sink(sink: str, options: dict[str, Any], manifest: Manifest) -> None:
+    """Make output.sink the run's own before its first upload (``storage.sink.claim``); ConfigError when it is
+    another's: two runs starting at once with one sink, after ``refuse_foreign_sink`` let both through."""
+    if not sink:
+        return
+    owner = {"run_id": manifest.run_id, "output_dir": str(manifest.path.parent), "host": socket.gethostname()}
+    why = claim(sink, options, owner, uploaded_into(sink, manifest.shards.values()))
+    if why:
+        raise ConfigError(sink_taken(sink, why))
+
+
+def uploaded_into(sink: str, records: Iterable[Any]) -> set[str]:
+    """The files a run's manifest records (dicts, or ``ShardRecord``) as uploaded into ``sink``."""
+    records = [record if isinstance(record, dict) else dataclasses.asdict(record) for record in records]
+    return {record["file"] for record in records
+            if record.get("location") == SINK and record.get("sink_url") == sink_url_for(sink, record["file"])}
+
+
+def sink_taken(sink: str, why: str) -> str:
+    """The refusal of a sink that is not the run's (``why``: ``storage.sink.claim_refusal``), and what to do."""
+    return (f"output.sink={sink} {why}; nothing there was touched. Give each run a sink of its own (e.g. "
+            "output.sink=s3://bucket/eagle3/<run>/), or rerun that run's own command")

@@ -13,7 +13,8 @@ from jobs.cluster.node_disk import LocalDisk
 from jobs.extract import run
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from runtime.errors import BudgetExhausted
+from runtime.errors import BudgetExhausted, ConfigError
+from storage.claim import CLAIM_FILE
 from storage.manifest import DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from storage.writer import shard_file_name, temp_file_name
@@ -78,6 +79,14 @@ def test_budget_of_three_shards_with_a_sink(ray_cluster, llama_fp32, demo_datase
     assert_sample_ids_complete(read_all(local_copy))
     # the token counts for speculators' vocabulary were made at the end, from the shards in the sink
     assert read_token_freq(out) == count_tokens(local_copy) and sum(read_token_freq(out).values()) > 0
+    # the sink is the run's: another run naming it is refused before it starts, and nothing there changes
+    objects = {path: fs.cat_file(path) for path in fs.find("eagle3-test/run1")}
+    claim = json.loads(objects[f"eagle3-test/run1/{CLAIM_FILE}"])
+    assert (claim["run_id"], claim["output_dir"]) == (manifest["run_id"], str(out))
+    second = budget_config(llama_fp32, demo_dataset, tmp_path / "second", "1TB", f"output.sink={sink}", *options_arg)
+    with pytest.raises(ConfigError, match=f"output.sink={sink} belongs to the run whose output.dir is {out} on "):
+        run(second)
+    assert {path: fs.cat_file(path) for path in fs.find("eagle3-test/run1")} == objects
 
 
 def test_full_budget_without_sink_stops_then_resumes(ray_cluster, llama_fp32, demo_dataset, shard_bytes, tmp_path):

@@ -14,10 +14,11 @@ import sys
 import psutil
 import pytest
 
-from jobs.cluster.node_disk import CLAIM_FILE, LocalDisk
+from jobs.cluster.node_disk import LocalDisk
 from jobs.status import job_state
 from runtime.errors import EXIT_LOCKED, OutputLocked
 from runtime.lock import LOCK_FILE, LockOwner, OutputLock, read_owner, start_ticks
+from storage.claim import CLAIM_FILE
 from tests.conftest import REPO_ROOT
 from tests.helpers import LOCK_HOLDER
 
@@ -99,9 +100,10 @@ def test_a_live_owner_stays_alive_across_a_clock_step_and_a_later_boot_is_not_it
     start in ticks since boot, it is alive. A record of this pid and start tick from another boot is not."""
     owner = read_owner(tmp_path)
     assert owner is not None and owner.pid == holder.pid and owner.is_alive()
+    before = psutil.Process(holder.pid).create_time()
     stepped = psutil.boot_time() + 3600
     monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)
-    assert abs(psutil.Process(holder.pid).create_time() - psutil.boot_time()) > 3000, "the clock step is seen"
+    assert psutil.Process(holder.pid).create_time() - before == pytest.approx(3600, abs=1), "the clock step is seen"
     assert owner.is_alive()
     assert job_state(tmp_path, None).startswith(f"job: RUNNING, pid {holder.pid}")
     with pytest.raises(OutputLocked, match=f"pid {holder.pid} on "):

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from inputs.demo import build_synthetic_dataset
-from jobs.cluster.node_disk import CLAIM_FILE
 from jobs.rundir.summary import read_summary
+from storage.claim import CLAIM_FILE
 from storage.manifest import DONE, SINK, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from tests.conftest import REPO_ROOT, ray_temp_dir

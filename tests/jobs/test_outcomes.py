@@ -273,6 +273,32 @@ def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32,
     assert_every_sample_once(out, demo_dataset)
 
 
+def test_a_sink_another_run_holds_is_refused_before_ray(llama_fp32, demo_dataset, finished_run, tmp_path):
+    """An upload replaces a file of the same name and then deletes the local copy: a sink that is another run's
+    (its claim: here a run's output.dir, which a run claims too) or that holds shard files no run of this output.dir
+    uploaded would lose the other run's only copy. Refused before Ray starts, exit 2, the files there untouched."""
+    other = copy_of(finished_run, tmp_path)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for path in other.glob("shard-*.parquet"):
+        shutil.copy(path, loose / path.name)
+    before = {path: path.read_bytes() for path in [*other.glob("shard-*.parquet"), *loose.iterdir()]}
+    args = job_args(llama_fp32, demo_dataset, tmp_path / "mine", *FINISHED_RUN)
+    cases = [
+        (f"output.sink=file://{other}", f"output.sink=file://{other} belongs to the run whose output.dir is {finished_run}"),
+        (f"output.sink={loose}", f"output.sink={loose} holds 5 shard files (e.g. shard-00000.parquet) that this run "
+                                 "did not upload; nothing there was touched"),
+    ]
+    for sink, message in cases:
+        result = extract(*args, sink)
+        assert result.returncode == EXIT_BAD_INPUT, (sink, result.stderr[-3000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], (sink, result.stderr[-3000:])
+        assert not any(text in result.stderr + result.stdout for text in RAY_STARTED), "Ray was started"
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(path.name for path in loose.iterdir()) == sorted(path.name for path in other.glob("shard-*.parquet"))
+
+
 def test_a_consumption_record_vouches_only_for_the_file_it_names(ray_cluster, llama_fp32, demo_dataset, finished_run,
                                                                 tmp_path):
     """A ``.shard-N.parquet.consumed`` record is trusted only when it names the size and checksum the run recorded
