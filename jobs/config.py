@@ -302,7 +302,8 @@ def absolute_paths(paths: Mapping[str, str], inside_ray_job: bool,
 
 def resolve_paths(config: JobConfig, inside_ray_job: bool) -> JobConfig:
     """Every local path made absolute, once, here on the driver (see ``absolute_paths``)."""
-    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.dir": config.output.dir}
+    keys = {"model.path": config.model.path, "data.path": config.data.path, "output.dir": config.output.dir,
+            "output.node_dir": config.output.node_dir, "output.sink": config.output.sink}
     if config.is_demo:
         keys["demo.dir"] = config.demo.dir
     paths = absolute_paths(keys, inside_ray_job)
@@ -310,7 +311,8 @@ def resolve_paths(config: JobConfig, inside_ray_job: bool) -> JobConfig:
         config,
         model=dataclasses.replace(config.model, path=paths["model.path"]),
         data=dataclasses.replace(config.data, path=paths["data.path"]),
-        output=dataclasses.replace(config.output, dir=paths["output.dir"]),
+        output=dataclasses.replace(config.output, dir=paths["output.dir"], node_dir=paths["output.node_dir"],
+                                   sink=paths["output.sink"]),
         demo=dataclasses.replace(config.demo, dir=paths["demo.dir"]) if config.is_demo else config.demo,
     )
 

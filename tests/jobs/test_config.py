@@ -281,10 +281,16 @@ def test_paths_resolved_once_and_relative_ones_refused_under_a_ray_job(tmp_path,
     assert (resolved.model.path, resolved.data.path, resolved.output.dir) == (
         str(tmp_path / "m"), str(tmp_path / "d.parquet"), str(tmp_path / "out"))
     assert resolve_paths(load_config(["output.sink=s3://b/p", "output.dir=/abs"]), False).output.sink == "s3://b/p"
+    # the node directories and a local sink too: a rerun from elsewhere would find neither its files nor its uploads
+    nodes = resolve_paths(load_config(["output.dir=/abs", "output.node_dir=nodes/{node}", "output.sink=up"]), False)
+    assert (nodes.output.node_dir, nodes.output.sink) == (f"{tmp_path}/nodes/{{node}}", f"{tmp_path}/up")
 
     with pytest.raises(ConfigError, match=r"model.path=m, data.path=d.parquet, output.dir=out: relative paths "
                                           r"under `ray job submit`.*pass absolute paths"):
         resolve_paths(config, inside_ray_job=True)
+    with pytest.raises(ConfigError, match=r"^output.node_dir=n/\{node\}, output.sink=up: relative paths under"):
+        resolve_paths(load_config(["model.path=/m", "data.path=/d", "output.dir=/o", "output.node_dir=n/{node}",
+                                   "output.sink=up"]), True)
     with pytest.raises(ConfigError, match=r"demo.dir=eagle3-demo: relative"):
         resolve_paths(load_config([]), inside_ray_job=True)
     absolute = load_config([f"model.path={tmp_path}/m", f"data.path={tmp_path}/d.parquet", f"output.dir={tmp_path}/o"])
