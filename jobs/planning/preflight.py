@@ -146,8 +146,10 @@ def free_bytes(output_dir: Path) -> int:
 def check_output_dir(output_dir: Path, data_path: str, create: bool = True) -> None:
     """output.dir must be writable, and never where data.path reads (its shards would be read as input next
     time). ``create``: make it and write a probe there (the job); without, look only (the dry run)."""
-    if "://" not in data_path:
-        refuse_output_in_input(output_dir, data_path)
+    if data_path:
+        fs, local = fsspec.core.url_to_fs(data_path)
+        if isinstance(fs, LocalFileSystem):  # a file:// URL too: its directory is read the same way
+            refuse_output_in_input(output_dir, local)
     if not create:
         _check_writable(output_dir)
         return

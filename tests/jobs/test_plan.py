@@ -245,6 +245,8 @@ def test_every_refusal_of_the_job_is_the_dry_runs(ray_cluster, capsys, synthetic
     data_file.write_bytes(demo_dataset.read_bytes())
     cases["a shard the plan does not have"] = (["shards=[999]", f"output.dir={tmp_path / 'new'}"],
                                                "shards=[999]: the plan has shards 0..2, not [999]")
+    cases["output.dir inside a file:// data.path"] = (  # a URL to a local directory is read as the directory is
+        [f"data.path=file://{data_dir}", f"output.dir={data_dir / 'states'}"], f"is inside data.path={data_dir}")
     cases["output.dir holding the data.path file"] = (
         [f"data.path={data_file}", f"output.dir={data_dir}"], "is the directory that holds data.path")
     (tmp_path / "tokens-a").mkdir()
