@@ -48,7 +48,7 @@ def build_drafter_config(
         "num_hidden_layers": DRAFTER_LAYERS,
         "num_attention_heads": heads,
         "num_key_value_heads": int(text_config.get("num_key_value_heads") or heads),
-        "head_dim": int(text_config.get("head_dim") or text_config.get("v_head_dim") or hidden // heads),
+        "head_dim": _head_dim(text_config, hidden, heads),
         "intermediate_size": int(text_config["intermediate_size"]),
         "hidden_act": text_config.get("hidden_act", "silu"),
         "rms_norm_eps": float(text_config.get("rms_norm_eps", 1e-6)),
@@ -66,6 +66,14 @@ def build_drafter_config(
         "eagle_config": {IDS_KEY: list(drafter_layer_ids), "use_aux_hidden_state": True},
         **({SOURCE_KEY: source} if source else {}),
     }
+
+
+def _head_dim(text_config: dict[str, Any], hidden: int, heads: int) -> int:
+    """The drafter's head size: an MLA target's value head size (transformers saves such a config's ``head_dim`` as
+    the rope part of a query head, ``qk_rope_head_dim``, so it is not read there), else the target's own."""
+    if text_config.get("kv_lora_rank") and text_config.get("v_head_dim"):
+        return int(text_config["v_head_dim"])
+    return int(text_config.get("head_dim") or hidden // heads)
 
 
 def sglang_reads(eagle_config: Any) -> tuple[bool, Optional[list[int]]]:

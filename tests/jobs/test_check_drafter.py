@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers import DeepseekV3Config
 
 from extractor.checkpoint import text_config
 from extractor.drafter_config import build_drafter_config, sglang_reads, vllm_style_ids
@@ -34,6 +35,10 @@ def test_drafter_config_for_kimi_k25_is_complete():
     assert (config["num_attention_heads"], config["head_dim"], config["intermediate_size"]) == (64, 128, 18432)
     assert config["eagle_config"] == {IDS: [3, 31, 59], "use_aux_hidden_state": True}
     assert IDS not in config  # nothing for vLLM to misread
+    # the same text config as transformers saves it: its head_dim is the rope part (64); the drafter's stays 128
+    saved = DeepseekV3Config(**KIMI_K25["text_config"]).to_dict()
+    assert saved["head_dim"] == saved["qk_rope_head_dim"] == 64
+    assert build_drafter_config(saved, [3, 31, 59], "bfloat16")["head_dim"] == 128
 
 
 @pytest.mark.parametrize("eagle_config, expected", [
