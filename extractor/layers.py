@@ -14,6 +14,14 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 
+HF_PARITY_CHECKED = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"})
+"""The language models whose captured states the tests compare with HF's ``output_hidden_states[k+1]``
+(tests/extractor/test_parity.py, test_deepseek.py, test_kimi.py: Kimi-K2.5's is a DeepseekV3ForCausalLM). Other
+SGLang model files may capture something else at the same ids (Gemma-3's layers defer the residual add, so its
+capture is a layer's output without the residual stream): still what SGLang's EAGLE-3 serving feeds the drafter,
+but not the states another engine's drafter would get."""
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """Low/mid/high layers, [2, N//2, N-3]: [2, 30, 58] for a 61-layer model. A model too shallow for
     three distinct ids gets those of them that can be captured (0..N-2), once each, in order."""

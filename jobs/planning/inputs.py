@@ -17,7 +17,7 @@ from extractor.checkpoint import (
     local_checkpoint,
     read_checkpoint_info,
 )
-from extractor.layers import check_layer_ids, default_layer_ids
+from extractor.layers import HF_PARITY_CHECKED, check_layer_ids, default_layer_ids
 from extractor.serving import ServingSettings, with_serving
 from inputs.dataset import TokenizedDataset, open_tokenized_dataset
 from jobs.cluster.node_disk import read_claim
@@ -71,6 +71,12 @@ def read_inputs(config: JobConfig, fetch: Optional[Sequence[str]] = None) -> Run
         for line in serving.describe():
             logger.info("%s", line)
     refuse_pickled_weights(config.model)
+    if config.model.engine == "sglang" and checkpoint.language_model_architecture not in HF_PARITY_CHECKED:
+        logger.warning(
+            "%s: the states SGLang captures for this model class have not been compared with HF's hidden_states "
+            "(checked: %s). They are what SGLang's EAGLE-3 serving feeds a drafter; before exporting them for "
+            "another engine (to=speculators), compare a few samples with HF's output_hidden_states[k+1]",
+            checkpoint.language_model_architecture, ", ".join(sorted(HF_PARITY_CHECKED)))
     layers = config.extract.layers or default_layer_ids(checkpoint.num_layers)
     layer_ids = check_layer_ids(layers, checkpoint.num_layers)
     max_length = config.model.context_length or checkpoint.max_position_embeddings

@@ -354,3 +354,21 @@ def test_pack_batches_keeps_order_and_budget():
     for start, stop in batches:
         assert lengths[start:stop].sum() <= 8 or stop - start == 1
     assert pack_batches(np.array([5, 5, 5]), max_tokens=100, max_samples=100) == [(0, 3)]
+
+
+def test_a_model_class_whose_states_were_never_compared_with_hf_is_named(llama_fp32, demo_dataset, tmp_path, caplog):
+    """The tests compare the captured states with HF's only for some model classes (``HF_PARITY_CHECKED``); for any
+    other the run says so before it starts: its states are what SGLang serves a drafter, not proven to be HF's."""
+    other = tmp_path / "model"
+    other.mkdir()
+    for path in llama_fp32.iterdir():
+        (other / path.name).symlink_to(path)
+    config = json.loads((llama_fp32 / "config.json").read_text())
+    (other / "config.json").unlink()
+    (other / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen2ForCausalLM"])))
+    with caplog.at_level("WARNING", logger="jobs.planning.inputs"):
+        read_inputs(job_config(llama_fp32, demo_dataset, tmp_path / "a"))
+        assert "have not been compared with HF" not in caplog.text
+        read_inputs(job_config(other, demo_dataset, tmp_path / "b"))
+    assert "Qwen2ForCausalLM: the states SGLang captures for this model class have not been compared with HF" in (
+        caplog.text)
