@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-
 HF_PARITY_CHECKED = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"})
 """The language models whose captured states the tests compare with HF's ``output_hidden_states[k+1]``
 (tests/extractor/test_parity.py, test_deepseek.py, test_kimi.py: Kimi-K2.5's is a DeepseekV3ForCausalLM). Other
