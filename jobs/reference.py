@@ -140,7 +140,16 @@ def render() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+USAGE = f"usage: python -m jobs.reference [--check]\n  rewrites {PAGE.name} from the code; --check: exit 1 if it would change"
+
+
 def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if any(arg != "--check" for arg in argv):
+        print(f"{USAGE}\nerror: unknown arguments {' '.join(a for a in argv if a != '--check')}", file=sys.stderr)
+        return 2
     text = render()
     if "--check" in argv:
         current = PAGE.read_text() if PAGE.is_file() else ""

@@ -17,6 +17,7 @@ import yaml
 
 from jobs.config import config_keys
 from jobs.reference import COMMANDS, PAGE, REGENERATE, exit_codes, render
+from jobs.reference import main as reference_main
 from tests.conftest import REPO_ROOT, readme_commands
 
 README = REPO_ROOT / "README.md"
@@ -93,6 +94,13 @@ def test_reference_page_is_what_the_code_says():
     diff = "".join(list(difflib.unified_diff(current.splitlines(True), expected.splitlines(True),
                                              "docs/reference.md", "generated", n=1))[:40])
     assert current == expected, f"docs/reference.md is not what the code says; rewrite it with {REGENERATE}\n{diff}"
+
+
+def test_asking_the_reference_command_for_help_writes_nothing(capsys):
+    before = PAGE.stat().st_mtime_ns
+    assert reference_main(["--help"]) == 0 and "--check" in capsys.readouterr().out
+    assert reference_main(["--chek"]) == 2 and "unknown arguments --chek" in capsys.readouterr().err
+    assert PAGE.stat().st_mtime_ns == before
 
 
 def test_every_exit_code_constant_has_a_row_and_every_row_a_constant():

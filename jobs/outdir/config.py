@@ -64,8 +64,9 @@ class OutputConfig(SinkOptions, OutputDir):
     sink: str = ""
     """fsspec URL (s3://bucket/prefix, file:///mnt/big): committed shards are uploaded, verified, then deleted locally."""
     num_writers: int = 0
-    """CPU writer actors per node; 0: half the node's CPUs (8 to 32), at most what is left after the extractor.
-    A run starts no more than it has shards to write (a rerun of one shard: one writer)."""
+    """CPU writer actors per extractor group (one group per tp_size GPUs of a node); 0: half the node's CPUs (8 to
+    32) shared among its groups, at most what is left after the extractors. A run starts no more than it has shards
+    to write (a rerun of one shard: one writer)."""
     num_uploaders: int = 2
     """CPU actors uploading committed shards to the sink."""
     upload_attempts: int = 6
