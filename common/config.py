@@ -17,7 +17,7 @@ class OutputDir:
 
     dir: str = ""
     """The run's directory: its shard files and the job's own files (.manifest.json, .summary.json, ...).
-    jobs.extract and jobs.plan: where it goes (local NVMe; empty: the demo's
+    jobs.extract and jobs.plan: where it goes (local NVMe; jobs.extract with it empty: the demo's
     <demo.dir>/hidden_states-<arch>-<num_samples>-seed<seed>). The commands that read a run: where it is now
     (required; a copied or moved run is read there; jobs.export also takes a URL holding its shard-*.parquet files)."""
 
