@@ -1,4 +1,4 @@
-"""A soak at the mission's size: one job writes --target-bytes of states through a disk budget that a trainer
+"""A soak at the full size (1.29 TB): one job writes --target-bytes of states through a disk budget that a trainer
 drains, its driver is killed (SIGKILL) in the middle, and the same command resumes it on another Ray cluster
 whose node has another name.
 
@@ -60,7 +60,7 @@ from testbeds.shapes import SHAPES
 logger = logging.getLogger("benchmarks.soak")
 
 MISSION_BYTES = 1_290_000_000_000
-"""The mission's states: ~15K samples of ~2K tokens, 3 layers of 7,168 in bf16."""
+"""The target run's states: ~15K samples of ~2K tokens, 3 layers of 7,168 in bf16."""
 BASELINE_TOKENS_ON_CUDA = 2_000_000
 LABELS = ("soak-a", "soak-b")
 """The node's name in the first and the second cluster: the relabel the resume must survive."""
@@ -534,7 +534,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--target-bytes", type=lambda value: parse_bytes(value, "--target-bytes"), default=MISSION_BYTES,
-                        help="states to write (samples are added until they hold this much; default the mission's 1.29TB)")
+                        help="states to write (samples are added until they hold this much; default the target run's 1.29TB)")
     parser.add_argument("--samples", type=int, default=0, help="samples to write instead of --target-bytes")
     parser.add_argument("--tokens-per-sample", type=int, default=2048)
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384)

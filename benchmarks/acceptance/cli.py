@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-seed", type=int, default=0, help="composes and splits the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length, regenerating and serving")
     parser.add_argument("--regenerate-cuda-graph", action="store_true",
-                        help="regenerate the answers with decode CUDA graphs (faster; not yet run on the lent stack)")
+                        help="regenerate the answers with decode CUDA graphs (faster; not yet run on the H200's stack)")
     parser.add_argument("--epochs", type=int, default=Recipe.epochs)
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     parser.add_argument("--learning-rate", "--lr", type=float, default=Recipe.learning_rate)

@@ -15,7 +15,7 @@ def prepare_command(model: Path, conversations: Path, out: Path, max_new_tokens:
     """The one call of ``jobs.prepare`` with regeneration: the target answers every user turn itself,
     greedy, and the chat template and the assistant-only loss mask are applied to its answers. No decode
     CUDA graphs unless ``cuda_graph``: as for the serving step, their capture is one more thing that can fail
-    on the lent stack (and has not run there), though a 135M model's decode is bound by kernel launches, which
+    on the H200's stack (and has not run there), though a 135M model's decode is bound by kernel launches, which
     graphs remove. ``data.on_invalid=skip``: an answer that cannot be trained
     on (on the H200 a greedy answer held the literal text ``<|im_end|>``; 2 of 3,000 rows were left out) is
     left out and listed in ``_skipped_rows.jsonl`` instead of stopping the run."""
