@@ -180,10 +180,13 @@ def refuse_sink_in_output(sink: str, options: dict[str, Any], output_dir: Path, 
         )
     from jobs.cluster.nodes import NODE_PLACEHOLDER  # here: the dry run and the checks before it run without Ray
 
-    if node_dir and fnmatch.fnmatchcase(str(target), str(Path(node_dir.replace(NODE_PLACEHOLDER, "*")).resolve())):
+    pattern = str(Path(node_dir.replace(NODE_PLACEHOLDER, "*")).resolve()) if node_dir else ""
+    inside = [path for path in (target, *target.parents) if pattern and path.match(pattern)]  # `*`: one name
+    if inside:
+        where = "is a node's directory" if inside[0] == target else "is inside a node's directory"
         raise ConfigError(
-            f"output.sink={sink} is a node's directory (output.node_dir={node_dir}): each upload would land where "
-            "that node keeps its shards and then delete the local file. Name a sink outside the node directories"
+            f"output.sink={sink} {where} (output.node_dir={node_dir}): each upload would land where that node keeps "
+            "its shards and then delete the local file. Name a sink outside the node directories"
         )
 
 

@@ -261,6 +261,9 @@ def test_a_sink_where_the_run_keeps_its_shards_is_refused_before_ray(llama_fp32,
         ([f"output.sink=file://{out}/uploads"], "is inside output.dir="),
         ([f"output.sink=file://{tmp_path}/nodes/gpu-3", f"output.node_dir={tmp_path}/nodes/{{node}}"],
          "is a node's directory (output.node_dir="),
+        ([f"output.sink=file://{tmp_path}/nodes/gpu-3/up", f"output.node_dir={tmp_path}/nodes/{{node}}"],
+         "is inside a node's directory (output.node_dir="),
+        ([f"output.sink={tmp_path}/nvme/up", f"output.node_dir={tmp_path}/nvme"], "is inside a node's directory"),
     ]
     for extra, key in cases:
         result = extract(*args, *extra)
