@@ -163,7 +163,7 @@ def check_output_dir(output_dir: Path, data_path: str, create: bool = True) -> N
 
 
 def refuse_sink_in_output(sink: str, options: dict[str, Any], output_dir: Path, node_dir: str = "") -> None:
-    """ConfigError when a local output.sink is output.dir (through a link too), inside it, or a node's
+    """ConfigError when a local output.sink is output.dir (through a link too), inside it, or at or inside a node's
     output.node_dir: each upload would copy a shard onto itself (or into the directory the run reads as its own)
     and then delete the local file, its only copy."""
     fs, remote = fsspec.core.url_to_fs(sink, **options)
