@@ -113,7 +113,7 @@ def status_report(output_dir: Path, disk_budget: Optional[int] = None) -> str:
                      "(extract.on_nonfinite; the manifest lists them)")
     lines.append("")
     lines += _disk_lines(output_dir, shards, summary, disk_budget)
-    lines += _node_lines(shards, summary)
+    lines += _node_lines(output_dir, shards, summary)
     lines += _file_lines(output_dir, shards, summary)
     for shard in shards:
         if shard["state"] == FAILED or shard["error"]:
@@ -160,7 +160,9 @@ def _progress_lines(summary: Optional[dict[str, Any]], running: bool) -> list[st
 
 def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], disk_budget: Optional[int]) -> list[str]:
     done = [s for s in shards if s["state"] == DONE]
-    local = sum(s["bytes"] for s in done if s["location"] == LOCAL and (output_dir / s["file"]).exists())
+    directories = {name: Path(node["directory"]) for name, node in ((summary or {}).get("nodes") or {}).items()}
+    local = sum(s["bytes"] for s in done
+                if s["location"] == LOCAL and (directories.get(s.get("node", ""), output_dir) / s["file"]).exists())
     in_sink = sum(s["bytes"] for s in done if s["location"] == SINK)
     consumed = sum(1 for s in done if s["location"] == CONSUMED)
     if disk_budget is not None:
@@ -180,11 +182,11 @@ def _disk_lines(output_dir: Path, shards: list[dict], summary: Optional[dict], d
     return lines
 
 
-def _node_lines(shards: list[dict], summary: Optional[dict]) -> list[str]:
-    """With extractor groups on several nodes: each node's shards, the bytes left on its disk and its
-    free space (when its directory is visible from here)."""
+def _node_lines(output_dir: Path, shards: list[dict], summary: Optional[dict]) -> list[str]:
+    """With extractor groups on several nodes, or on one whose directory is not output.dir (output.node_dir): each
+    node's shards, the bytes left on its disk and its free space (when its directory is visible from here)."""
     nodes = (summary or {}).get("nodes") or {}
-    if len(nodes) < 2:
+    if len(nodes) < 2 and all(Path(node["directory"]) == output_dir for node in nodes.values()):
         return []
     lines = []
     for name, node in sorted(nodes.items()):

@@ -175,6 +175,18 @@ def test_resume_with_other_content_or_into_another_runs_directory_is_refused(
     assert_sample_ids_complete(read_all(out))
 
 
+def test_status_counts_the_shards_in_a_node_directory_of_its_own(ray_cluster, llama_fp32, demo_dataset, tmp_path):
+    """One node whose shards go to output.node_dir, not output.dir: jobs.status counts them there and names it."""
+    out, nodes = tmp_path / "out", tmp_path / "nvme"
+    summary = run(job_config(llama_fp32, demo_dataset, out, "data.shard_size=4", "output.min_free=0",
+                             f"output.node_dir={nodes}"))
+    assert summary["outcome"] == "complete" and not list(out.glob("shard-*.parquet"))
+    stored = format_bytes(sum(record["bytes"] for record in read_manifest(out)["shards"]))
+    report = status_report(out)
+    assert f"on local disk: {stored} of budget" in report, report
+    assert re.search(rf"node \S+: 5 shards done, {re.escape(stored)} on its disk, .* free in {nodes}\n", report), report
+
+
 def test_shard_larger_than_budget_is_refused(ray_cluster, llama_fp32, demo_dataset, tmp_path):
     """Refused from config.json and the dataset's lengths, before Ray or the model: no manifest yet."""
     with pytest.raises(ValueError, match="a shard must fit the budget whole"):
