@@ -23,8 +23,7 @@ from typing import Any, Optional
 
 import pyarrow.parquet as pq
 
-from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
-                                 sglang_alone)
+from benchmarks.commands import add_model_arguments, add_run_arguments, resolve_model, run_on_cluster, sglang_alone
 from benchmarks.workdir import write_results
 from extractor.checkpoint import read_checkpoint_info
 from extractor.generator import GeneratorSpec

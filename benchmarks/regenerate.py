@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.commands import (add_model_arguments, add_run_arguments, resolve_model, run_on_cluster,
-                                 sglang_alone)
+from benchmarks.commands import add_model_arguments, add_run_arguments, resolve_model, run_on_cluster, sglang_alone
 from benchmarks.workdir import write_results
 from conversations.output import read_record
 from conversations.pipeline import read_inputs

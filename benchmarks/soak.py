@@ -43,8 +43,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.soak_consumer import sample_digests
-from benchmarks.throughput import (WarmExtractor, benchmark_job_args, build_model, gpu_memory_bytes, jobs_on,
-                                   measure_extractor, refuse_shape_too_large)
+from benchmarks.throughput import (
+    WarmExtractor,
+    benchmark_job_args,
+    build_model,
+    gpu_memory_bytes,
+    jobs_on,
+    measure_extractor,
+    refuse_shape_too_large,
+)
 from benchmarks.workdir import work_dir, write_results
 from common.checks import format_bytes, parse_bytes
 from extractor.checkpoint import read_checkpoint_info

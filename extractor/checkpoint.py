@@ -49,7 +49,7 @@ def local_checkpoint(model_path: str, download: bool = False, files: Optional[Se
     if Path(model_path).expanduser().exists() or not HUB_ID.fullmatch(model_path):
         return model_path
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     online = download and not constants.HF_HUB_OFFLINE
     try:

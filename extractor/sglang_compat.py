@@ -25,7 +25,6 @@ from typing import Any, Iterable, Mapping
 
 from extractor.types import EngineSpec
 
-
 SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
 # SGLang imports every model module to build its registry and logs each one that cannot be

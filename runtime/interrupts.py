@@ -23,7 +23,6 @@ from typing import Any, Iterator, Optional
 
 from runtime.errors import JobInterrupted, JobStopped
 
-
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_FROM_THREAD = signal.SIGUSR2
 """The signal ``stop_main`` simulates (``_thread.interrupt_main``: nothing is sent to the process): its handler

@@ -18,8 +18,8 @@ from typing import IO, Any, Protocol, get_args
 import fsspec
 import xxhash
 
-from storage.schema import ChecksumAlgorithm
 from storage.schema import DEFAULT_CHECKSUM as DEFAULT_ALGORITHM
+from storage.schema import ChecksumAlgorithm
 
 ALGORITHMS: tuple[str, ...] = get_args(ChecksumAlgorithm)
 READ_CHUNK_BYTES = 8 * 1024 * 1024

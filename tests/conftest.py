@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,9 +30,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.paths import REPO_ROOT  # noqa: E402
-
 from inputs.demo import build_synthetic_dataset, build_tiny_model  # noqa: E402
+from tests.paths import REPO_ROOT  # noqa: E402
 
 
 @contextlib.contextmanager

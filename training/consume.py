@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from storage.atomic import fsync_path
 from storage import checksum
+from storage.atomic import fsync_path
 from storage.exported import check_exported_files, list_bytes, list_path
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.reader import Sample

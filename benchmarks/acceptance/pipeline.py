@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from common.pythonpath import checkout_first
 from benchmarks.acceptance.arms import ARMS, UNTRAINED
 from benchmarks.acceptance.files import write_json
 from benchmarks.acceptance.prompts import fresh_training_distribution
 from benchmarks.acceptance.trainer import Recipe, training_draft_config
 from benchmarks.acceptance.warm_start import write_vocab_mapping, write_warm_start
+from common.pythonpath import checkout_first
 
 logger = logging.getLogger("benchmarks.acceptance")
 

@@ -9,7 +9,6 @@ from typing import Any, Optional
 from extractor.types import CaptureActivity, EngineInfo
 from jobs.driver.lanes import Lanes
 
-
 STEADY_MIN_SECONDS = 1.0
 """The shortest window between the first batch written and the last that gives a steady rate."""
 

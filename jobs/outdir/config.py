@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-
 from typing import Literal
 
 from common.checks import check_choice, check_int, check_seconds, parse_bytes

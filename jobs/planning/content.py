@@ -9,10 +9,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from extractor.checkpoint import checkpoint_identity
-
 from jobs.config import JobConfig
 from storage.schema import stored_dtype
-
 
 CHECKPOINT = "model.checkpoint"
 """The checkpoint's identity (``extractor.checkpoint.checkpoint_identity``): model.path names where it is, not

@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu.jit_prebuild import (CACHE_PREFIX, SGLANG_RELEASE, add_to_tarball, check_architecture,
-                                         cubin_architectures, locked_version, main, nvcc_release)
+from benchmarks.gpu.jit_prebuild import (
+    CACHE_PREFIX,
+    SGLANG_RELEASE,
+    add_to_tarball,
+    check_architecture,
+    cubin_architectures,
+    locked_version,
+    main,
+    nvcc_release,
+)
 from tests.conftest import REPO_ROOT
 
 CUDA_HOME = Path("/usr/local/cuda")

@@ -32,8 +32,8 @@ from jobs.driver.disk_wait import DiskWait
 from jobs.driver.lanes import Lane, Lanes
 from jobs.driver.loop import DriverLoop
 from jobs.driver.progress import RunProgress
-from jobs.driver.result import STEADY_MIN_SECONDS, RunResult
 from jobs.driver.rescan import Rescanner
+from jobs.driver.result import STEADY_MIN_SECONDS, RunResult
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
 from jobs.driver.work import PendingWork

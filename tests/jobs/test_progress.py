@@ -36,8 +36,8 @@ from jobs.driver.progress import (
 from jobs.outdir.budget import DiskBudget
 from jobs.rundir.summary import read_summary
 from jobs.status import status_report
-from runtime.display.live import LiveLine, format_duration
 from runtime.display import timeline as timeline_module
+from runtime.display.live import LiveLine, format_duration
 from runtime.display.stages import StageLine
 from runtime.display.timeline import Timeline
 from storage.manifest import DONE, FAILED, PENDING, Manifest
@@ -256,7 +256,7 @@ def test_live_line_on_a_terminal(tmp_path):
     text = screen.getvalue()
     first = "[--------------------]   0% tokens 0/100, 0 tok/s, ETA ?, samples 0/8, shards 0/2, disk 0 B/1.0 MB"
     assert text.startswith(f"\r{first}\x1b[K\r")  # drawn, the cursor back at its start
-    assert f"\r\x1b[Ka record while the line shows\n" in text  # erased first: the record prints whole
+    assert "\r\x1b[Ka record while the line shows\n" in text  # erased first: the record prints whole
     # kept, the cursor on the next line
     assert re.search(r"\r\[#{12}-{8}\]  60% tokens 60/100, \S+ tok/s, ETA 0s, samples 4/8, shards 1/2, disk 0 B/1.0 MB"
                      r"\x1b\[K\n$", text)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from runtime.errors import ClusterLost, JobInterrupted
-from runtime.interrupts import signals_deferred, raise_if_stopped, signals_stop, stop_main
+from runtime.interrupts import raise_if_stopped, signals_deferred, signals_stop, stop_main
 
 
 def send(signum: int) -> None:
