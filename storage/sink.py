@@ -107,7 +107,10 @@ def claim_refusal(sink: str, storage_options: dict[str, Any], run_id: str, own_f
         if holder.get("run_id") == run_id:
             return ""
         return f"belongs to the run whose output.dir is {holder.get('output_dir')} on {holder.get('host', '?')}"
-    found = {PurePosixPath(path).name for path in fs.glob(f"{root.rstrip('/')}/{SHARD_GLOB}")}
+    try:
+        found = {PurePosixPath(path).name for path in fs.glob(f"{root.rstrip('/')}/{SHARD_GLOB}")}
+    except NotImplementedError:  # a filesystem that cannot list (plain HTTP): the claim alone tells
+        found = set()
     strangers = sorted(found - set(own_files))
     if strangers:
         return f"holds {len(strangers)} shard files (e.g. {strangers[0]}) that this run did not upload"
