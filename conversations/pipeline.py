@@ -220,8 +220,7 @@ def regenerate_all(inputs: Inputs, todo: set[int], stages: StageLine) -> dict[st
     with ray_session(config.ray.address):
         device = resolve_device(model.device, model.tp_size)
         actor = start_regenerator(inputs.generator_spec(device), inputs.chat, config.generation.sampling_params(),
-                                  config.generation.max_new_tokens, read_checkpoint_info(model.path).max_position_embeddings,
-                                  config.output.shard_size)
+                                  config.generation.max_new_tokens, config.output.shard_size)
         at_once = shards_at_once(config.output.shard_size)
         stages.show("loading the model")
         progress: Optional[Progress] = None

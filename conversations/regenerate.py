@@ -17,6 +17,9 @@ than SGLang runs at once, at least two). The driver sends it shards, gets each o
 conversations back in order and publishes them as ``_regenerated/part-NNNNN.jsonl`` while the
 next shards are answered: the engine never waits for a shard's slowest answer nor for a shard to
 be published, and a killed run resumes from the first shard not published.
+
+A prompt longer than the engine takes (``Generator.limits``, SGLang's own) is not sent, and a request the engine
+refuses all the same (its ValueError) is not the shard's failure: either is its conversation's reason to be invalid.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class _Conversation:
     cursor: int = 0
     answers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     reason: Optional[str] = None
+    request: Optional[tuple[list[int], dict[str, Any]]] = None
+    """The prompt ids and sampling parameters of the answer being asked for."""
 
     def next_prompt(self) -> Optional[Messages]:
         """The conversation before its next answer, or None when every answer is written."""
@@ -90,14 +95,12 @@ shard's first request, one completion for each later one)."""
 class Regenerator:
     """The actor's body: the chat template and an ``extractor.generator.Generator``."""
 
-    def __init__(self, spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
-                 context_length: int) -> None:
+    def __init__(self, spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
         self.chat = chat  # the driver's own, pickled: prompts render exactly as step 1 renders them
         self.sampling = dict(sampling, stop_token_ids=sorted(self.chat.stop_ids))
         self.max_new_tokens = max_new_tokens
-        self.context_length = context_length
         self._chat_lock = threading.Lock()
         """The tokenizer is not for two threads at once (a fast tokenizer raises "Already borrowed")."""
         self.generator = Generator(spec)
@@ -118,10 +121,18 @@ class Regenerator:
             while not answered.empty():  # answers back meanwhile: decoded, and their next prompts sent, together
                 back.append(answered.get_nowait())
             pending -= len(back)
-            done = []
+            done, again = [], []
             for asked, future in back:
-                completions = future.result()  # the engine's error, if it failed, ends the shard
+                try:
+                    completions = future.result()  # the engine's error, if it failed, ends the shard
+                except ValueError as error:  # SGLang refused the request: its conversation's fault, not the shard's
+                    if len(asked) > 1:  # the shard's first request: each prompt again on its own, to find the one
+                        again += asked
+                    else:
+                        asked[0].reason = f"the engine refused its prompt for answer {len(asked[0].answers) + 1}: {error}"
+                    continue
                 done += zip(asked, completions if isinstance(completions, list) else [completions])
+            pending += self._send(again, answered)
             generated += sum(len(completion.output_ids) for _, completion in done)
             with self._chat_lock:
                 texts = [self._decode(completion.output_ids) for _, completion in done]
@@ -151,29 +162,38 @@ class Regenerator:
 
     def _ask(self, conversations: Sequence[_Conversation], answered: _Answers, first: bool = False) -> int:
         """Send each conversation's next prompt to the engine (its answer goes to ``answered``); returns how many
-        entries ``answered`` will get. A conversation with no answer left, or whose prompt cannot be answered, is
-        done. ``first``: the shard's first prompts, one request (the engine's cheapest way in, as
-        ``Engine.generate``: one entry); later prompts each their own request (an entry each), so that each
-        conversation goes on as soon as its own answer is back."""
+        entries ``answered`` will get. A conversation with no answer left, or whose prompt cannot be answered (one
+        longer than the engine takes among them), is done. The answer may fill what the prompt leaves of the
+        engine's context, up to ``max_new_tokens``."""
         asking = [(c, prompt) for c in conversations if (prompt := c.next_prompt()) is not None]
         if not asking:
             return 0
         with self._chat_lock:
             ids = self.chat.prompt_ids([prompt for _, prompt in asking])
-        sending: list[tuple[_Conversation, list[int], dict[str, Any]]] = []
+        limits = self.generator.limits
+        sending: list[_Conversation] = []
         for (conversation, _), prompt_ids in zip(asking, ids):
             if isinstance(prompt_ids, str):
                 conversation.reason = prompt_ids
-                continue
-            room = min(self.max_new_tokens, self.context_length - len(prompt_ids))
-            if room < 1:
-                conversation.reason = (f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} "
-                                       f"tokens, leaving no room in the model's context of {self.context_length}")
-                continue
-            sending.append((conversation, prompt_ids, dict(self.sampling, max_new_tokens=room)))
-        if not sending:
+            elif len(prompt_ids) > limits.max_prompt_tokens:
+                conversation.reason = (
+                    f"its prompt for answer {len(conversation.answers) + 1} has {len(prompt_ids)} tokens, more than the "
+                    f"{limits.max_prompt_tokens} the engine takes (its context of {limits.context_length} tokens and "
+                    "its KV cache, less SGLang's margin): the target cannot answer it")
+            else:
+                room = min(self.max_new_tokens, limits.context_length - len(prompt_ids))
+                conversation.request = (prompt_ids, dict(self.sampling, max_new_tokens=room))
+                sending.append(conversation)
+        return self._send(sending, answered, first)
+
+    def _send(self, asked: list[_Conversation], answered: _Answers, first: bool = False) -> int:
+        """Each conversation's ``request`` to the engine; returns how many entries ``answered`` will get.
+        ``first``: the shard's first prompts, one request (the engine's cheapest way in, as ``Engine.generate``: one
+        entry); otherwise each prompt its own request (an entry each), so that each conversation goes on as soon as
+        its own answer is back."""
+        if not asked:
             return 0
-        asked, prompts, params = (list(column) for column in zip(*sending))
+        prompts, params = (list(column) for column in zip(*(conversation.request for conversation in asked)))
         if first:
             future = self.generator.submit_batch(prompts, params)
             future.add_done_callback(lambda done: answered.put((asked, done)))
@@ -187,14 +207,14 @@ class Regenerator:
 
 
 def start_regenerator(spec: GeneratorSpec, chat: ChatTemplate, sampling: dict[str, Any], max_new_tokens: int,
-                      context_length: int, shard_size: int) -> Any:
+                      shard_size: int) -> Any:
     """The regeneration actor: the model's tp_size GPUs on CUDA (SGLang's engine runs its ranks itself), answering
     ``shards_at_once(shard_size)`` shards at a time."""
     return (
         ray.remote(Regenerator)
         .options(num_gpus=spec.tp_size if spec.device == "cuda" else 0, num_cpus=REGENERATOR_CPUS,
                  max_concurrency=shards_at_once(shard_size))
-        .remote(spec, chat, sampling, max_new_tokens, context_length)
+        .remote(spec, chat, sampling, max_new_tokens)
     )
 
 

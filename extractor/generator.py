@@ -1,7 +1,8 @@
 """Text generation with ``sglang.Engine``: the target answers prompts again (``jobs.prepare regenerate=true``).
 
 Only SGLang's public offline API is touched: ``sglang.Engine(**server_args)``, ``Engine.async_generate``,
-its event loop (``Engine.loop``) and ``Engine.shutdown()``. The engine takes and returns token ids
+its event loop (``Engine.loop``) and ``Engine.shutdown()``; besides, the limits its tokenizer manager checks each
+request against (``EngineLimits``, the same attributes on 0.5.17 and 0.5.23). The engine takes and returns token ids
 (``skip_tokenizer_init``), so the caller renders prompts and decodes answers with the very tokenizer
 and chat template its loss mask comes from. The engine's loop runs in a thread of its own: ``submit``
 hands it requests from any thread and returns at once, one future per answer, so a conversation's next
@@ -72,6 +73,18 @@ class Completion:
     output_ids: list[int]
     finish_reason: str
     """stop (a stop token) | length (max_new_tokens) | what else SGLang reports (abort)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What the engine takes in one request; it refuses more (``Engine.async_generate`` raises ValueError)."""
+
+    max_prompt_tokens: int
+    """The longest prompt: SGLang's scheduler refuses ``max_req_input_len`` tokens or more, min(context - 1, KV
+    cache - 1) less a margin of 5."""
+    context_length: int
+    """Prompt and answer together (less the slots speculative decoding reserves): the tokenizer manager refuses a
+    request whose prompt and max_new_tokens add up to more."""
 
 
 def _engine_args(spec: GeneratorSpec) -> dict[str, Any]:
@@ -146,6 +159,9 @@ class Generator:
         self.sglang_version = sglang.__version__
         self._engine: Optional[Any] = sglang.Engine(**_engine_args(spec))
         self._loop = self._engine.loop
+        requests = self._engine.tokenizer_manager
+        self.limits = EngineLimits(max_prompt_tokens=requests.max_req_input_len - 1,
+                                   context_length=requests.context_len - requests.num_reserved_tokens)
         self._tasks: set[asyncio.Task] = set()
         """Answers being waited for in the loop's thread (only that thread touches the set)."""
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
