@@ -32,9 +32,10 @@ from conversations.reader import ASSISTANT, USER
 logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
-PROBE = [{"role": USER, "content": "Hi there."}, {"role": ASSISTANT, "content": "Hello! How can I help?"},
-         {"role": USER, "content": "Say bye."}, {"role": ASSISTANT, "content": "Bye."}]
-"""Rendered once at start-up: a template that cannot give an exact mask for it is refused before any data is read."""
+PROBE = [{"role": USER, "content": "Hi there."}, {"role": ASSISTANT, "content": "Hello! How can I help?"}]
+"""Rendered once at start-up: a template that cannot give an exact mask for one answer is refused before any data is
+read. One that rewrites earlier turns once later ones follow (Qwen3's and DeepSeek-R1's drop earlier answers'
+reasoning) is not: its rows of one answer have exact masks, each row of several is refused on its own."""
 TOKENIZE_BATCH = 2048
 """Texts handed to the tokenizer at once."""
 
@@ -81,7 +82,7 @@ class ChatTemplate:
         chat = cls(tokenizer, template, source, _stop_ids(tokenizer, model_path, stop_tokens), template_kwargs)
         probe = chat.encode([PROBE])[0]
         if isinstance(probe, str):
-            raise ValueError(f"the chat template ({source}) cannot give an exact loss mask (checked on a two-turn "
+            raise ValueError(f"the chat template ({source}) cannot give an exact loss mask (checked on a one-answer "
                              f"probe conversation): {probe}")
         return chat
 

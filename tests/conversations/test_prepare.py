@@ -37,6 +37,7 @@ from inputs.demo import build_tiny_model, prepare_demo
 from inputs.demo_chat import CHATML, demo_conversations
 from jobs.prepare import main
 from runtime.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
+from testbeds.chat_templates import QWEN3
 from tests.conftest import REPO_ROOT
 from tests.helpers import python_env
 
@@ -224,6 +225,30 @@ def test_skip_lists_every_bad_row_and_accounts_for_all(capsys, model, alternatin
     counts = json.loads((out / RECORD_FILE).read_text())["counts"]
     assert counts["conversations"] == len(rows) == counts["kept"] + counts["skipped"]
     assert counts["skipped_by_kind"] == {"invalid": len(BAD_ROWS)}
+
+
+def test_qwen3s_template_keeps_rows_of_one_answer_and_refuses_rows_of_several(capsys, model, tokenizer, tmp_path):
+    """Qwen3's chat template rewrites earlier answers once later turns follow: the command starts, keeps the rows of
+    one answer with their exact masks, and refuses each row of several, naming it (or skips and lists it)."""
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    several = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."},
+                                 {"from": "human", "value": "Bye?"}, {"from": "gpt", "value": "Bye."}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD, several, GOOD])
+    args = (f"model.chat_template={template}", "model.chat_template_kwargs={enable_thinking: false}")
+    reason = "the chat template renders the prompt before assistant turn 1 differently once later turns follow"
+    code, errors = prepare(capsys, model, data, tmp_path / "refused", *args)
+    assert code == EXIT_BAD_INPUT
+    assert f"{data} row 1 (line 2) (conversation_id 1): {reason}" in errors
+    out = tmp_path / "out"
+    code, errors = prepare(capsys, model, data, out, *args, "data.on_invalid=skip")
+    assert code == EXIT_OK, errors
+    [entry] = [json.loads(line) for line in (out / SKIPPED_FILE).read_text().splitlines()]
+    assert entry["conversation_id"] == 1 and entry["reason"].startswith(reason)
+    table = parts_table(out)
+    assert table.column("conversation_id").to_pylist() == [0, 2]
+    for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+        assert answers_of(tokenizer, ids, mask) == ["Hello.<|im_end|>"]
 
 
 def test_other_roles_drop_and_keep(capsys, model, tokenizer, tmp_path):

@@ -1,8 +1,9 @@
 """The loss mask of jobs.prepare, on real tokenizers: SmolLM2-135M-Instruct's (ChatML, from its checkpoint)
 and two trained here with real families' templates (conversations.demo: ChatML, and Llama-3-Instruct's
-verbatim). Every case checks the round trip: the ids are apply_chat_template's, each run of masked tokens
-decodes to one assistant answer and its end-of-turn token, and the tokens before it are exactly the prompt
-the model answers (apply_chat_template with add_generation_prompt)."""
+verbatim; Qwen3's, testbeds.chat_templates, renders with the ChatML one). Every case checks the round trip: the
+ids are apply_chat_template's, each run of masked tokens decodes to one assistant answer and its end-of-turn
+token, and the tokens before it are exactly the prompt the model answers (apply_chat_template with
+add_generation_prompt)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from conversations.reader import to_messages
 from conversations.template import PLAIN_CLASSES, PLAIN_MODEL_TYPES, ChatTemplate, Encoded, _load_plain, _stop_ids
 from inputs.demo_chat import CHATML, LLAMA3, build_chat_tokenizer, demo_conversations
+from testbeds.chat_templates import QWEN3
 from testbeds.smollm2 import checkpoint_dir
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -166,17 +168,36 @@ def test_template_refusing_a_conversation_makes_that_row_invalid(tmp_path, smoll
                    "user/assistant/user/assistant")
 
 
-def test_template_rewriting_earlier_turns_is_refused_at_load(tmp_path):
-    """As Qwen3's template drops earlier answers' reasoning: the prompt is no prefix of the whole conversation."""
-    template = tmp_path / "rewrites.jinja"
-    template.write_text(
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
-        "{% if m['role'] == 'assistant' and not loop.last %}(earlier answer){% else %}{{ m['content'] }}{% endif %}"
-        "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    with pytest.raises(ValueError, match=r"cannot give an exact loss mask \(checked on a two-turn probe conversation\): "
-                                         r"the chat template renders the conversation through assistant turn 1 "
-                                         r"differently once later turns follow"):
-        ChatTemplate.load(str(checkpoint_dir()), str(template))
+@pytest.mark.parametrize("thinking", ["default", "enable_thinking=false"])
+def test_qwen3s_template_masks_rows_of_one_answer_and_refuses_rows_of_several(thinking, tmp_path):
+    """Qwen3's template (verbatim) drops the reasoning of earlier answers and writes a <think> block into the last:
+    it loads, a row of one answer gets its exact mask, a row of several is refused with the reason (the rows'
+    business: data.on_invalid fails the run naming the row, or skips it)."""
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    kwargs = {"enable_thinking": False} if thinking == "enable_thinking=false" else {}
+    # ChatML's tokens, as Qwen3's tokenizer has them (SmolLM2's makes "\n\n" one token at the end of the prompt and
+    # two before the answer: no exact mask with enable_thinking=false, refused at load)
+    chat = ChatTemplate.load(str(build_chat_tokenizer(tmp_path / "tokenizer", CHATML)), str(template),
+                             template_kwargs=kwargs)
+    tokenizer = chat.tokenizer
+    one = [user("What is 2+2?"), assistant("4.")]
+    encoded = chat.encode([one])[0]
+    assert isinstance(encoded, Encoded), encoded
+    assert encoded.input_ids == tokenizer.apply_chat_template(one, chat_template=QWEN3, tokenize=True,
+                                                              **kwargs)["input_ids"]
+    [(start, end)] = masked_runs(encoded)
+    # the empty reasoning block is the model's to write unless the prompt holds it
+    answer = "4.<|im_end|>" if kwargs else "<think>\n\n</think>\n\n4.<|im_end|>"
+    assert tokenizer.decode(encoded.input_ids[start:end]) == answer
+    assert encoded.input_ids[:start] == tokenizer.apply_chat_template(
+        one[:1], chat_template=QWEN3, add_generation_prompt=True, tokenize=True, **kwargs)["input_ids"]
+    several = [user("Hi"), assistant("Hello."), user("Bye?"), assistant("Bye.")]
+    what = "the prompt before" if kwargs else "the conversation through"
+    assert chat.encode([several])[0] == (
+        f"the chat template renders {what} assistant turn 1 differently once later turns follow (it is not a prefix "
+        "of the whole conversation), so the answer has no exact place in the tokens; use a template that leaves "
+        "earlier turns as they were (model.chat_template=FILE)")
 
 
 def test_template_without_end_of_turn_token_is_refused_unless_named(tmp_path):
