@@ -38,6 +38,7 @@ from inputs.files import (
     LOSS_MASK,
     Block,
     InputFile,
+    column_names,
     largest_row_group,
     read_segment,
     resolve_files,
@@ -240,7 +241,9 @@ class _Scanner:
 
     def scan_file(self, fs: fsspec.AbstractFileSystem, number: int, file: InputFile) -> None:
         file_row = 0
+        masked = False
         for block in scan(fs, file):
+            masked = masked or _has_masks(block.table)
             if not self.segments["file"] or (self.segments["file"][-1], self.segments["key"][-1]) != (number, block.segment):
                 for name, value in zip(self.segments, (number, self.next_sample, 0, block.segment, block.segment_bytes)):
                     self.segments[name].append(value)
@@ -249,6 +252,10 @@ class _Scanner:
             self._block(file, file_row, block)
             file_row += block.table.num_rows
             self.next_sample += block.table.num_rows
+        if file_row and not masked:  # all ones, as documented; a mask misnamed would be so too, silently
+            logger.warning("%s: no row has a %s (its columns: %s), so every token of its rows is trained on; a mask "
+                           "under another name is not read: name that column %s (docs/format.md)", file.name,
+                           LOSS_MASK, ", ".join(column_names(fs, file)), LOSS_MASK)
 
     def _block(self, file: InputFile, file_row: int, block: Block) -> None:
         reasons = check_rows(block.table, self.vocab_size, self.max_length, block.reasons)
@@ -360,6 +367,12 @@ def _mask_column(table: pa.Table) -> Optional[pa.Array]:
     if masks is None or pa.types.is_null(masks.type) or pa.types.is_null(masks.type.value_type):
         return None
     return masks
+
+
+def _has_masks(table: pa.Table) -> bool:
+    """Whether any row of ``table`` has a loss mask."""
+    masks = _mask_column(table)
+    return masks is not None and masks.null_count < len(masks)
 
 
 def _valid(array: pa.Array) -> np.ndarray:

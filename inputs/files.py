@@ -195,6 +195,18 @@ def read_segment(fs: fsspec.AbstractFileSystem, file: InputFile, segment: int, s
         return pa.Table.from_batches([batch]).select(_present(schema))
 
 
+def column_names(fs: fsspec.AbstractFileSystem, file: InputFile) -> list[str]:
+    """The file's columns, for messages: the schema's names (JSONL: its first record's keys)."""
+    if file.format == PARQUET:
+        with open_parquet(fs, file) as parquet:
+            return parquet.schema_arrow.names
+    if file.format == JSONL:
+        with fs.open(file.path, "rb") as handle:
+            return _first_record_fields(next((line for line in handle if not _is_blank(line.rstrip(b"\n"))), b""))
+    with open_arrow(fs, file) as source:
+        return (ipc.open_file(source) if file.format == ARROW_FILE else ipc.open_stream(source)).schema.names
+
+
 def _present(schema: pa.Schema) -> list[str]:
     return [name for name in COLUMNS if name in schema.names]
 

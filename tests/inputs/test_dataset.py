@@ -4,6 +4,7 @@ HF save_to_disk, URLs, true row numbers), skip mode, rows on demand."""
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 
 import numpy as np
@@ -348,6 +349,33 @@ def test_parquet_and_jsonl_read_the_same(tmp_path):
 def test_missing_loss_mask_means_all_ones(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}])
     assert open_tokenized_dataset(str(path), 10, 100).rows(0, 1)[1][0].tolist() == [1, 1]
+
+
+def test_a_file_with_no_loss_mask_is_named_once_with_its_columns(tmp_path, monkeypatch, caplog):
+    """All ones stays the default, but a mask under another name (loss_masks, labels) would be trained on without a
+    word: a file none of whose rows has a loss_mask is named once, whatever its blocks, with the columns it has."""
+    monkeypatch.setattr(input_files, "JSONL_BLOCK_BYTES", 64)  # many blocks a file
+    data = tmp_path / "data"
+    misspelled = write_jsonl(data / "a.jsonl", [{"input_ids": [1, 2], "loss_masks": [0, 1]}] * 8)
+    labels = write_parquet(data / "b.parquet", [{"input_ids": [1, 2], "labels": [-100, 2]}] * 8, row_group_size=2)
+    write_jsonl(data / "c.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [3], "loss_mask": [0]}])  # some rows have one
+    write_parquet(data / "d.parquet", [{"input_ids": [4], "loss_mask": [0]}])
+    with caplog.at_level(logging.WARNING, logger="inputs.dataset"):
+        dataset = open_tokenized_dataset(str(data), vocab_size=10, max_length=100)
+    assert [mask.tolist() for mask in dataset.rows(0, len(dataset))[1]] == [[1, 1]] * 17 + [[0], [0]]
+    hint = ("so every token of its rows is trained on; a mask under another name is not read: name that column "
+            "loss_mask (docs/format.md)")
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == [
+        f"{misspelled}: no row has a loss_mask (its columns: input_ids, loss_masks), {hint}",
+        f"{labels}: no row has a loss_mask (its columns: input_ids, labels), {hint}",
+    ]
+    datasets = pytest.importorskip("datasets")  # an HF save_to_disk directory: Arrow streams
+    datasets.Dataset.from_list([{"input_ids": [1, 2], "mask": [0, 1]}]).save_to_disk(str(tmp_path / "hf"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="inputs.dataset"):
+        open_tokenized_dataset(str(tmp_path / "hf"), vocab_size=10, max_length=100)
+    [record] = caplog.records
+    assert "data-00000-of-00001.arrow: no row has a loss_mask (its columns: input_ids, mask)" in record.getMessage()
 
 
 @pytest.mark.parametrize(
