@@ -124,7 +124,7 @@ class Regenerator:
             done, again = [], []
             for asked, future in back:
                 try:
-                    completions = future.result()  # the engine's error, if it failed, ends the shard
+                    completions = future.result()  # any other error of the engine ends the shard
                 except ValueError as error:  # SGLang refused the request: its conversation's fault, not the shard's
                     if len(asked) > 1:  # the shard's first request: each prompt again on its own, to find the one
                         again += asked
