@@ -208,7 +208,10 @@ class Scheduler:
 
     def discarded(self, attempt: ShardAttempt) -> None:
         """What a lost attempt wrote is gone: extract the shard again, before the shards not started yet;
-        JobFault once it has had ``extract.max_attempts`` tries in this run."""
+        JobFault once it has had ``extract.max_attempts`` tries in this run. Nothing to do for an attempt that
+        ``published`` settled (its file was whole before the fault reached it): the shard is done."""
+        if self._active.get(attempt.index) is not attempt:
+            return
         self.attempts_undone += 1
         attempt.lane.budget.release(attempt.index)
         self._progress.shard_discarded(attempt.index)

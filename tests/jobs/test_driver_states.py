@@ -36,7 +36,7 @@ from jobs.driver.rescan import Rescanner
 from jobs.driver.result import STEADY_MIN_SECONDS, RunResult
 from jobs.driver.scheduler import Scheduler
 from jobs.driver.uploads import UploadQueue
-from jobs.driver.work import PendingWork
+from jobs.driver.work import Append, Finish, PendingWork
 from jobs.outdir.budget import DiskBudget
 from jobs.planning.shards import plan_shards
 from runtime.errors import BudgetExhausted, JobFault
@@ -287,6 +287,7 @@ class Run:
     """One entry per time the loop started the lane's actors (those of a run made with actors_started=False)."""
     scheduler: Scheduler
     completions: Completions
+    work: PendingWork
 
     def shard_files(self) -> list[str]:
         return sorted(p.name for p in self.world.directory.glob("shard-*.parquet"))
@@ -332,7 +333,7 @@ def make_run(
     disk_wait = DiskWait(budget_wait_s, 0.01, progress, lambda lane, state: f"no disk: {state}")
     progress.begin([budget])
     loop = DriverLoop(lanes, scheduler, completions, uploads, rescanner, disk_wait, progress, work, start_actors)
-    return Run(world, manifest, loop, budget, pool, extractor, starts, scheduler, completions)
+    return Run(world, manifest, loop, budget, pool, extractor, starts, scheduler, completions, work)
 
 
 def consumer(run: Run, keep: int = 1) -> Callable[[], None]:
@@ -529,6 +530,30 @@ def test_a_shard_cut_short_too_often_fails_the_run(tmp_path, dataset_path, hooks
     with pytest.raises(JobFault, match=r"shard 0 was cut short by faults 3 times"):
         run.loop.run()
     assert run.manifest.shards[0].state == FAILED
+
+
+def test_a_shard_published_before_its_writers_death_was_heard_is_written_once(
+    tmp_path, dataset_path, hooks_while_sleeping,
+):
+    """The writer published shard 0, then died; the driver heard of the death first (the attempt is lost, a discard
+    is queued), then of the publish (the file is whole: done). The discard that completes after that must leave the
+    done shard alone: sent back to the queue, it was written and published a second time."""
+    run = make_run(tmp_path, dataset_path, hooks_while_sleeping)
+    run.scheduler.open_what_fits()
+    [attempt] = run.scheduler.active()
+    while not attempt.all_sent:
+        run.scheduler.send_batch(attempt.lane)
+    for ref in list(run.world.runtime.made):  # the writer wrote every batch and published the file
+        run.world.runtime.get(ref)
+    for item, ref in run.work.completed(Append):
+        run.completions.handle(item, ref)
+    attempt.writer.alive = False
+    run.scheduler.writer_died(attempt.lane, attempt.writer, "RayActorError: the actor died")
+    [(finish, ref)] = run.work.completed(Finish)
+    run.completions.handle(finish, ref)
+    run.loop.run()  # the discard completes first
+    assert_every_shard_done_once(run)
+    assert run.manifest.shards[0].attempts == 1 and run.scheduler.attempts_undone == 0
 
 
 def test_a_writer_error_fails_its_shard_and_the_others_are_written(tmp_path, dataset_path, hooks_while_sleeping):
