@@ -97,11 +97,12 @@ def claimed_labels(claim: dict[str, Any]) -> list[str]:
 
 
 def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> dict[str, Any]:
-    """Claim ``directory`` for the run ``owner`` names. ``{"labels": [...]}`` if it is now the run's: every node
-    label the run has recorded its files there under (``claimed_labels``; the claim adds ``owner["node"]`` when it
-    is new: the directory is the node's identity, its label may change), else why not: ``{"owner": record}``
-    (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that holds shard or temp files, which
-    ``adopt_files`` accepts: the run's own output.dir, under its lock).
+    """Claim ``directory`` for the run ``owner`` names. ``{"labels": [...]}`` if it is now the run's: the node labels
+    the run's files there can be recorded under, those its claim listed before (``claimed_labels``; a new claim: the
+    label it is made under). The claim adds ``owner["node"]`` when it is new to it (the directory is the node's
+    identity, its label may change), left out of the answer: no file there carries it yet. Else why not:
+    ``{"owner": record}`` (another run's claim) or ``{"files": [names]}`` (an unclaimed directory that holds shard
+    or temp files, which ``adopt_files`` accepts: the run's own output.dir, under its lock).
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -122,8 +123,7 @@ def _claim(directory: str, owner: dict[str, str], adopt_files: bool) -> dict[str
     labels = claimed_labels(holder)
     node = owner.get("node", "")
     if node and node not in labels:  # relabelled: the run's files here stay the run's under the new label too
-        labels.append(node)
-        replace_atomically(claim, json.dumps(dict(holder, node=node, nodes=labels)).encode())
+        replace_atomically(claim, json.dumps(dict(holder, node=node, nodes=[*labels, node])).encode())
     return {"labels": labels}
 
 

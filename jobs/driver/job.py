@@ -263,8 +263,7 @@ def _prepare_directories(
     """Claim every directory of the run, check the done files there, then clean them; the shards to write.
 
     Every directory, and the sink, is claimed before any is checked or cleaned: a refusal leaves all of them
-    untouched. Done files recorded on a node label no node goes by now are recorded where they are before the
-    clean-up.
+    untouched. Done files are recorded on the node whose directory holds them before the clean-up.
     """
     claim_sink(config.output.sink, config.output.sink_options, manifest)
     claimed = [claim_directory(group.disk(), manifest, group.name, group.directory == output_dir) for group in groups]

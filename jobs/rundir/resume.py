@@ -58,8 +58,9 @@ def check_selection(selection: Any, shard_count: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ClaimedDirectory:
-    """A directory this run writes to, claimed: the node label it goes by now, and every label the run's records of
-    files there may carry (a node's address or label may change; its directory's claim is what stays)."""
+    """A directory this run writes to, claimed: the node label it goes by now, and the labels the run's records of
+    files there can carry, those its claim listed before this run (a node's address or label may change, and may
+    then be another node's old one; its directory's claim is what stays)."""
 
     disk: LocalDisk
     node: str
@@ -93,29 +94,34 @@ def claim_directory(disk: LocalDisk, manifest: Manifest, node: str, is_output_di
 
 
 def relabel_moved_files(manifest: Manifest, directories: list[ClaimedDirectory]) -> None:
-    """Done shards recorded on a node label no node of this run goes by now (a head restarted on another address,
-    a cluster created again, a node replaced by one with the same disk) are recorded on the node whose directory
-    holds their file: the one whose claim lists the old label, or, for a label no claim lists, one where the file is
-    of its recorded size. The records change, never the files; ``check_done_files`` then checks them there (a
-    damaged or lost one is written again). A record none of these directories holds is left as it is: its node
-    may come back.
+    """Done shards are recorded on the node whose directory holds their file (a head restarted on another address,
+    a cluster created again, a node replaced by one with the same disk): the one whose claim lists the record's
+    label, whichever node goes by that label now; of several, the one where the file is of its recorded size, else
+    the one that goes by the label. A label no claim lists stays with the node that goes by it, or, if none does,
+    moves to a directory where the file is of its recorded size. The records change, never the files;
+    ``check_done_files`` then checks them there (a damaged or lost one is written again). A record none of these
+    directories holds is left as it is: its node may come back.
     """
     directories = list({(d.node, str(d.disk.directory)): d for d in directories}.values())  # groups share them
     live = {directory.node for directory in directories}
-    stale = [record for record in manifest.in_state(DONE)
-             if record.location == LOCAL and record.node and record.node not in live]
-    if not stale:
-        return
-    sizes = {id(directory): directory.disk.file_facts([record.file for record in stale], {})
-             for directory in directories}
+    records = [record for record in manifest.in_state(DONE) if record.location == LOCAL and record.node]
+    listed = {record.index: [d for d in directories if record.node in d.labels] for record in records}
+    # the files looked for: a label several claims list, or one no claim lists and no node goes by
+    looked = {record.index: record.file for record in records
+              if len(listed[record.index]) > 1 or (not listed[record.index] and record.node not in live)}
+    sizes = {id(d): d.disk.file_facts(looked.values(), {}) for d in directories} if looked else {}
     moved: dict[tuple[str, str], list[int]] = {}
-    for record in stale:
-        claimed = [directory for directory in directories if record.node in directory.labels]
-        others = [directory for directory in directories if record.node not in directory.labels]
-        whole = [directory for directory in claimed + others
-                 if sizes[id(directory)].get(record.file, (None, ""))[0] == record.bytes]
-        home = (whole or claimed or [None])[0]
-        if home is not None:
+    for record in records:
+        claims = listed[record.index]
+        if len(claims) == 1:
+            home = claims[0]
+        elif record.index in looked:
+            whole = [directory for directory in claims or directories
+                     if sizes[id(directory)].get(record.file, (None, ""))[0] == record.bytes]
+            home = (whole or sorted(claims, key=lambda directory: directory.node != record.node) or [None])[0]
+        else:
+            continue  # no claim lists the label, and a node goes by it: its own
+        if home is not None and home.node != record.node:
             moved.setdefault((record.node, home.node), []).append(record.index)
             manifest.update(record.index, node=home.node)
     for (old, new), indices in sorted(moved.items()):
@@ -205,3 +211,4 @@ def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
             f"output.dir={output_dir} holds {len(existing)} shard files (e.g. {existing[0].name}) but no "
             f"{MANIFEST_FILE}: they are not from a run of this job; choose a new output.dir"
         )
+

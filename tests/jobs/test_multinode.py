@@ -15,9 +15,13 @@ import sys
 import pytest
 
 from inputs.demo import build_synthetic_dataset
+from jobs.cluster.nodes import NodeGroup
+from jobs.config import JobConfig
+from jobs.driver.job import _prepare_directories
 from jobs.rundir.summary import read_summary
+from storage import shard_file_name
 from storage.claim import CLAIM_FILE
-from storage.manifest import DONE, SINK, read_manifest
+from storage.manifest import DONE, LOCAL, SINK, Manifest, read_manifest
 from storage.token_freq import count_tokens, read_token_freq
 from tests.conftest import REPO_ROOT, ray_temp_dir
 from tests.helpers import DiskSampler, assert_every_sample_once, assert_run_verifies, python_env
@@ -182,3 +186,47 @@ def test_a_node_relabelled_between_runs_keeps_its_done_files(head_a, llama_fp32,
     assert_every_sample_once(out, data)  # each sample once, jobs.verify --deep passes
     claim = json.loads((out / CLAIM_FILE).read_text())
     assert claim["node"] == "127.0.0.1" and claim["nodes"] == ["a", "127.0.0.1"]
+
+
+def test_a_label_another_node_went_by_keeps_each_directorys_done_files(ray_cluster, tmp_path):
+    """A cluster created again, each node's output.node_dir the same path on its own disk: node A's disk comes back
+    on the address that was B's (10.0.0.2), B's on a new one. Each done file is checked in the directory whose claim
+    lists its recorded label, not in the directory of the node that goes by that label now: not one is removed or
+    written again, the records name the nodes' new labels, a file lost in between is written again, and a third
+    run on the same nodes changes nothing. (Both directories are on this machine: the claims, not the nodes, are
+    what this shows.)"""
+    import ray
+
+    out, disks = tmp_path / "out", {name: tmp_path / name for name in ("A", "B")}
+    out.mkdir()
+    node_id = ray.get_runtime_context().get_node_id()
+    plan = [(index, index, index + 1) for index in range(5)]
+
+    def prepare(labels: dict[str, str], record: dict[int, str]) -> list[int]:
+        """One run's start on nodes labelled ``labels`` (disk -> label); then ``record``'s shards (index -> disk) are
+        written there and recorded done, as that run's writers would."""
+        manifest = Manifest.open(out, {"test": True}, plan)
+        groups = [NodeGroup(node_id, label, disks[disk], 1) for disk, label in labels.items()]
+        to_run = [r.index for r in _prepare_directories(manifest, groups, out, JobConfig(), None)]
+        for index, disk in record.items():
+            name = shard_file_name(index)
+            (disks[disk] / name).write_bytes(bytes(100 + index))
+            manifest.update(index, state=DONE, file=name, bytes=100 + index, checksum="", location=LOCAL,
+                            node=labels[disk])
+        manifest.close()
+        return to_run
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {f"{disk}/{path.name}": (path.stat().st_ino, path.stat().st_mtime_ns)
+                for disk in disks for path in disks[disk].glob("shard-*.parquet")}
+
+    assert prepare({"A": "10.0.0.1", "B": "10.0.0.2"}, {0: "A", 1: "B", 2: "A", 3: "B"}) == [0, 1, 2, 3, 4]
+    (disks["B"] / shard_file_name(3)).unlink()  # lost between the runs
+    kept = files()
+
+    assert prepare({"A": "10.0.0.2", "B": "10.0.0.3"}, {}) == [3, 4]
+    assert files() == kept
+    nodes = [record["node"] for record in read_manifest(out)["shards"][:3]]
+    assert nodes == ["10.0.0.2", "10.0.0.3", "10.0.0.2"]  # A's files on A's new label, B's on B's
+    assert prepare({"A": "10.0.0.2", "B": "10.0.0.3"}, {}) == [3, 4]  # both claims list 10.0.0.2 now: A holds its files
+    assert files() == kept and [r["node"] for r in read_manifest(out)["shards"][:3]] == nodes
