@@ -40,6 +40,7 @@ from jobs.planning.own_files import own_files
 from jobs.planning.preflight import check_output_dir, check_shards_fit, check_sink, claim_sink
 from jobs.planning.shards import Shard, plan_shards, shard_ranges
 from jobs.rundir.resume import (
+    check_absent_nodes,
     check_done_files,
     claim_directory,
     clean_output_dir,
@@ -263,11 +264,13 @@ def _prepare_directories(
     """Claim every directory of the run, check the done files there, then clean them; the shards to write.
 
     Every directory, and the sink, is claimed before any is checked or cleaned: a refusal leaves all of them
-    untouched. Done files are recorded on the node whose directory holds them before the clean-up.
+    untouched. Done files are recorded on the node whose directory holds them before the clean-up; those of a node
+    not in this run are refused where its directory is on this host (``check_absent_nodes``).
     """
     claim_sink(config.output.sink, config.output.sink_options, manifest)
     claimed = [claim_directory(group.disk(), manifest, group.name, group.directory == output_dir) for group in groups]
     relabel_moved_files(manifest, claimed)
+    check_absent_nodes(manifest, claimed, output_dir, config.output.node_dir)
     for group in groups:
         if not (group.directory == output_dir and group.name == checked_node):
             check_done_files(group.disk(), manifest, group.name, group.directory == output_dir,

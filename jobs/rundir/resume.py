@@ -129,6 +129,45 @@ def relabel_moved_files(manifest: Manifest, directories: list[ClaimedDirectory])
                     "recorded there, no file touched", len(indices), old, new)
 
 
+def check_absent_nodes(
+    manifest: Manifest, directories: list[ClaimedDirectory], output_dir: Path, node_dir: str,
+) -> None:
+    """After ``relabel_moved_files``, done shards still recorded on a label no node of this run goes by: left as they
+    are (their node may come back, its files on its disk), with a warning. ValueError, before anything is removed,
+    where ``{node}`` in output.node_dir puts that label's directory on this host, claimed by this run: the files are
+    here, in a directory no node of this run writes to (the node's name changed, and its directory with it), and
+    the run would end complete with them where neither it nor ``jobs.verify`` looks."""
+    from jobs.cluster.node_disk import read_claim  # here: the dry run imports this module without Ray
+    from jobs.cluster.nodes import NODE_PLACEHOLDER, node_directory
+
+    live = {directory.node for directory in directories}
+    absent: dict[str, list[int]] = {}
+    for record in manifest.in_state(DONE):
+        if record.location == LOCAL and record.node and record.node not in live:
+            absent.setdefault(record.node, []).append(record.index)
+    left_here = {}
+    for label, shards in sorted(absent.items()):
+        directory = node_directory(output_dir, node_dir, label)
+        if NODE_PLACEHOLDER in node_dir and (read_claim(directory) or {}).get("run_id") == manifest.run_id:
+            left_here[label] = directory
+        else:
+            logger.warning("%d done shards are recorded on node %s, which is not in this run: their files were not "
+                           "checked and stay on its disk", len(shards), label)
+    if left_here:
+        name = next(iter(left_here)) if len(left_here) == 1 else "NAME"
+        ours = ", ".join(sorted({f"{d.disk.directory} (node {d.node})" for d in directories}))
+        where = "; ".join(f"shards {_listed(absent[label])} are recorded done on node {label}, in {directory}"
+                          for label, directory in left_here.items())
+        raise ValueError(
+            f"{where} (on this host), but no node of this run goes by {' or '.join(left_here)}: with {{node}} in "
+            f"output.node_dir={node_dir} a node's directory follows its name, and this run writes to {ours}. No shard "
+            f"file was removed or written. Rerun with a node of that name in the run (the same ray.address and "
+            f"model.dp_size; a node started with ray start --labels='{{\"eagle3-node\": \"{name}\"}}'), or move "
+            f"those shard-*.parquet files into the directory of the node that holds them now and rerun: it records "
+            f"them there"
+        )
+
+
 def check_done_files(
     disk: LocalDisk, manifest: Manifest, node: str, holds_unnamed: bool, checksum: bool,
 ) -> list[int]:
@@ -212,3 +251,7 @@ def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
             f"{MANIFEST_FILE}: they are not from a run of this job; choose a new output.dir"
         )
 
+
+def _listed(shards: list[int], limit: int = 20) -> str:
+    more = f" and {len(shards) - limit} more" if len(shards) > limit else ""
+    return ", ".join(str(index) for index in shards[:limit]) + more

@@ -188,6 +188,48 @@ def test_a_node_relabelled_between_runs_keeps_its_done_files(head_a, llama_fp32,
     assert claim["node"] == "127.0.0.1" and claim["nodes"] == ["a", "127.0.0.1"]
 
 
+def test_a_node_directory_left_behind_by_a_new_label_is_refused_until_moved(head_a, llama_fp32, tmp_path):
+    """With ``{node}`` in output.node_dir a node's directory follows its name: a run on the head labelled ``a`` wrote
+    shards 0 and 1 into nodes/a; the same command on a private cluster (its node: 127.0.0.1, its directory
+    nodes/127.0.0.1) would have ended complete with those shards in a directory no node of it has (jobs.verify: not
+    found). It is refused, exit 2, naming that directory, before it writes or removes anything; once the files are
+    moved as the message says, the run records them on the new node and completes."""
+    data = build_synthetic_dataset(tmp_path / "data.parquet", num_samples=NUM_SAMPLES, min_len=40, max_len=90, seed=9)
+    out, nodes = tmp_path / "out", tmp_path / "nodes"
+    args = [
+        f"model.path={llama_fp32}", f"data.path={data}", f"output.dir={out}", f"output.node_dir={nodes}/{{node}}",
+        f"data.shard_size={SHARD_SIZE}", "extract.max_tokens_per_batch=100", "model.device=cpu", "model.dtype=float32",
+        "output.min_free=0",
+    ]
+
+    def job(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "jobs.extract", *args, *extra], cwd=REPO_ROOT, env=python_env(),
+                              capture_output=True, text=True, timeout=600)
+
+    cluster, _ = head_a
+    first = job(f"ray.address={cluster.address}", "shards=[0,1]")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = {path.name: path.stat().st_mtime_ns for path in (nodes / "a").glob("shard-*.parquet")}
+    assert sorted(written) == ["shard-00000.parquet", "shard-00001.parquet"]
+    records = read_manifest(out)["shards"]
+
+    refused = job()  # no ray.address: a private cluster, whose node is named by its address
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"shards 0, 1 are recorded done on node a, in {nodes / 'a'}" in refused.stderr, refused.stderr[-3000:]
+    assert read_manifest(out)["shards"] == records
+    assert {path.name: path.stat().st_mtime_ns for path in (nodes / "a").glob("shard-*.parquet")} == written
+    assert not list((nodes / "127.0.0.1").glob("shard-*.parquet"))
+
+    for name in written:  # as the message says
+        (nodes / "a" / name).rename(nodes / "127.0.0.1" / name)
+    resumed = job()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_manifest(out)["shards"]
+    assert all(r["state"] == DONE and r["node"] == "127.0.0.1" for r in records), records
+    assert [r["attempts"] for r in records] == [1] * len(records)
+    assert_every_sample_once(nodes / "127.0.0.1", data)
+    assert_run_verifies(out)
+
 def test_a_label_another_node_went_by_keeps_each_directorys_done_files(ray_cluster, tmp_path):
     """A cluster created again, each node's output.node_dir the same path on its own disk: node A's disk comes back
     on the address that was B's (10.0.0.2), B's on a new one. Each done file is checked in the directory whose claim
