@@ -84,7 +84,7 @@ def format_report(report: VerifyReport, details: bool = False) -> str:
                      f"were there; counted as the manifest recorded them){which}")
     if report.exported_files_checked:
         lines.append(f"note: {report.exported_files_checked} files of the exports that consumed shards checked against "
-                     "the sizes and checksums listed when they did")
+                     "the sizes and checksums listed when they did (the dataset's: when the export completed)")
     missing = f" ({report.files_missing} not found)" if report.files_missing else ""
     checked = (
         f"{report.files_checked} files of {report.shards} shards{missing}: {report.rows} samples, {report.tokens} "

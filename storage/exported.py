@@ -9,6 +9,11 @@ whole and fsynced), and the manifest records the list's own checksum with the sh
 list against the manifest and every listed file against the list: a byte changed in an
 export that is the only copy is found, named, and never taken for whole.
 
+speculators' export also writes, once every shard's files are there, its dataset (input_ids, loss_mask, seq_len:
+``data-*.arrow`` and the files beside it) and ``token_freq.pt``; their sizes and checksums are recorded in the
+export's state (``STATE_FILE``, under ``DATASET_FILES``) when it completes, and checked the same way
+(``check_dataset_files``).
+
 A consumed shard's ``consumed_into`` is ``<format>:<dest>`` (``training.export.export_key``):
 the export's directory is what follows the first colon.
 """
@@ -24,6 +29,10 @@ import storage.checksum as checksum
 
 EXPORTED_FILES_DIR = ".export-files"
 """In the export: one list per consumed shard (hidden: the trainers' loaders and listings skip it)."""
+STATE_FILE = ".export_state.json"
+"""In the export: what it exports and how far it got (``training.export``)."""
+DATASET_FILES = "dataset_files"
+"""The complete export state's path -> [size, checksum] of each file written once every shard's files were."""
 
 
 def list_path(shard_file: str) -> str:
@@ -63,19 +72,43 @@ def check_exported_files(
         files: dict[str, Any] = json.loads(data)["files"]
     except (ValueError, KeyError, TypeError):
         return 0, [(where, "not a list of exported files (its checksum matches the manifest's: report it)")]
+    return len(files), check_files(fs, root, files, f"exported from {shard_file}, which was then consumed",
+                                   f"{shard_file} was exported and consumed", map_)
 
+
+def check_dataset_files(
+    fs: fsspec.AbstractFileSystem, root: str, map_: Callable[..., Iterable[Any]] = map,
+) -> tuple[int, list[tuple[str, str]]]:
+    """How many files the complete export at ``root`` recorded in its state (``DATASET_FILES``: speculators' dataset
+    and token_freq.pt), and every problem with them (as ``check_exported_files``). None for an export that has no
+    state, is not complete, or recorded none."""
+    try:
+        with fs.open(f"{root}/{STATE_FILE}", "rb") as file:
+            state = json.loads(file.read())
+    except FileNotFoundError:
+        return 0, []
+    files = (state.get(DATASET_FILES) or {}) if state.get("complete") else {}
+    return len(files), check_files(fs, root, files, "written when the export completed", "the export completed", map_)
+
+
+def check_files(
+    fs: fsspec.AbstractFileSystem, root: str, files: Mapping[str, Any], made: str, recorded: str,
+    map_: Callable[..., Iterable[Any]] = map,
+) -> list[tuple[str, str]]:
+    """Each of ``files`` (path relative to ``root`` -> (size, checksum)) that is missing or not of that size and
+    checksum, with what is wrong; ``made`` says where they came from, ``recorded`` when their checksums were taken."""
     def check(item: tuple[str, Any]) -> str:
         path, (size, expected) = item
         expected = expected if checksum.SEPARATOR in expected else f"sha256:{expected}"  # a version-1 list: sha256 hex
         try:
             found = fs.info(f"{root}/{path}")["size"]
         except FileNotFoundError:
-            return f"missing: exported from {shard_file}, which was then consumed"
+            return f"missing: {made}"
         if found != size:
-            return f"{found} bytes; {size} were exported from {shard_file}"
+            return f"{found} bytes; {size} were {made}"
         if checksum.of_remote(fs, f"{root}/{path}", checksum.algorithm_of(expected)) != expected:
-            return f"its checksum is not the one recorded when {shard_file} was exported and consumed (changed since)"
+            return f"its checksum is not the one recorded when {recorded} (changed since)"
         return ""
 
     items = sorted(files.items())
-    return len(items), [(path, what) for (path, _), what in zip(items, map_(check, items)) if what]
+    return [(path, what) for (path, _), what in zip(items, map_(check, items)) if what]

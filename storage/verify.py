@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import storage.checksum as checksum
 import storage.schema as schema
 from storage.consumed import mismatch, read_record, record_name
-from storage.exported import check_exported_files, export_directory, list_path
+from storage.exported import STATE_FILE, check_dataset_files, check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
 from storage.run_index import open_parquet
@@ -145,6 +145,8 @@ def verify_run(
         checks = list(pool.map(lambda item: _check_shard(*item, deep, options), to_check))
         for record in exports:
             report.problems += _check_export(record, dict(export_options or {}), pool.map, report)
+        for into in sorted({record["consumed_into"] for record in exports}):
+            report.problems += _check_export_dataset(into, dict(export_options or {}), pool.map, report)
     for (record, _, _), check in zip(to_check, checks):
         if check.found:  # the samples, tokens and bytes of the files that are there, not of the missing ones
             _count(report, record)
@@ -235,6 +237,23 @@ def _check_export(record: dict, options: dict[str, Any], map_: Any, report: Veri
                         "if the export's storage is unreachable, verify again once it is (dest_options=... as "
                         f"jobs.export had them); otherwise {rerun}", index)]
     return [Problem(f"{dest}/{path}", what, rerun, index) for path, what in found]
+
+
+def _check_export_dataset(into: str, options: dict[str, Any], map_: Any, report: VerifyReport) -> list[Problem]:
+    """An export that consumed shards: the files it wrote once every shard's were (speculators' dataset, the only
+    copy of the loss masks besides the rows files kept in the export), against its state's record of them."""
+    dest = export_directory(into)
+    rerun = ("rerun the export's command: it writes the dataset again from the rows files it keeps of each consumed "
+             "shard (.export-rows/)")
+    try:
+        fs, root = fsspec.core.url_to_fs(dest, **options)
+        checked, found = check_dataset_files(fs, root.rstrip("/") or "/", map_)
+        report.exported_files_checked += checked
+    except Exception as error:  # an unreachable export must not hide the problems of the others
+        return [Problem(f"{dest}/{STATE_FILE}", f"cannot be read: {type(error).__name__}: {error}",
+                        "if the export's storage is unreachable, verify again once it is (dest_options=... as "
+                        f"jobs.export had them); otherwise {rerun}")]
+    return [Problem(f"{dest}/{path}", what, rerun) for path, what in found]
 
 
 def _nonfinite_notes(record: dict) -> list[str]:

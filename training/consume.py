@@ -112,8 +112,8 @@ class ShardConsumer:
     def _list_files(self, shard: ExportShard, puts: Sequence[Put]) -> bytes:
         """The list of the shard's files with their sizes and checksums (``storage.exported``), written into the export
         and made durable before the manifest records the shard consumed; returns its bytes."""
-        samples = set(self.job.paths(shard, rows=False))  # speculators' rows file goes once the dataset is made
-        files = {put.path: (put.size, put.checksum) for put in puts if put.path in samples}
+        mine = set(self.job.paths(shard))  # speculators: its rows file too, kept (ROWS_DIR)
+        files = {put.path: (put.size, put.checksum) for put in puts if put.path in mine}
         listed = list_bytes(shard.name, files)
         self.job.dest.write_bytes(list_path(shard.name), listed)
         self.job.dest.sync_directories([list_path(shard.name)])

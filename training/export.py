@@ -33,6 +33,7 @@ import torch
 
 from common.terminal import tqdm_width
 from storage import checksum, schema
+from storage.exported import DATASET_FILES, STATE_FILE, check_files
 from storage.manifest import CONSUMED, DONE, LOCAL, MANIFEST_FILE
 from storage.reader import Sample, sample_from_table
 from storage.run_index import (
@@ -62,7 +63,6 @@ from training.peer_formats import SPECFORGE, SPECULATORS
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = ".export_state.json"
 SHARD_BYTES = "shard_bytes"
 """The complete export state's shard file name -> bytes of its samples' files, which a rerun checks them against."""
 EXPORT_VERSION = 3
@@ -283,19 +283,23 @@ def write(job: PreparedExport) -> dict[str, Any]:
               "final_state": _final_state(job), "written": 0, "skipped": 0, "bytes": 0, "consumed": 0,
               "freed_bytes": 0}
     was_complete = bool(job.state.get("complete"))
-    lost: set[str] = set()
-    if was_complete and not (config.consume and any(s.location == LOCAL for s in job.shards)):
+    consuming = config.consume and any(shard.location == LOCAL for shard in job.shards)
+    lost_dataset = _lost_dataset(job) if was_complete else set()
+    lost = set(lost_dataset)
+    if was_complete and not consuming:
         with concurrent.futures.ThreadPoolExecutor(config.threads) as pool:
             for shard in job.shards:  # the only copy of a consumed shard's samples: still as it was exported?
                 if shard.consumed:
                     check_consumed(job, shard, pool.map)
-        lost = _lost_files(job, dest.file_sizes())
+        lost |= _lost_files(job, dest.file_sizes())
         if not lost:
-            dest.remove(ROWS_DIR)  # left by an export stopped right after it completed
+            _remove_rows(job)  # left by an export stopped right after it completed
             report["skipped"] = job.samples
             return _finish(report, started, already_complete=True)
-        logger.warning("%d files of the complete export in %s are missing or not the size they were written with "
-                       "(%s): writing them again", len(lost), config.dest, ", ".join(sorted(lost)[:3]))
+        logger.warning("%d files of the complete export in %s are missing or not as they were written (%s): writing "
+                       "them again", len(lost), config.dest, ", ".join(sorted(lost)[:3]))
+    # speculators: the dataset is made (again) from every shard's rows file
+    dataset = plan.trainer == SPECULATORS and (not was_complete or bool(lost_dataset))
     removed = dest.remove_temps()
     if removed:
         logger.info("removed %d temp files a stopped export left in %s", removed, config.dest)
@@ -304,18 +308,20 @@ def write(job: PreparedExport) -> dict[str, Any]:
             ShardConsumer(job, present, report) as consumer:
         for shard in job.shards:
             if shard.consumed:
-                consumer.finish_consumed(shard, rows=not was_complete)
+                consumer.finish_consumed(shard, rows=dataset)
                 report["skipped"] += shard.rows
                 progress.update(shard.rows, 0)
                 continue
-            puts, ends = _export_shard(job, shard, present, writers, progress, report, rows=not was_complete)
-            if config.consume and shard.location == LOCAL:
+            consume = config.consume and shard.location == LOCAL
+            puts, ends = _export_shard(job, shard, present, writers, progress, report, rows=dataset or consume)
+            if consume:
                 consumer.consume(shard, puts, ends)
-    if plan.trainer == SPECULATORS and not was_complete:
-        report["bytes"] += _write_speculators_dataset(job)
-    dest.write_json(STATE_FILE, {**job.state, "complete": True, "completed_at": _now(),
-                                 SHARD_BYTES: _shard_bytes(job, dest.file_sizes())})
-    dest.remove(ROWS_DIR)  # the dataset holds them now (removed after the state says so: a rerun needs them till then)
+    state = {**job.state, "complete": True, "completed_at": _now(), SHARD_BYTES: _shard_bytes(job, dest.file_sizes())}
+    if dataset:
+        state[DATASET_FILES] = _write_speculators_dataset(job)
+        report["bytes"] += sum(size for size, _ in state[DATASET_FILES].values())
+    dest.write_json(STATE_FILE, state)
+    _remove_rows(job)  # after the state says the dataset holds them: a rerun needs them till then
     return _finish(report, started)
 
 
@@ -341,6 +347,33 @@ def _lost_files(job: PreparedExport, sizes: dict[str, int]) -> set[str]:
         else:
             lost.update(path for path in paths if path not in sizes)
     return lost
+
+
+def _lost_dataset(job: PreparedExport) -> set[str]:
+    """The files of a complete export's dataset (speculators) that are gone or not as the export recorded them when
+    it completed: their sizes, and their checksums too once shards are consumed into it (then only the dataset and
+    the consumed shards' rows files hold their loss masks)."""
+    files = job.state.get(DATASET_FILES) or {}
+    if job.config.consume or any(shard.consumed for shard in job.shards):
+        return {path for path, _ in check_files(job.dest.fs, job.dest.root, files, "written when the export completed",
+                                                "the export completed")}
+    sizes = job.dest.file_sizes()
+    return {path for path, (size, _) in files.items() if sizes.get(path) != size}
+
+
+def _remove_rows(job: PreparedExport) -> None:
+    """speculators: the rows files of the shards the run still holds (the dataset holds their rows); those of shards
+    consumed into the export stay, listed with the shard's files: the copy of their loss masks the dataset is made
+    (again) from."""
+    def kept(shard: ExportShard) -> bool:
+        return shard.consumed or (job.config.consume and shard.location == LOCAL)
+
+    if job.plan.trainer != SPECULATORS or not any(kept(shard) for shard in job.shards):
+        job.dest.remove(ROWS_DIR)
+        return
+    for shard in job.shards:
+        if not kept(shard):
+            job.dest.remove(rows_file(shard))
 
 
 def _final_state(job: PreparedExport) -> str:
@@ -479,10 +512,10 @@ def _rows_bytes(shard: ExportShard, storage_options: dict[str, Any]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _write_speculators_dataset(job: PreparedExport) -> int:
+def _write_speculators_dataset(job: PreparedExport) -> dict[str, list[int | str]]:
     """``save_to_disk`` of input_ids, loss_mask, seq_len in hs_{i} order (torch format, as speculators'
     prepare_data leaves it), and ``token_freq.pt``, from the shards' rows files, through a local Arrow file.
-    Returns bytes written."""
+    Returns each file written: path -> [size, checksum] (of the bytes made; the export's state records them)."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
@@ -512,10 +545,15 @@ def _write_speculators_dataset(job: PreparedExport) -> int:
         rows.save_to_disk(saved)
         del rows
         os.remove(arrow_path)
-        size = 0
+        files: dict[str, list[int | str]] = {}
         for name in sorted(os.listdir(saved), key=lambda name: (name == "state.json", name)):
-            size += dest.write(name, lambda file, name=name: _copy_file(os.path.join(saved, name), file))
-        return size + dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq_bytes(counter.counts()))
+            path = os.path.join(saved, name)
+            files[name] = [dest.write(name, lambda file, path=path: _copy_file(path, file)),
+                           checksum.of_file(path, checksum.DEFAULT_ALGORITHM)]
+        token_freq = token_freq_bytes(counter.counts())
+        files[peer_formats.SPECULATORS_TOKEN_FREQ_FILE] = [
+            dest.write_bytes(peer_formats.SPECULATORS_TOKEN_FREQ_FILE, token_freq), checksum.of_bytes(token_freq)]
+        return files
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -25,8 +25,9 @@ from training.final_state import FinalNorm, FinalNormSource
 from training.peer_formats import SPECFORGE, SPECULATORS
 
 ROWS_DIR = ".export-rows"
-"""speculators: each shard's dataset rows (input_ids, loss_mask, seq_len) as an Arrow file, until the dataset is
-written from them at the end (with consume=true the shards they come from are gone by then)."""
+"""speculators: each shard's dataset rows (input_ids, loss_mask, seq_len) as an Arrow file, which the dataset is
+written from at the end. Removed then, but for the shards consumed into the export: listed with their files, they
+stay, the copy the dataset is written again from when one of its files is changed or gone."""
 
 
 @dataclasses.dataclass
@@ -158,8 +159,8 @@ class PreparedExport:
         return peer_formats.speculators_path(shard.first_row + int(np.searchsorted(shard.ids, sample_id)))
 
     def paths(self, shard: ExportShard, rows: bool = True) -> list[str]:
-        """Every file the export writes for ``shard``: its samples', and (speculators, with ``rows``) its rows file,
-        which lives until the dataset is written."""
+        """Every file the export writes for ``shard``: its samples', and (speculators, with ``rows``) its rows file
+        (``ROWS_DIR``)."""
         paths = [self.path(shard, int(sample_id)) for sample_id in shard.ids]
         return paths + [rows_file(shard)] if rows and self.plan.trainer == SPECULATORS else paths
 

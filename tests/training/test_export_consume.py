@@ -26,6 +26,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,7 +220,9 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
 
     report = verify(run_dir)
     assert report.ok and report.rows == SAMPLES, format_report(report)
-    assert report.consumed == {key: list(range(len(shards)))} and report.exported_files_checked == SAMPLES
+    rows_and_dataset = len(shards) + 4 if to == "speculators" else 0  # its rows files, data-*.arrow and the 3 beside it
+    assert report.consumed == {key: list(range(len(shards)))}
+    assert report.exported_files_checked == SAMPLES + rows_and_dataset
     summary = run(shaped_config(shaped_runs["model"], shaped_runs["data"], run_dir, run_name + "_norm"))
     assert summary["outcome"] == "nothing_to_do" and not list(run_dir.glob("shard-*.parquet"))
     assert read_token_freq(run_dir) == counts  # counted before the first shard went
@@ -240,7 +243,7 @@ def test_consume_converts_the_run_within_one_shard_of_room(shaped_runs, tmp_path
     assert_peers_read_the_run(to, dest, shaped_runs[run_name], fp8=bool(extra))
     if to == "speculators":
         assert torch.load(dest / "token_freq.pt") == counts
-        assert not (dest / ".export-rows").exists()
+        assert len(list((dest / ".export-rows").iterdir())) == len(shards)  # kept: listed with each shard's files
     assert export(run_dir, to, dest, "consume=true", *extra) == 0
     assert "nothing to do" in capsys.readouterr().out
 
@@ -410,9 +413,9 @@ def test_a_link_planted_as_the_token_count_is_never_read_or_written_through(shap
 
 @pytest.mark.parametrize("to", ["specforge", "speculators"])
 def test_a_rerun_of_a_complete_export_writes_again_what_is_gone_or_cut_short(shaped_runs, tmp_path, capsys, to):
-    """A complete export with one file deleted and another of another shard cut short: the plain rerun (a real
-    process, knowing only what is on disk) does not call it complete; it writes exactly those again, and the
-    export is as it was."""
+    """A complete export with one file deleted and another of another shard cut short (speculators: its dataset's
+    Arrow file deleted too): the plain rerun (a real process, knowing only what is on disk) does not call it
+    complete; it writes exactly those again, and the export is as it was."""
     run_dir = shaped_runs["pre" if to == "speculators" else "post"]
     dest = tmp_path / "dest"
 
@@ -423,12 +426,71 @@ def test_a_rerun_of_a_complete_export_writes_again_what_is_gone_or_cut_short(sha
     deleted, cut = dest / samples[0], dest / samples[-1]  # the first and the last shard's
     deleted.unlink()
     cut.write_bytes(files[samples[-1]][: len(files[samples[-1]]) // 2])
+    for arrow in dest.glob("data-*.arrow"):
+        arrow.unlink()
     again = subprocess.run([sys.executable, "-m", "jobs.export", f"output.dir={run_dir}", f"to={to}", f"dest={dest}"],
                            cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == EXIT_OK, again.stderr[-3000:]
     assert "holds the complete" not in again.stdout and "written" in again.stdout, again.stdout
-    assert {path.relative_to(dest): path.read_bytes() for path in sorted(dest.rglob("*")) if path.is_file()
-            and not path.name.startswith(".")} == files
+    after = {path.relative_to(dest): path.read_bytes() for path in sorted(dest.rglob("*")) if path.is_file()
+             and not path.name.startswith(".")}
+    assert after.keys() == files.keys()  # the dataset's state.json names a new fingerprint; its files are the same
+    assert {path: data for path, data in after.items() if path.name != "state.json"} == \
+        {path: data for path, data in files.items() if path.name != "state.json"}
+    assert_peers_read_the_run(to, dest, run_dir)
     capsys.readouterr()
     assert export(run_dir, to, dest) == EXIT_OK
     assert "holds the complete" in capsys.readouterr().out
+
+
+def flip_first_loss_mask_one(arrow: Path, loss_mask: list[int]) -> None:
+    """Change, in the dataset's Arrow file, the first 1 of a row's loss mask (its int64 values found in the file) to 0."""
+    data = bytearray(arrow.read_bytes())
+    where = bytes(data).find(np.asarray(loss_mask, dtype=np.int64).tobytes())
+    assert where >= 0
+    data[where + 8 * loss_mask.index(1)] = 0
+    arrow.write_bytes(bytes(data))
+
+
+def test_the_token_rows_of_a_consumed_speculators_export_are_checked(shaped_runs, tmp_path, capsys):
+    """After consume=true to speculators the loss masks are in the export only: in its dataset (data-*.arrow and the
+    files beside it, recorded when the export completed) and in the rows files it is made from (.export-rows/, listed
+    with each shard's files). A loss-mask byte changed in the dataset, or a dataset file deleted, is found by
+    jobs.verify (naming the file) and by the export's rerun, which writes the dataset again from the rows files; a
+    rows file changed is found by both, the rerun stopping with exit 4 and naming it."""
+    import datasets
+
+    from jobs.verify import format_report, verify
+
+    run_dir = consumable_copy(shaped_runs, "pre", tmp_path)
+    dest = tmp_path / "dest"
+    assert export(run_dir, "speculators", dest, "consume=true") == EXIT_OK
+    report = verify(run_dir)
+    assert report.ok and report.exported_files_checked == SAMPLES + SAMPLES // SHARD_SIZE + 4, format_report(report)
+    mask = list(datasets.load_from_disk(str(dest))[0]["loss_mask"])
+    arrow = next(dest.glob("data-*.arrow"))
+
+    flip_first_loss_mask_one(arrow, mask)
+    assert list(datasets.load_from_disk(str(dest))[0]["loss_mask"]) != mask
+    report = verify(run_dir)
+    assert [problem.where for problem in report.problems] == [str(arrow)], format_report(report)
+    assert "its checksum is not the one recorded when the export completed" in report.problems[0].what
+    capsys.readouterr()
+    assert export(run_dir, "speculators", dest, "consume=true") == EXIT_OK
+    assert "nothing to do" not in capsys.readouterr().out
+    assert list(datasets.load_from_disk(str(dest))[0]["loss_mask"]) == mask and verify(run_dir).ok
+
+    arrow.unlink()
+    report = verify(run_dir)
+    assert [(problem.where, problem.what.split(":")[0]) for problem in report.problems] == [(str(arrow), "missing")]
+    assert export(run_dir, "speculators", dest) == EXIT_OK and verify(run_dir).ok
+    assert_peers_read_the_run("speculators", dest, shaped_runs["pre"])
+
+    rows = dest / ".export-rows" / "shard-00002.arrow"
+    data = bytearray(rows.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    rows.write_bytes(bytes(data))
+    report = verify(run_dir)
+    assert [problem.where for problem in report.problems] == [str(rows)], format_report(report)
+    assert export(run_dir, "speculators", dest, "consume=true") == EXIT_FAULT
+    assert f"{dest}/.export-rows/shard-00002.arrow: " in capsys.readouterr().err
