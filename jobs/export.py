@@ -3,8 +3,9 @@
 The command around ``training.export``: parse, export, print. With ``consume=true`` it holds
 the run's lock (``.job.lock``, as a running extraction does) for the whole export: the export
 then writes the run's manifest, and no job may write it or the shards meanwhile. Exit codes: 0
-done, 2 bad config or input (nothing written), 4 an error while writing (rerun: it resumes), 5
-a job holds the run (consume=true), 129/130/143 stopped by a signal (rerun: it resumes).
+done, 2 bad config or input (nothing written; or a shard file found damaged, named: extract it again),
+4 an error while writing (rerun: it resumes), 5 a job holds the run (consume=true), 129/130/143
+stopped by a signal (rerun: it resumes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import parse_command
 from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
 from runtime.lock import OutputLock
+from storage.run_index import DamagedShardError
 from training.export import ExportConfig, prepare, write
 
 logger = logging.getLogger("jobs.export")
@@ -26,7 +28,8 @@ def load_config(argv: Sequence[str]) -> ExportConfig:
     return parse_command(
         "jobs.export",
         "Export a run's hidden states in the layout SpecForge or speculators trains from. " + exit_codes({
-            EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input (nothing written)",
+            EXIT_OK: "done",
+            EXIT_BAD_INPUT: "bad config or input (nothing written; or a shard file found damaged: extract it again)",
             EXIT_FAULT: "an error while writing (rerun: it resumes)", EXIT_LOCKED: "a job holds the run (consume=true)",
         }, signals="rerun: it resumes"),
         ExportConfig, argv,
@@ -62,13 +65,17 @@ def _export(argv: Sequence[str]) -> int:
 
 def export(config: ExportConfig) -> dict[str, Any]:
     """The export, under the run's lock with ``consume``; returns its report. A ValueError before anything is
-    written is a refusal (exit 2); once writing, an error is a fault (exit 4: a rerun resumes)."""
+    written is a refusal (exit 2), and so is a shard file found damaged while writing (a rerun would meet it again:
+    the message names the shard to extract again); once writing, any other error is a fault (exit 4: a rerun
+    resumes)."""
     logger.info("export to=%s: reading the run's shard footers and checking %s", config.to, config.dest or "dest")
     run_directory = config.run_directory() if config.consume else None
     with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
         job = prepare(config)
         try:
             return write(job)
+        except DamagedShardError:
+            raise
         except ValueError as error:
             raise RuntimeError(str(error)) from error
 

@@ -19,10 +19,10 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 import storage.schema as schema
+from storage.run_index import open_parquet
 from storage.schema import ShardMetadata, metadata_from_schema
 
 
@@ -45,7 +45,11 @@ class Sample:
 
 def read_metadata(path: str | os.PathLike) -> ShardMetadata:
     """The ``ShardMetadata`` of a shard file, from its footer alone."""
-    return metadata_from_schema(pq.read_schema(path), source=str(path))
+    parquet = open_parquet(str(path))
+    try:
+        return metadata_from_schema(parquet.schema_arrow, source=str(path))
+    finally:
+        parquet.close()
 
 
 def _states_tensor(column: pa.Array, row: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -78,8 +82,8 @@ class ShardReader:
     def __init__(self, path: str | os.PathLike, raw_fp8: bool = False) -> None:
         self.path = str(path)
         self.raw_fp8 = raw_fp8
-        self.metadata = read_metadata(path)
-        self._file = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
+        self._file = open_parquet(self.path)  # a damaged file raises DamagedShardError, naming it
+        self.metadata = metadata_from_schema(self._file.schema_arrow, source=self.path)
         rows = [self._file.metadata.row_group(i).num_rows for i in range(self._file.num_row_groups)]
         self._group_starts = np.concatenate([[0], np.cumsum(rows)]).tolist()
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
@@ -26,7 +28,7 @@ import storage.schema as schema
 from storage.consumed import mismatch, read_record, record_name
 from storage.manifest import CONSUMED, DONE, MANIFEST_FILE, SINK, read_manifest
 from storage.schema import ShardMetadata, metadata_from_schema
-from storage.writer import SHARD_GLOB
+from storage.writer import SHARD_GLOB, shard_of_file
 
 logger = logging.getLogger(__name__)
 
@@ -144,16 +146,76 @@ def consumed_why(record: Mapping[str, Any]) -> str:
     return "recorded as consumed without saying where its samples went (its file was gone)"
 
 
-def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:
+class DamagedShardError(ValueError):
+    """A shard file whose bytes pyarrow cannot read (a page whose CRC fails, a footer cut short): changed or cut short
+    after it was written. The message names the file, the shard, its samples where the footer says, and the commands
+    that write it again; ``reason`` is pyarrow's own message."""
+
+    def __init__(self, url: str, reason: str, local: bool, where: str = "") -> None:
+        self.url, self.reason = url, reason
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        shard = shard_of_file(name)
+        run = os.path.dirname(local_path(url)) if local else "<the run's output.dir>"
+        again = (f"rerun the extraction with shards=[{shard}] to write it again" if shard is not None else
+                 "rerun the extraction with the shards=[...] it names to write them again")
+        super().__init__(
+            f"{url}{f' ({where})' if where else ''}: cannot be read ({reason}): the file was changed or cut short "
+            f"after it was written. Run `python -m jobs.verify output.dir={run}` to find every damaged shard, then "
+            f"{again}"
+        )
+
+
+class ShardParquetFile(pq.ParquetFile):
+    """A shard file open for reading (``open_parquet``), every page checked against its CRC. What pyarrow cannot read
+    of it raises DamagedShardError, which names the file, instead of pyarrow's bare error, which names none."""
+
+    def __init__(self, source: Any, url: str, local: bool, **options: Any) -> None:
+        self.url, self.local = url, local
+        with self._naming_damage():
+            super().__init__(source, page_checksum_verification=True, **options)
+
+    def read(self, *args: Any, **kwargs: Any) -> pa.Table:
+        with self._naming_damage(groups=range(self.num_row_groups)):
+            return super().read(*args, **kwargs)
+
+    def read_row_group(self, i: int, *args: Any, **kwargs: Any) -> pa.Table:
+        with self._naming_damage(groups=[i]):
+            return super().read_row_group(i, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _naming_damage(self, groups: Optional[Sequence[int]] = None) -> Iterator[None]:
+        try:
+            yield
+        except (pa.ArrowInvalid, OSError) as error:
+            if isinstance(error, OSError) and error.errno is not None:
+                raise  # the storage's (missing, denied, unreachable), not the file's bytes
+            raise DamagedShardError(self.url, " ".join(str(error).split()), self.local, self._where(groups)) from error
+
+    def _where(self, groups: Optional[Sequence[int]]) -> str:
+        """"shard 3, row group 0: sample ids 12..14", as much of it as is known (the footer's statistics)."""
+        shard = shard_of_file(self.url.rstrip("/").rsplit("/", 1)[-1])
+        where = [f"shard {shard}"] if shard is not None else []
+        if groups is None:
+            return ", ".join(where)
+        if len(groups) == 1:
+            where.append(f"row group {groups[0]}")
+        column = self.metadata.schema.names.index(schema.SAMPLE_ID)
+        stats = [self.metadata.row_group(group).column(column).statistics for group in groups]
+        if stats and all(s is not None and s.has_min_max for s in stats):
+            return f"{', '.join(where)}: sample ids {min(s.min for s in stats)}..{max(s.max for s in stats)}"
+        return ", ".join(where)
+
+
+def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None) -> ShardParquetFile:
     """A shard file opened for reading: memory-mapped when local, range reads through fsspec otherwise.
 
-    Every page read is checked against its CRC (the writer stores one per page): a corrupted
-    page raises OSError instead of returning wrong states."""
+    Every page read is checked against its CRC (the writer stores one per page): a corrupted page, or a file cut
+    short, raises DamagedShardError naming the file instead of returning wrong states."""
     if is_local(url, storage_options):
-        return pq.ParquetFile(local_path(url), memory_map=True, page_checksum_verification=True)
+        return ShardParquetFile(local_path(url), url, True, memory_map=True)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs.
-    return pq.ParquetFile(fs.open(path, "rb", cache_type="none"), page_checksum_verification=True)
+    return ShardParquetFile(fs.open(path, "rb", cache_type="none"), url, False)
 
 
 def read_footer(url: str, run: int, checksum: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardFile, ShardMetadata]:

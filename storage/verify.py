@@ -27,7 +27,7 @@ from storage.consumed import mismatch, read_record, record_name
 from storage.exported import STATE_FILE, check_dataset_files, check_exported_files, export_directory, list_path
 from storage.manifest import CONSUMED, DONE, FAILED, LOCAL, MANIFEST_FILE, SINK, read_manifest
 from storage.nonfinite import KEPT, SKIPPED, has_nonfinite
-from storage.run_index import open_parquet
+from storage.run_index import DamagedShardError, open_parquet
 from storage.schema import ShardMetadata, build_schema, metadata_from_schema
 from storage.writer import SHARD_GLOB, TEMP_GLOB, shard_file_name
 
@@ -308,6 +308,8 @@ def _check_shard(
             _check_contents(parquet, record, expected, deep, check)
         finally:
             parquet.close()
+    except DamagedShardError as error:
+        check.problem(f"cannot be read: {error.reason}", "the file changed after it was written; " + check.rerun)
     except Exception as error:  # one unreadable file must not hide the problems of the others
         unreachable = "if the sink is unreachable, verify again once it is; otherwise " if record["location"] == SINK else ""
         check.problem(f"cannot be read: {type(error).__name__}: {error}", unreachable + check.rerun)

@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -82,6 +83,12 @@ class ShardFileInfo:
 def shard_file_name(shard: int) -> str:
     """File name of shard ``shard`` inside the output directory."""
     return f"shard-{shard:05d}.parquet"
+
+
+def shard_of_file(name: str) -> Optional[int]:
+    """The shard a file name (``shard_file_name``) is of; None for another name."""
+    found = re.fullmatch(r"shard-(\d{5,})\.parquet", name)
+    return int(found.group(1)) if found else None
 
 
 def temp_file_name(name: str) -> str:

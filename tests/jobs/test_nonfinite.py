@@ -106,7 +106,7 @@ def test_fail_names_sample_shard_and_layer_then_skip_completes_the_run(ray_clust
     code, report = verify(out, capsys=capsys)
     assert code == EXIT_VERIFY_FAILED
     assert re.search(rf"{out / shard_file_name(0)}: checksum xxh3_128:\w+ differs from the manifest's", report), report
-    with pytest.raises(OSError, match="CRC checksum verification failed"):
+    with pytest.raises(ValueError, match=r"CRC checksum verification failed.*shards=\[0\]"):
         list(ShardReader(out / shard_file_name(0)))
 
 

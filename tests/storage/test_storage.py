@@ -16,6 +16,7 @@ import torch
 from extractor.quantize import dequantize_fp8, fp8_relative_errors, quantize_fp8
 from storage import ShardMetadata, ShardReader, ShardWriter
 from storage.reader import read_metadata
+from storage.run_index import RunIndex
 from storage.schema import METADATA_KEY, build_schema
 from storage.writer import choose_rows_per_group, state_bytes_per_token, temp_file_name
 from tests.conftest import REPO_ROOT
@@ -288,3 +289,37 @@ print("pandas" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_damaged_shard_file_is_named_with_what_restores_it(tmp_path):
+    """A page whose CRC fails, or a file cut short: the shard readers (ShardReader, the run index's footers) raise a
+    ValueError naming the file, the shard, its sample ids and the commands that restore it, not pyarrow's bare
+    error."""
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "shard-00003.parquet"
+    lengths = [40, 50, 60]
+    aux = torch.randn(sum(lengths), 3 * HIDDEN).to(torch.bfloat16)
+    write_batches(path, metadata(), [([12, 13, 14], lengths, aux, torch.randn(sum(lengths), HIDDEN).to(torch.bfloat16))])
+    whole = path.read_bytes()
+    damaged = bytearray(whole)
+    where = whole.find(raw_bits(aux[45:46]).tobytes())  # a state of sample 13
+    damaged[where + 5] ^= 0x40
+    path.write_bytes(bytes(damaged))
+    restore = (f"python -m jobs.verify output.dir={run}` to find every damaged shard, then rerun the extraction "
+               "with shards=[3]")
+
+    with pytest.raises(ValueError) as raised:
+        list(ShardReader(path))
+    message = str(raised.value)
+    assert message.startswith(f"{path} (shard 3, row group 0: sample ids 12..14): cannot be read"), message
+    assert "CRC checksum verification failed" in message and restore in message, message
+
+    path.write_bytes(whole[: len(whole) // 2])
+    for read in (lambda: ShardReader(path), lambda: RunIndex.build(run)):
+        with pytest.raises(ValueError) as raised:
+            read()
+        message = str(raised.value)
+        assert message.startswith(f"{path} (shard 3): cannot be read"), message
+        assert "Parquet magic bytes not found" in message and restore in message, message

@@ -34,7 +34,7 @@ from inputs.demo import build_synthetic_dataset
 from jobs import export as export_job
 from jobs.extract import run
 from jobs.status import status_report
-from runtime.errors import EXIT_FAULT, EXIT_LOCKED, EXIT_OK
+from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq
@@ -42,6 +42,7 @@ from testbeds.shapes import LLAMA_8B
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     LOCK_HOLDER,
+    flip_middle,
     job_config,
     python_env,
     same,
@@ -494,3 +495,24 @@ def test_the_token_rows_of_a_consumed_speculators_export_are_checked(shaped_runs
     assert [problem.where for problem in report.problems] == [str(rows)], format_report(report)
     assert export(run_dir, "speculators", dest, "consume=true") == EXIT_FAULT
     assert f"{dest}/.export-rows/shard-00002.arrow: " in capsys.readouterr().err
+
+
+def test_a_damaged_shard_is_refused_naming_it_not_taken_for_a_stop(shaped_runs, tmp_path, capsys):
+    """A shard file whose page fails its CRC, met mid-export (consume=true): a refusal (exit 2) naming the file, the
+    shard and the commands that restore it, not a fault that a rerun would meet again; the shards before it are
+    consumed, it and those after it kept. A shard cut short is refused the same way before anything is written."""
+    run_dir = consumable_copy(shaped_runs, "post", tmp_path)
+    dest = tmp_path / "dest"
+    flip_middle(run_dir / "shard-00003.parquet")
+    assert export(run_dir, "specforge", dest, "consume=true") == EXIT_BAD_INPUT
+    error = capsys.readouterr().err
+    assert f"{run_dir / 'shard-00003.parquet'} (shard 3, row group 0: sample ids " in error, error
+    assert f"python -m jobs.verify output.dir={run_dir}`" in error and "with shards=[3]" in error, error
+    assert "resume" not in error, error
+    assert [r["location"] for r in read_manifest(run_dir)["shards"]] == [CONSUMED] * 3 + [LOCAL] * 5
+
+    cut = run_dir / "shard-00005.parquet"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    assert export(run_dir, "specforge", dest, "consume=true") == EXIT_BAD_INPUT
+    error = capsys.readouterr().err
+    assert f"{cut} (shard 5): cannot be read (Parquet magic bytes not found" in error and "shards=[5]" in error, error

@@ -29,6 +29,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import (
     HIDDEN,
     bits,
+    flip_middle,
     imported_by,
     job_config,
     same,
@@ -116,6 +117,21 @@ def test_dataset_gives_every_sample_as_the_shards_hold_it(runs):
     assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn and raw["aux_hidden_states_scales"].shape[1] == LAYERS
     dequantized = HiddenStatesDataset(runs["fp8"])[0]
     assert dequantized["aux_hidden_states"].dtype == torch.bfloat16 and "aux_hidden_states_scales" not in dequantized
+
+
+def test_a_damaged_shard_is_named_by_the_dataset(runs, tmp_path):
+    """A shard whose page fails its CRC: reading its samples raises a ValueError naming the file, the shard, the
+    sample ids of the row group and the commands that restore it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["post"], run_dir)
+    flip_middle(run_dir / "shard-00001.parquet")
+    dataset = HiddenStatesDataset(run_dir)
+    with pytest.raises(ValueError) as raised:
+        [dataset[index] for index in range(len(dataset))]
+    message = str(raised.value)
+    assert re.match(re.escape(str(run_dir / "shard-00001.parquet")) + r" \(shard 1, row group \d+: sample ids \d+\.\.\d+\): "
+                    "cannot be read", message), message
+    assert f"python -m jobs.verify output.dir={run_dir}`" in message and "with shards=[1]" in message, message
 
 
 def test_dataset_refuses_to_mix_runs_and_names_the_setting(runs, tmp_path):
