@@ -212,6 +212,7 @@ def encode_batch(
             f"{file_name}: {len(sample_ids)} sample ids, {len(input_ids)} input_ids, "
             f"{len(loss_masks)} loss masks; they must match one to one"
         )
+    _check_masks(file_name, sample_ids, lengths, loss_masks)
     row_offsets = np.concatenate([[0], np.cumsum(lengths)])
     total = int(row_offsets[-1])
     columns = {
@@ -233,6 +234,20 @@ def encode_batch(
                           sample_ids)
             columns[name + schema.SCALES_SUFFIX] = _binary_column(scales, row_offsets, layers * schema.SCALE_ITEMSIZE)
     return pa.Table.from_pydict(columns, schema=arrow_schema), lengths
+
+
+def _check_masks(file_name: str, sample_ids: Sequence[int], lengths: np.ndarray, loss_masks: Sequence[np.ndarray]) -> None:
+    """Each loss mask as long as its input_ids: the masks are stored end to end at the tokens' offsets, so one of
+    another length would shift the masks of every sample after it."""
+    mask_lengths = np.fromiter((len(mask) for mask in loss_masks), dtype=np.int64, count=len(loss_masks))
+    wrong = np.flatnonzero(mask_lengths != lengths)
+    if len(wrong):
+        row = int(wrong[0])
+        more = f" (and {len(wrong) - 1} more samples of this batch)" if len(wrong) > 1 else ""
+        raise ValueError(
+            f"{file_name}: sample {sample_ids[row]} has {lengths[row]} input_ids but a loss mask of "
+            f"{mask_lengths[row]}{more}; a loss mask has one value per token: fix the sample's loss_mask"
+        )
 
 
 def _check_states(

@@ -130,6 +130,17 @@ def test_wrong_shape_is_rejected_and_nothing_is_published(tmp_path):
     assert not path.with_name(temp_file_name(path.name)).exists()
 
 
+def test_a_loss_mask_not_as_long_as_its_tokens_is_rejected(tmp_path):
+    """Masks are stored end to end at their tokens' offsets: one longer or shorter than its input_ids would shift
+    the masks of the samples after it. Refused naming the file and the sample; nothing is published."""
+    path = tmp_path / "s.parquet"
+    states = raw_bits(torch.zeros(6, 3 * HIDDEN, dtype=torch.bfloat16))
+    with ShardWriter(path, metadata(last="none")) as writer:
+        with pytest.raises(ValueError, match=r"s\.parquet: sample 8 has 3 input_ids but a loss mask of 4"):
+            writer.append([8, 9], [np.arange(3), np.arange(3)], [np.ones(4), np.zeros(2)], states)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unfinalized_writer_leaves_no_file(tmp_path):
     path = tmp_path / "s.parquet"
     with ShardWriter(path, metadata(last="none")) as writer:
