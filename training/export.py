@@ -354,6 +354,8 @@ def _lost_dataset(job: PreparedExport) -> set[str]:
     it completed: their sizes, and their checksums too once shards are consumed into it (then only the dataset and
     the consumed shards' rows files hold their loss masks)."""
     files = job.state.get(DATASET_FILES) or {}
+    if not files:
+        return set()
     if job.config.consume or any(shard.consumed for shard in job.shards):
         return {path for path, _ in check_files(job.dest.fs, job.dest.root, files, "written when the export completed",
                                                 "the export completed")}
