@@ -129,5 +129,8 @@ def claim(sink: str, storage_options: dict[str, Any], owner: dict[str, str], own
     if isinstance(fs, LocalFileSystem):
         link_new_claim(Path(root), owner)
     elif not fs.exists(f"{root.rstrip('/')}/{CLAIM_FILE}"):
-        fs.pipe_file(f"{root.rstrip('/')}/{CLAIM_FILE}", json.dumps(owner).encode())
+        with tempfile.NamedTemporaryFile() as local:  # put_file: the call every upload makes (HTTP: POST)
+            local.write(json.dumps(owner).encode())
+            local.flush()
+            fs.put_file(local.name, f"{root.rstrip('/')}/{CLAIM_FILE}")
     return claim_refusal(sink, storage_options, owner["run_id"], own_files)  # read back: whose it is now

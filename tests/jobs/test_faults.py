@@ -493,9 +493,9 @@ def test_sink_down_or_corrupt_keeps_shards_local_until_verified(ray_cluster, lla
     out = tmp_path / "out"
     with SinkServer() as sink:
         args = job_args(llama_fp32, dataset, out, f"output.sink={sink.url}", "output.upload_attempts=2")
-        # down mid-run: after the job's test write and the first upload, every upload fails; the run
+        # down mid-run: after the job's test write, its claim and the first upload, every upload fails; the run
         # says so (exit 7), naming the shards it kept
-        sink.uploads_accepted = 2
+        sink.uploads_accepted = 3
         assert main(args) == EXIT_UPLOADS_FAILED
         extractors = extractors_created()
         summary = read_summary(out)
