@@ -84,6 +84,7 @@ def ray_session(address: str) -> Iterator[None]:
     finally:
         with signals_deferred(reraise=False):  # the run has recorded how it ended; the process ends next
             ray.shutdown()
+            _restore_handlers()  # a command may go on after the session (jobs.pipeline's export)
         session_over.set()
 
 
@@ -167,12 +168,17 @@ def _connect_off_main_thread(address: str, session_over: threading.Event) -> Non
             pass
     finally:
         ray_logger.removeFilter(quiet)
-    # Ray's core worker puts its own C-level handler in front of SIGTERM (it logs a stack, then calls the one
-    # before it); the handler the command runs with goes back in front.
-    for signum in SIGNALS:
-        signal.signal(signum, signal.getsignal(signum))
+    _restore_handlers()
     if "error" in outcome:
         raise outcome["error"]
+
+
+def _restore_handlers() -> None:
+    """Ray's core worker puts its own C-level handler in front of SIGTERM when it connects (it logs a stack, then
+    calls the one before it), and its shutdown leaves the default one there (SIGTERM then ends the process at once,
+    although Python still names the command's handler): the command's handlers go back in front."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.getsignal(signum))
 
 
 def _connect(address: str) -> None:

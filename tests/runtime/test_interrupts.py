@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,8 @@ import pytest
 
 from runtime.errors import ClusterLost, JobInterrupted
 from runtime.interrupts import raise_if_stopped, signals_deferred, signals_stop, stop_main
+from tests.conftest import REPO_ROOT
+from tests.helpers import python_env
 
 
 def send(signum: int) -> None:
@@ -88,3 +92,26 @@ def test_a_watcher_thread_stops_the_main_thread_with_its_error_after_a_held_sect
             pass  # what a shard's error handler would do with it
         with pytest.raises(ClusterLost):
             raise_if_stopped()
+
+
+def test_a_sigterm_after_a_ray_session_still_stops_the_command_where_it_is():
+    """Ray's shutdown leaves SIGTERM's default action behind (the process ends at once, no wind-down, although Python
+    still names the command's handler): a command that goes on after its Ray session (jobs.pipeline's export) must
+    still stop where it is, exit 143. In a process of its own: it starts and ends a private cluster."""
+    script = (
+        "import os, signal, time\n"
+        "from runtime.cluster.session import ray_session\n"
+        "from runtime.errors import JobInterrupted\n"
+        "from runtime.interrupts import signals_stop\n"
+        "try:\n"
+        "    with signals_stop():\n"
+        "        with ray_session(''):\n"
+        "            pass\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(30)\n"
+        "except JobInterrupted as stop:\n"
+        "    print('stopped with', stop.exit_code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=python_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert (result.returncode, result.stdout.strip()) == (0, "stopped with 143"), result.stderr[-3000:]
