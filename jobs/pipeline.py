@@ -39,6 +39,7 @@ from jobs.driver.job import run as extract
 from jobs.export import export
 from jobs.extract import final_message as extract_message
 from jobs.outdir.config import OutputConfig
+from jobs.planning.preflight import check_output_dir
 from jobs.prepare import prepare
 from jobs.rundir.summary import DRAFTER_CONFIG_FILE, NOTHING_TO_DO
 from runtime.cluster.config import RayConfig
@@ -53,7 +54,7 @@ from runtime.errors import (
     EXIT_OK,
     exit_codes,
 )
-from training.export import ExportConfig
+from training.export import ExportConfig, check_trainer_packages
 from training.final_state import FINAL_STATE, FORMATS, SPECFORGE, served_exports
 
 logger = logging.getLogger("jobs.pipeline")
@@ -208,7 +209,7 @@ def resolve(config: PipelineConfig) -> PipelineConfig:
             output=dataclasses.replace(config.output, dir=config.output.dir or str(
                 Path(config.demo.dir) / DEMO_OUTPUT.format(to=config.to, conversations=config.demo.num_conversations))),
         )
-    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path))
+    model = dataclasses.replace(config.model, path=local_checkpoint(config.model.path, config.model.download))
     paths = absolute_paths({"model.path": model.path, "data.path": config.data.path, "output.dir": config.output.dir},
                            inside_ray_job(), example="output.dir=/mnt/nvme/eagle3/run1")
     return dataclasses.replace(
@@ -219,8 +220,10 @@ def resolve(config: PipelineConfig) -> PipelineConfig:
 
 
 def check_before_running(config: PipelineConfig) -> None:
-    """What would stop a later step, refused before the first one starts: the trainer's final state, the layers,
-    an output.dir holding anything but this command's directories."""
+    """What would stop a later step, refused before the first one starts: the trainer's final state and packages,
+    the layers, an output.dir that is a file, inside data.path or holding anything but this command's directories."""
+    check_trainer_packages(config.to)
+    check_output_dir(config.out, config.data.path, create=False)
     checkpoint = read_checkpoint_info(config.model.path)
     check_layer_ids(config.extract.layers or default_layer_ids(checkpoint.num_layers), checkpoint.num_layers)
     final_state = config.extract.last_hidden_state

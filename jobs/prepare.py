@@ -24,6 +24,7 @@ from conversations.pipeline import read_inputs, tokenize_and_publish
 from extractor.checkpoint import local_checkpoint
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import absolute_paths, parse_command
+from jobs.planning.preflight import check_output_dir
 from runtime.cluster.submission import inside_ray_job, ray_job_submission_id
 from runtime.display.stages import StageLine
 from runtime.display.timeline import wall_time_line
@@ -78,6 +79,8 @@ def _prepare_showing(config: PrepareConfig, stages: StageLine) -> dict[str, Any]
 
         config = demo_config(config)
     config = resolve_paths(config, inside_ray_job())
+    if config.output.dir:  # a file, or inside the input: refused before anything is read
+        check_output_dir(Path(config.output.dir), config.data.path, create=False)
     inputs = read_inputs(config)
     existing = out_dir.inspect_output(inputs.out, inputs.content(), inputs.regeneration_content())
     if existing.complete:

@@ -96,8 +96,7 @@ def plan_export(config: ExportConfig, meta: ShardMetadata, left_out: Sequence[st
             f"exact=true but {run} stored fp8 states (output.state_dtype=float8_e4m3fn), which are not the states "
             "SGLang computed; rerun the extraction with output.state_dtype=model into a new output.dir, or drop exact"
         )
-    if config.to == SPECULATORS:
-        _require("datasets", "safetensors")
+    check_trainer_packages(config.to)
     fp8 = config.to == SPECULATORS and (meta.fp8 if config.fp8 is None else bool(config.fp8))
     if meta.fp8 and not fp8:
         notes.append(f"the run stored fp8 states: the files hold them dequantized to {meta.dtype}")
@@ -135,9 +134,11 @@ def prepare(config: ExportConfig) -> PreparedExport:
     return job
 
 
-def _require(*modules: str) -> None:
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
-    if missing:
+def check_trainer_packages(to: str) -> None:
+    """ValueError when this Python lacks what the export to ``to`` writes with (speculators: an HF dataset and
+    safetensors files)."""
+    missing = [name for name in ("datasets", "safetensors") if importlib.util.find_spec(name) is None]
+    if to == SPECULATORS and missing:
         raise ValueError(f"to=speculators needs {', '.join(missing)}: pip install 'eagle3-extract[export]'")
 
 

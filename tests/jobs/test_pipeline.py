@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,3 +217,23 @@ def test_an_output_dir_holding_other_files_is_refused(demo_dir, tmp_path, capsys
     assert pipeline_main(["to=specforge", f"demo.dir={demo_dir}", f"output.dir={out}"]) == 2
     assert "holds notes.txt, which this command did not write" in capsys.readouterr().err
     assert sorted(path.name for path in out.iterdir()) == ["notes.txt"]
+
+
+def test_an_output_dir_inside_the_input_or_a_file_is_refused_before_any_step(demo_dir, tmp_path, capsys):
+    """An output.dir inside data.path's directory: a rerun would read the command's own files as conversations and
+    refuse to resume. One that is a file cannot be written. Both: exit 2 before the first step."""
+    pipeline_main([f"demo.dir={demo_dir}", "to=specforge", "extract.layers=[2,99]"])  # the demo built, then refused
+    capsys.readouterr()
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    shutil.copy(next(demo_dir.glob("conversations-*.jsonl")), chats / "part-0.jsonl")
+    model = next(demo_dir.glob("model-*"))
+    (tmp_path / "a-file").write_text("keep me")
+    for out, message in [(chats / "run", f"output.dir={chats / 'run'} is inside data.path={chats}"),
+                         (tmp_path / "a-file", f"output.dir={tmp_path / 'a-file'}: cannot write there")]:
+        keys = ["to=specforge", f"model.path={model}", f"data.path={chats}", f"output.dir={out}"]
+        assert pipeline_main(keys) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+    assert sorted(path.name for path in chats.iterdir()) == ["part-0.jsonl"]
+    assert (tmp_path / "a-file").read_text() == "keep me"
