@@ -57,11 +57,12 @@ class ConversationDataConfig:
     """auto | sharegpt (conversations: [{from, value}]) | openai (messages: [{role, content}]). auto: per file,
     from its columns (Parquet, Arrow) or its first record that has either field (JSONL)."""
     other_roles: OtherRoles = "fail"
-    """Turns of another role (tool, function, ipython, observation, function_call): fail (the row is invalid),
-    drop (the turn is left out) or keep (rendered under its role, never in the loss mask)."""
+    """Turns of another role (tool, function, ipython, observation, function_call; in any case): fail (the row is
+    invalid), drop (the turn is left out) or keep (rendered under its role, never in the loss mask)."""
     on_invalid: OnInvalid = "fail"
-    """A bad row (missing field, unknown role, empty turn, not ending with an assistant turn, not renderable):
-    fail (stop, naming file, row and reason; exit 2) or skip (leave it out, listed in output.dir/_skipped_rows.jsonl)."""
+    """A bad row (missing field, unknown role, empty turn, text not UTF-8, not ending with an assistant turn, not
+    renderable): fail (stop, naming file, row and reason; exit 2) or skip (leave it out, listed in
+    output.dir/_skipped_rows.jsonl)."""
     max_length: int = 0
     """Longest tokenized conversation kept; 0: the model's max_position_embeddings (what jobs.extract accepts)."""
     on_too_long: OnTooLong = "truncate"

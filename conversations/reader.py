@@ -101,8 +101,8 @@ def iter_records(fs: fsspec.AbstractFileSystem, file: InputFile, columns: list[s
     if file.format == JSONL:
         yield from _jsonl_records(fs, file)
         return
-    for row, record in enumerate(_table_records(fs, file, columns)):
-        yield RowSource(file.name, row), record, None
+    for row, (record, error) in enumerate(_table_records(fs, file, columns)):
+        yield RowSource(file.name, row), record, error
 
 
 def _jsonl_records(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[tuple[RowSource, Any, Optional[str]]]:
@@ -119,11 +119,13 @@ def _jsonl_records(fs: fsspec.AbstractFileSystem, file: InputFile) -> Iterator[t
             row += 1
 
 
-def _table_records(fs: fsspec.AbstractFileSystem, file: InputFile, columns: list[str]) -> Iterator[dict]:
+def _table_records(
+    fs: fsspec.AbstractFileSystem, file: InputFile, columns: list[str],
+) -> Iterator[tuple[Optional[dict], Optional[str]]]:
     if file.format == PARQUET:
         with open_parquet(fs, file) as parquet:
             for batch in parquet.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=columns):
-                yield from batch.to_pylist()
+                yield from _batch_records(batch)
         return
     with open_arrow(fs, file) as source:
         if file.format == ARROW_FILE:
@@ -132,7 +134,24 @@ def _table_records(fs: fsspec.AbstractFileSystem, file: InputFile, columns: list
         else:
             batches = iter(ipc.open_stream(source))
         for batch in batches:
-            yield from batch.select(columns).to_pylist()
+            yield from _batch_records(batch.select(columns))
+
+
+def _batch_records(batch: pa.RecordBatch) -> Iterator[tuple[Optional[dict], Optional[str]]]:
+    """(record, None) per row; a batch holding text that is not UTF-8 is decoded row by row, so such a row comes
+    back as (None, why) and the others as records."""
+    try:
+        records = batch.to_pylist()
+    except UnicodeDecodeError:
+        records = None
+    if records is not None:
+        yield from ((record, None) for record in records)
+        return
+    for row in range(batch.num_rows):
+        try:
+            yield batch.slice(row, 1).to_pylist()[0], None
+        except UnicodeDecodeError as why:
+            yield None, f"holds text that is not valid UTF-8 ({why}); fix or drop the row"
 
 
 def table_columns(fs: fsspec.AbstractFileSystem, file: InputFile) -> list[str]:
@@ -190,6 +209,8 @@ def to_messages(record: Any, fmt: str, other_roles: str) -> tuple[Optional[list[
     if not isinstance(record, dict):
         return None, f"a row must be a JSON object with a {field!r} list, got {type(record).__name__}"
     turns = record.get(field)
+    if turns is None and field in record:
+        return None, f"its {field!r} is null; a {fmt} row holds {_layout(fmt)}"
     if turns is None:
         keys = ", ".join(map(repr, list(record)[:8])) or "none"
         return None, f"no {field!r} field (its keys: {keys}); a {fmt} row holds {_layout(fmt)}"
@@ -212,7 +233,7 @@ def to_messages(record: Any, fmt: str, other_roles: str) -> tuple[Optional[list[
                 f"{where}.{role_keys[0]} is {type(role).__name__}, not a role name")
         name = ROLE_ALIASES.get(role.strip().lower())
         if name is None:
-            if role not in OTHER_ROLE_NAMES:
+            if role.strip().lower() not in OTHER_ROLE_NAMES:
                 return None, (f"{where} has the unknown role {role!r} (known: user/human, assistant/gpt, system, "
                               f"and {'/'.join(OTHER_ROLE_NAMES)} under data.other_roles)")
             if other_roles == "fail":
@@ -220,7 +241,7 @@ def to_messages(record: Any, fmt: str, other_roles: str) -> tuple[Optional[list[
                               "renders them (never in the loss mask)")
             if other_roles == "drop":
                 continue
-            name = role
+            name = role.strip().lower()
         text, why = _text(next((turn[key] for key in text_keys if key in turn), None))
         if why:
             return None, f"{where} ({role}): {why}"

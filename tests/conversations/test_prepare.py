@@ -227,6 +227,44 @@ def test_skip_lists_every_bad_row_and_accounts_for_all(capsys, model, alternatin
     assert counts["skipped_by_kind"] == {"invalid": len(BAD_ROWS)}
 
 
+def with_text_not_utf8(path: Path) -> Path:
+    """A Parquet or Arrow file of GOOD, a row whose answer is Latin-1 (not UTF-8), GOOD; its strings unchecked."""
+    turns = [[{"from": b"human", "value": b"Hi"}, {"from": b"gpt", "value": answer}]
+             for answer in (b"Hello.", b"caf\xe9", b"Hello.")]
+    as_bytes, as_strings = (pa.list_(pa.struct([("from", kind), ("value", kind)])) for kind in (pa.binary(), pa.string()))
+    table = pa.table({"conversations": pa.array(turns, as_bytes).view(as_strings)})
+    if path.suffix == ".parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.ipc.new_stream(path, table.schema) as writer:
+            writer.write_table(table)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_table_row_of_text_not_utf8_is_named_or_skipped_as_a_jsonl_row_is(suffix, capsys, model, tmp_path):
+    data = with_text_not_utf8(tmp_path / f"chat{suffix}")
+    reason = "holds text that is not valid UTF-8 ('utf-8' codec can't decode byte 0xe9 in position 3"
+    code, errors = prepare(capsys, model, data, tmp_path / "refused")
+    assert code == EXIT_BAD_INPUT
+    assert f"{data} row 1 (conversation_id 1): {reason}" in errors
+    out = tmp_path / "out"
+    code, errors = prepare(capsys, model, data, out, "data.on_invalid=skip")
+    assert code == EXIT_OK, errors
+    [entry] = [json.loads(line) for line in (out / SKIPPED_FILE).read_text().splitlines()]
+    assert (entry["conversation_id"], entry["file_row"], entry["kind"]) == (1, 1, "invalid")
+    assert entry["reason"].startswith(reason)
+    assert parts_table(out).column("conversation_id").to_pylist() == [0, 2]
+
+
+def test_a_parquet_row_of_null_conversations_is_named_null(capsys, model, tmp_path):
+    data = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"conversations": [GOOD["conversations"], None], "id": ["a", "b"]}), data)
+    code, errors = prepare(capsys, model, data, tmp_path / "out")
+    assert code == EXIT_BAD_INPUT
+    assert f"{data} row 1 (conversation_id 1): its 'conversations' is null; a sharegpt row holds" in errors
+
+
 def test_qwen3s_template_keeps_rows_of_one_answer_and_refuses_rows_of_several(capsys, model, tokenizer, tmp_path):
     """Qwen3's chat template rewrites earlier answers once later turns follow: the command starts, keeps the rows of
     one answer with their exact masks, and refuses each row of several, naming it (or skips and lists it)."""
@@ -253,7 +291,8 @@ def test_qwen3s_template_keeps_rows_of_one_answer_and_refuses_rows_of_several(ca
 
 def test_other_roles_drop_and_keep(capsys, model, tokenizer, tmp_path):
     row = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "get()"},
-                             {"from": "observation", "value": "Sunny."}, {"from": "gpt", "value": "It is sunny."}]}
+                             {"from": "Observation", "value": "Sunny."},  # other role names in any case, as aliases
+                             {"from": "gpt", "value": "It is sunny."}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [row])
     for policy, roles in (("drop", ["user", "assistant"]), ("keep", ["user", "function_call", "observation", "assistant"])):
         code, errors = prepare(capsys, model, data, tmp_path / policy, f"data.other_roles={policy}")
