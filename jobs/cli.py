@@ -10,6 +10,7 @@ hands it to ``run_command``:
 - A ``ValueError`` (``ConfigError`` included) is a refusal: ``error: <message>`` on
   stderr, one line, exit 2. The message names the key, file or row and the fix.
 - A ``JobStopped`` (budget, fault, lock, interrupt) ends with its own code and message.
+- An ``OSError`` of a full disk (ENOSPC) is exit 3, as ``DiskFull``: free space, rerun.
 - Anything else is a fault: the traceback is logged, then one line with what to do next, exit 4.
 """
 
@@ -19,7 +20,7 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, JobStopped, stop_in
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, JobStopped, is_disk_full, stop_in
 from runtime.interrupts import signals_deferred, signals_stop
 
 logger = logging.getLogger("jobs.cli")
@@ -55,10 +56,14 @@ def _exit_code(raised: BaseException, fault_hint: str) -> int:
     if isinstance(error, ValueError):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    hint = f"; {fault_hint}" if fault_hint else ""
+    if is_disk_full(error):
+        print(f"error: the disk is full ({type(error).__name__}: {error}): free space on it"
+              f"{hint or ', then rerun the same command'}", file=sys.stderr)
+        return EXIT_BUDGET_EXHAUSTED
     if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt with the handlers gone
         raise raised
     logger.error("the command failed", exc_info=error)
-    hint = f"; {fault_hint}" if fault_hint else ""
     print(f"error: the command failed ({type(error).__name__}: {error}){hint}", file=sys.stderr)
     return EXIT_FAULT
 

@@ -4,6 +4,7 @@ The command around ``training.export``: parse, export, print. With ``consume=tru
 the run's lock (``.job.lock``, as a running extraction does) for the whole export: the export
 then writes the run's manifest, and no job may write it or the shards meanwhile. Exit codes: 0
 done, 2 bad config or input (nothing written; or a shard file found damaged, named: extract it again),
+3 disk full (no room for the export's peak, or ENOSPC while writing: free space, rerun: it resumes),
 4 an error while writing (rerun: it resumes), 5 a job holds the run (consume=true), 129/130/143
 stopped by a signal (rerun: it resumes).
 """
@@ -16,7 +17,16 @@ from typing import Any, Sequence
 
 from jobs.cli import DETAILED, console_entry, run_command
 from jobs.config import parse_command
-from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
+from runtime.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BUDGET_EXHAUSTED,
+    EXIT_FAULT,
+    EXIT_LOCKED,
+    EXIT_OK,
+    DiskFull,
+    exit_codes,
+    is_disk_full,
+)
 from runtime.lock import OutputLock
 from storage.run_index import DamagedShardError
 from training.export import ExportConfig, prepare, write
@@ -30,6 +40,7 @@ def load_config(argv: Sequence[str]) -> ExportConfig:
         "Export a run's hidden states in the layout SpecForge or speculators trains from. " + exit_codes({
             EXIT_OK: "done",
             EXIT_BAD_INPUT: "bad config or input (nothing written; or a shard file found damaged: extract it again)",
+            EXIT_BUDGET_EXHAUSTED: "disk full (free space, rerun: it resumes)",
             EXIT_FAULT: "an error while writing (rerun: it resumes)", EXIT_LOCKED: "a job holds the run (consume=true)",
         }, signals="rerun: it resumes"),
         ExportConfig, argv,
@@ -66,18 +77,24 @@ def _export(argv: Sequence[str]) -> int:
 def export(config: ExportConfig) -> dict[str, Any]:
     """The export, under the run's lock with ``consume``; returns its report. A ValueError before anything is
     written is a refusal (exit 2), and so is a shard file found damaged while writing (a rerun would meet it again:
-    the message names the shard to extract again); once writing, any other error is a fault (exit 4: a rerun
-    resumes)."""
+    the message names the shard to extract again); a full disk is exit 3; once writing, any other error is a fault
+    (exit 4: a rerun resumes)."""
     logger.info("export to=%s: reading the run's shard footers and checking %s", config.to, config.dest or "dest")
     run_directory = config.run_directory() if config.consume else None
     with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
-        job = prepare(config)
         try:
-            return write(job)
-        except DamagedShardError:
-            raise
-        except ValueError as error:
-            raise RuntimeError(str(error)) from error
+            job = prepare(config)
+            try:
+                return write(job)
+            except DamagedShardError:
+                raise
+            except ValueError as error:
+                raise RuntimeError(str(error)) from error
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            raise DiskFull(f"the disk under {config.dest} is full ({type(error).__name__}: {error}); the files "
+                           "written are whole. Free space there, then rerun the same command: it resumes") from error
 
 
 cli = console_entry(main)

@@ -7,8 +7,8 @@ through SGLang first. With neither ``model.path`` nor ``data.path`` it runs the 
 model and conversations made locally. Rerunning the same command resumes (or says it is done).
 
 Exit codes (``runtime.errors``): 0 done, 2 bad config or input (the message names the file, row and
-reason), 4 a fault (rerun: it resumes), 5 output.dir in use by another prepare, 130/143 stopped by
-a signal (rerun: it resumes).
+reason), 3 disk full (free space, rerun: it resumes), 4 a fault (rerun: it resumes), 5 output.dir in use by
+another prepare, 130/143 stopped by a signal (rerun: it resumes).
 """
 
 from __future__ import annotations
@@ -28,15 +28,24 @@ from jobs.planning.preflight import check_output_dir
 from runtime.cluster.submission import inside_ray_job, ray_job_submission_id
 from runtime.display.stages import StageLine
 from runtime.display.timeline import wall_time_line
-from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK, exit_codes
+from runtime.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BUDGET_EXHAUSTED,
+    EXIT_FAULT,
+    EXIT_LOCKED,
+    EXIT_OK,
+    DiskFull,
+    exit_codes,
+    is_disk_full,
+)
 from runtime.lock import OutputLock
 
 DESCRIPTION = (
     "Render conversations with the model's chat template into the tokenized Parquet jobs.extract reads "
     "(input_ids, an exact assistant-only loss_mask, conversation_id), optionally with the answers regenerated "
     "by the target through SGLang. " + exit_codes({
-        EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input", EXIT_FAULT: "fault (rerun: it resumes)",
-        EXIT_LOCKED: "output.dir in use",
+        EXIT_OK: "done", EXIT_BAD_INPUT: "bad config or input", EXIT_BUDGET_EXHAUSTED: "disk full (free space, rerun)",
+        EXIT_FAULT: "fault (rerun: it resumes)", EXIT_LOCKED: "output.dir in use",
     }, signals="rerun: it resumes")
 )
 
@@ -64,11 +73,17 @@ def resolve_paths(config: PrepareConfig, inside_job: bool) -> PrepareConfig:
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
     """Read and check everything, then write under output.dir's lock; returns the side record. What it does is
-    shown from the start: each stage until the first bar (``runtime.display.stages``), then the bar."""
+    shown from the start: each stage until the first bar (``runtime.display.stages``), then the bar. A full disk is
+    ``DiskFull`` (exit 3)."""
     stages = StageLine(config.progress.interval_s)
     stages.show("reading the inputs")
     try:
         return _prepare_showing(config, stages)
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        raise DiskFull(f"the disk under {config.output.dir or config.demo.dir} is full ({type(error).__name__}: "
+                       f"{error}). Free space there, then rerun the same command: it resumes") from error
     finally:  # before the command's last lines and any error: the live line is erased
         stages.close()
 

@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import ray
 import torch
 import xxhash
@@ -376,6 +377,32 @@ class DiskSampler:
         self._thread.join()
         if self._error is not None and exc[0] is None:
             raise AssertionError(f"a look at {self.directory} failed after {self.samples} looks") from self._error
+
+
+@contextlib.contextmanager
+def small_disk(directory: Path, size: str = "64m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``directory`` (made): a real filesystem to fill (needs root; CI runs as root)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        reason = f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}"
+        if os.environ.get("CI"):  # a skip there would hide the disk-full case
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill_disk(path: Path) -> None:
+    """Write ``path`` until its filesystem is full (ENOSPC)."""
+    with open(path, "wb", buffering=0) as file:
+        for chunk in (1 << 20, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    file.write(b"\0" * chunk)
 
 
 def flip_middle(path, nbytes=4096) -> None:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from common.checks import format_bytes
+from runtime.errors import DiskFull
 from storage import checksum
 from storage.atomic import fsync_path
 from storage.exported import check_exported_files, list_bytes, list_path
@@ -242,7 +244,7 @@ def estimated_bytes(job: PreparedExport, shard: ExportShard) -> int:
 
 
 def check_space(job: PreparedExport) -> None:
-    """Refuse (ValueError) an export into a local ``dest`` whose peak would not fit in the free space there: the
+    """Refuse (DiskFull: exit 3) an export into a local ``dest`` whose peak would not fit in the free space there: the
     files still to write, less (``consume``, the run on the same filesystem) the shards deleted on the way."""
     dest = job.dest
     if not dest.local:
@@ -269,11 +271,11 @@ def check_space(job: PreparedExport) -> None:
         return
     hint = ""
     if not job.config.consume and same_disk and peaks[True] <= free:
-        hint = (f"; with consume=true (each shard deleted once exported and verified) it needs {_gb(peaks[True])}, "
-                "which fits")
-    raise ValueError(
-        f"dest={dest.url} needs about {_gb(peak)} more at its peak, but its filesystem has {_gb(free)} free{hint}. "
-        "Free space there, or choose a dest on another disk"
+        hint = (f"; with consume=true (each shard deleted once exported and verified) it needs "
+                f"{format_bytes(peaks[True])}, which fits")
+    raise DiskFull(
+        f"the export into {dest.url} needs about {format_bytes(peak)} more at its peak, but that filesystem has "
+        f"{format_bytes(free)} free{hint}. Free space there, then rerun the same command: it resumes"
     )
 
 
@@ -282,7 +284,3 @@ def _existing_ancestor(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-def _gb(size: int) -> str:
-    return f"{size / 1e9:.2f} GB"

@@ -36,10 +36,10 @@ from inputs.dataset import open_tokenized_dataset
 from inputs.demo import build_tiny_model, prepare_demo
 from inputs.demo_chat import CHATML, demo_conversations
 from jobs.prepare import main
-from runtime.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_OK, EXIT_SIGNAL_BASE
 from testbeds.chat_templates import QWEN3
 from tests.conftest import REPO_ROOT
-from tests.helpers import python_env
+from tests.helpers import fill_disk, python_env, small_disk
 
 SKIP_HINT = "-- data.on_invalid=skip leaves such rows out and lists them in"
 
@@ -231,7 +231,8 @@ def with_text_not_utf8(path: Path) -> Path:
     """A Parquet or Arrow file of GOOD, a row whose answer is Latin-1 (not UTF-8), GOOD; its strings unchecked."""
     turns = [[{"from": b"human", "value": b"Hi"}, {"from": b"gpt", "value": answer}]
              for answer in (b"Hello.", b"caf\xe9", b"Hello.")]
-    as_bytes, as_strings = (pa.list_(pa.struct([("from", kind), ("value", kind)])) for kind in (pa.binary(), pa.string()))
+    as_bytes, as_strings = (pa.list_(pa.struct([("from", kind), ("value", kind)]))
+                            for kind in (pa.binary(), pa.string()))
     table = pa.table({"conversations": pa.array(turns, as_bytes).view(as_strings)})
     if path.suffix == ".parquet":
         pq.write_table(table, path)
@@ -328,6 +329,21 @@ def test_max_length_truncates_or_drops(capsys, model, tmp_path):
     assert [(s["conversation_id"], s["kind"]) for s in skipped] == [(1, "too_long"), (2, "too_long")]
     code, errors = prepare(capsys, model, data, tmp_path / "over", "data.max_length=5000")
     assert code == EXIT_BAD_INPUT and "data.max_length=5000 exceeds the model's max_position_embeddings 4096" in errors
+
+
+def test_a_full_disk_under_output_dir_stops_with_exit_3_and_the_rerun_completes(capsys, model, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 3)
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill_disk(disk / "filler")
+        out = disk / "out"
+        code, errors = prepare(capsys, model, data, out)
+        assert code == EXIT_BUDGET_EXHAUSTED, errors
+        assert f"error: the disk under {out} is full (OSError: [Errno 28] No space left on device" in errors, errors
+        assert "Free space there, then rerun the same command: it resumes" in errors and "Traceback" not in errors
+        (disk / "filler").unlink()
+        code, errors = prepare(capsys, model, data, out)
+        assert code == EXIT_OK, errors
+        assert parts_table(out).column("conversation_id").to_pylist() == [0, 1, 2]
 
 
 def test_output_directory_rules(capsys, model, tmp_path):

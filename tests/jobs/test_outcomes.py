@@ -22,6 +22,7 @@ import pytest
 
 from inputs.dataset import open_tokenized_dataset
 from inputs.demo import build_tiny_model
+from jobs.cli import run_command
 from jobs.config import load_config
 from jobs.driver.job import run
 from jobs.rundir.summary import read_summary
@@ -37,10 +38,12 @@ from tests.helpers import (
     assert_every_sample_once,
     assert_run_verifies,
     copy_of,
+    fill_disk,
     job_args,
     job_config,
     python_env,
     session_ray_address,
+    small_disk,
 )
 
 RAY_STARTED = ("Started a local Ray instance", "started a private Ray cluster")
@@ -209,6 +212,17 @@ def test_an_input_file_changed_in_place_is_noticed(tmp_path):
     with pytest.raises(ValueError, match=r"tokens.parquet changed while the job ran \(the tokens of the rows from "
                                          r"sample id 4 on are not the ones checked"):
         dataset.rows(4, 8)
+
+
+def test_a_full_disk_no_step_named_is_exit_3_not_a_fault(tmp_path, capsys):
+    """Any command's write that meets a really full disk ends with exit 3 and what to do, without a traceback."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill_disk(disk / "filler")
+        code = run_command(lambda argv: (disk / "more").write_bytes(b"x" * 65536), [], fault_hint="rerun: it resumes")
+    errors = capsys.readouterr().err
+    assert code == EXIT_BUDGET_EXHAUSTED, errors
+    assert errors == ("error: the disk is full (OSError: [Errno 28] No space left on device): free space on it; "
+                      "rerun: it resumes\n")
 
 
 def test_sigterm_during_the_model_load_ends_interrupted(ray_cluster, llama_fp32, demo_dataset, tmp_path):

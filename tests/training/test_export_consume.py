@@ -30,11 +30,12 @@ import numpy as np
 import pytest
 import torch
 
+from common.checks import format_bytes
 from inputs.demo import build_synthetic_dataset
 from jobs import export as export_job
 from jobs.extract import run
 from jobs.status import status_report
-from runtime.errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_LOCKED, EXIT_OK
+from runtime.errors import EXIT_BAD_INPUT, EXIT_BUDGET_EXHAUSTED, EXIT_FAULT, EXIT_LOCKED, EXIT_OK
 from storage import ShardReader
 from storage.manifest import CONSUMED, LOCAL, Manifest, read_manifest
 from storage.token_freq import maybe_write_token_freq, read_token_freq
@@ -42,10 +43,12 @@ from testbeds.shapes import LLAMA_8B
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
     LOCK_HOLDER,
+    fill_disk,
     flip_middle,
     job_config,
     python_env,
     same,
+    small_disk,
     specforge_files,
     specforge_item,
     speculators_dataset,
@@ -352,11 +355,12 @@ def test_consume_refuses_what_it_cannot_do_safely(shaped_runs, tmp_path, capsys)
     # a dest without room for the export's peak: refused before anything is written, saying what would fit
     run_bytes = allocated(run_dir)
     for free, consume, message in ((run_bytes // 2, "false", "with consume=true .* it needs .*, which fits"),
-                                   (run_bytes // 100, "true", r"needs about .* more at its peak, but its filesystem has")):
+                                   (run_bytes // 100, "true", r"needs about .* more at its peak, but that filesystem has")):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(consume_module.shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
-            assert export(run_dir, "specforge", tmp_path / "dest", f"consume={consume}") == 2
-        assert re.search(message, capsys.readouterr().err)
+            assert export(run_dir, "specforge", tmp_path / "dest", f"consume={consume}") == EXIT_BUDGET_EXHAUSTED
+        errors = capsys.readouterr().err
+        assert re.search(message, errors) and f"has {format_bytes(free)} free" in errors, errors
         assert not (tmp_path / "dest").exists()
     listed = tmp_path / "listed"  # shard files without a manifest: nothing to record the consumption in
     listed.mkdir()
@@ -364,6 +368,29 @@ def test_consume_refuses_what_it_cannot_do_safely(shaped_runs, tmp_path, capsys)
     assert export(listed, "specforge", tmp_path / "dest", "consume=true") == 2
     assert "not a local output.dir with a .manifest.json" in capsys.readouterr().err
     assert (listed / "shard-00000.parquet").exists() and len(shard_bytes(run_dir)) == SAMPLES // SHARD_SIZE
+
+
+def test_a_full_disk_under_dest_stops_with_exit_3_and_the_rerun_resumes(shaped_runs, tmp_path, capsys):
+    """dest's filesystem really full: refused before writing (exit 3, the sizes named); full once writing (the
+    estimate passed, another process took the room): exit 3 naming dest, no traceback; freed, the rerun completes."""
+    run_dir = consumable_copy(shaped_runs, "post", tmp_path)
+    with small_disk(tmp_path / "disk", "64m") as disk:
+        dest = disk / "dest"
+        fill_disk(disk / "filler")
+        free = shutil.disk_usage(disk).free
+        assert export(run_dir, "specforge", dest, "consume=true") == EXIT_BUDGET_EXHAUSTED
+        errors = capsys.readouterr().err
+        assert f"but that filesystem has {format_bytes(free)} free. Free space there, then rerun" in errors, errors
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(consume_module.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1 << 40))
+            assert export(run_dir, "specforge", dest, "consume=true") == EXIT_BUDGET_EXHAUSTED
+        errors = capsys.readouterr().err
+        assert f"error: the disk under {dest} is full (OSError: [Errno 28] No space left on device" in errors, errors
+        assert "rerun the same command: it resumes" in errors and "Traceback" not in errors
+        (disk / "filler").unlink()
+        assert export(run_dir, "specforge", dest, "consume=true") == EXIT_OK, capsys.readouterr().err
+        assert not list(run_dir.glob("shard-*.parquet")) and not list(dest.rglob("*.tmp"))
+        assert_peers_read_the_run("specforge", dest, shaped_runs["post"])
 
 
 def test_the_token_count_is_made_only_while_the_whole_run_is_there(shaped_runs, tmp_path):
