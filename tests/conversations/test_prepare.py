@@ -13,7 +13,6 @@ its three commands' run."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -29,8 +28,6 @@ import ray
 
 from conversations.demo import build_chat_model, write_conversations
 from conversations.output import RECORD_FILE, REGENERATED_DIR, SKIPPED_FILE
-from conversations.regenerate import Regenerator
-from conversations.template import ChatTemplate
 from extractor.generator import EngineLimits, GeneratorSpec, _engine_args
 from inputs.dataset import open_tokenized_dataset
 from inputs.demo import build_tiny_model, prepare_demo
@@ -662,21 +659,38 @@ def test_a_prompt_longer_than_the_engine_takes_is_its_rows_reason_not_the_runs(r
     assert parts_table(out).column("conversation_id").to_pylist() == [0, 2]
 
 
+ENGINE_REFUSES = """
+import dataclasses, json, sys
+from conversations.regenerate import Regenerator
+from conversations.template import ChatTemplate
+from extractor.generator import GeneratorSpec
+model, conversations = sys.argv[1], json.loads(sys.argv[2])
+regenerator = Regenerator(GeneratorSpec(model, "float32", "cpu"), ChatTemplate.load(model), {"temperature": 0.0},
+                          max_new_tokens=4)
+try:
+    limits = regenerator.generator.limits
+    regenerator.generator.limits = dataclasses.replace(limits, max_prompt_tokens=limits.max_prompt_tokens + 1)
+    records, stats = regenerator.regenerate([(i, c) for i, c in enumerate(conversations)])
+finally:
+    regenerator.close()
+print(json.dumps({"limits": dataclasses.asdict(limits), "records": records, "stats": stats}))
+"""
+"""The engine in a process of its own: SGLang's Engine leaves process-wide state behind it (a SIGQUIT handler that
+ends the whole process tree, multiprocessing's start method), which ended a test worker's later Ray clusters."""
+
+
 def test_a_request_the_engine_refuses_is_that_conversations_reason(model, tokenizer):
     """A refusal of the engine's own (SGLang's ValueError for one request) ends that conversation, never its shard.
     Here the regenerator's check of the engine's limit is loosened by one token so that the engine refuses; the
     shard's first prompts go as one request, which the engine refuses whole: each is asked again on its own."""
     short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     long = [{"role": "user", "content": question_of(tokenizer, ENGINE_PROMPT_LIMIT)}, short[1]]
-    regenerator = Regenerator(GeneratorSpec(str(model), "float32", "cpu"), ChatTemplate.load(str(model)),
-                              {"temperature": 0.0}, max_new_tokens=4)
-    try:
-        limits = regenerator.generator.limits
-        assert limits == EngineLimits(max_prompt_tokens=ENGINE_PROMPT_LIMIT - 1, context_length=4096)
-        regenerator.generator.limits = dataclasses.replace(limits, max_prompt_tokens=ENGINE_PROMPT_LIMIT)
-        records, stats = regenerator.regenerate([(0, short), (1, long), (2, short)])
-    finally:
-        regenerator.close()
+    result = subprocess.run([sys.executable, "-c", ENGINE_REFUSES, str(model), json.dumps([short, long, short])],
+                            cwd=REPO_ROOT, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    records, stats = answer["records"], answer["stats"]
+    assert EngineLimits(**answer["limits"]) == EngineLimits(max_prompt_tokens=ENGINE_PROMPT_LIMIT - 1, context_length=4096)
     assert [record["conversation_id"] for record in records] == [0, 1, 2]
     assert records[1] == {"conversation_id": 1, "invalid": (
         f"after regeneration: the engine refused its prompt for answer 1: Input length ({ENGINE_PROMPT_LIMIT} tokens) "
