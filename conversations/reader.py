@@ -220,6 +220,8 @@ def to_messages(record: Any, fmt: str, other_roles: str) -> tuple[Optional[list[
         return None, f"{field} is empty"
     messages: list[dict[str, str]] = []
     system = record.get(SYSTEM_FIELD)
+    if system is not None and not isinstance(system, str):  # rendered without it, the row would be another one
+        return None, f"its {SYSTEM_FIELD!r} is {type(system).__name__}, not a string"
     if isinstance(system, str) and system.strip() and not _starts_with_system(turns):
         messages.append({"role": SYSTEM, "content": system})
     role_keys, text_keys = (("from", "role"), ("value", "content")) if fmt == SHAREGPT else (("role", "from"), ("content", "value"))
