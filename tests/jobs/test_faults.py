@@ -12,9 +12,7 @@ import dataclasses
 import errno
 import http.server
 import logging
-import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from tests.helpers import (
     own_files_bytes,
     sigkill,
 )
+from tests.helpers import small_disk as tmpfs_at
 
 SHARD_SIZE = 4
 NUM_SAMPLES = 24
@@ -344,18 +343,9 @@ def test_writers_beyond_the_clusters_cpus_are_refused(ray_cluster, llama_fp32, d
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        reason = f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}"
-        if os.environ.get("CI"):  # CI runs as root: a skip there would hide the disk-full case
-            pytest.fail(reason)
-        pytest.skip(reason)
-    try:
+    """An 8 MB tmpfs to fill (``tests.helpers.small_disk``)."""
+    with tmpfs_at(tmp_path / "disk", "8m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 @pytest.mark.extended

@@ -31,6 +31,7 @@ from storage.manifest import DONE, read_manifest
 from storage.writer import TEMP_GLOB
 from tests.conftest import REPO_ROOT
 from tests.helpers import FINISHED_RUN, assert_every_sample_once, copy_of, job_args, python_env
+from tests.helpers import small_disk as tmpfs_at
 
 NUM_SAMPLES = 24
 
@@ -59,19 +60,9 @@ def temp_files(directory: Path) -> list[str]:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        reason = f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}"
-        if os.environ.get("CI"):  # CI runs as root: a skip there would hide the case
-            pytest.fail(reason)
-        pytest.skip(reason)
-    try:
+    """An 8 MB tmpfs to fill (``tests.helpers.small_disk``)."""
+    with tmpfs_at(tmp_path / "disk", "8m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 FILLER = """
