@@ -23,9 +23,8 @@ from runtime.errors import (
     EXIT_FAULT,
     EXIT_LOCKED,
     EXIT_OK,
-    DiskFull,
     exit_codes,
-    is_disk_full,
+    full_disk_stops,
 )
 from runtime.lock import OutputLock
 from storage.run_index import DamagedShardError
@@ -82,7 +81,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
     logger.info("export to=%s: reading the run's shard footers and checking %s", config.to, config.dest or "dest")
     run_directory = config.run_directory() if config.consume else None
     with OutputLock(run_directory) if run_directory is not None else contextlib.nullcontext():
-        try:
+        with full_disk_stops(config.dest, kept="; the files written are whole"):
             job = prepare(config)
             try:
                 return write(job)
@@ -90,11 +89,6 @@ def export(config: ExportConfig) -> dict[str, Any]:
                 raise
             except ValueError as error:
                 raise RuntimeError(str(error)) from error
-        except OSError as error:
-            if not is_disk_full(error):
-                raise
-            raise DiskFull(f"the disk under {config.dest} is full ({type(error).__name__}: {error}); the files "
-                           "written are whole. Free space there, then rerun the same command: it resumes") from error
 
 
 cli = console_entry(main)

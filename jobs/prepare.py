@@ -34,9 +34,8 @@ from runtime.errors import (
     EXIT_FAULT,
     EXIT_LOCKED,
     EXIT_OK,
-    DiskFull,
     exit_codes,
-    is_disk_full,
+    full_disk_stops,
 )
 from runtime.lock import OutputLock
 
@@ -78,12 +77,8 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     stages = StageLine(config.progress.interval_s)
     stages.show("reading the inputs")
     try:
-        return _prepare_showing(config, stages)
-    except OSError as error:
-        if not is_disk_full(error):
-            raise
-        raise DiskFull(f"the disk under {config.output.dir or config.demo.dir} is full ({type(error).__name__}: "
-                       f"{error}). Free space there, then rerun the same command: it resumes") from error
+        with full_disk_stops(config.output.dir or config.demo.dir):
+            return _prepare_showing(config, stages)
     finally:  # before the command's last lines and any error: the live line is erased
         stages.close()
 

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import signal
+from typing import Iterator
 
 EXIT_OK = 0
 EXIT_NOT_PASSED = 1
@@ -112,6 +114,25 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and (
         error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
     )
+
+
+def disk_full_stop(where: str, error: BaseException, kept: str = "", free: str = "Free space there") -> DiskFull:
+    """The stop a full disk stands for (exit 3, not a fault): ``where`` it is, what a rerun keeps (``kept``, said
+    after the error) and what to free (``free``)."""
+    return DiskFull(f"the disk under {where} is full ({type(error).__name__}: {error}){kept}. {free}, then rerun the "
+                    "same command: it resumes")
+
+
+@contextlib.contextmanager
+def full_disk_stops(where: str, kept: str = "") -> Iterator[None]:
+    """Inside: an OSError of a full disk (``is_disk_full``) ends the command as ``disk_full_stop`` (exit 3) naming
+    ``where``; any other error goes on as it is."""
+    try:
+        yield
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        raise disk_full_stop(where, error, kept) from error
 
 
 def stop_in(error: BaseException) -> BaseException:

@@ -38,6 +38,7 @@ from runtime.errors import (
     JobFault,
     JobInterrupted,
     JobStopped,
+    disk_full_stop,
     is_disk_full,
     stop_in,
 )
@@ -63,10 +64,10 @@ def nothing_to_do(output_dir: Path, manifest: Manifest) -> dict[str, Any]:
 
 def disk_full(output_dir: Path, error: BaseException) -> DiskFull:
     """The stop a full disk under output.dir stands for (exit 3, not a fault), with what to do."""
-    return DiskFull(
-        f"the disk under output.dir={output_dir} is full ({type(error).__name__}: {error}). What is done stays done: "
-        "the manifest keeps every change it recorded and no temp file is left. Free space there (or set output.sink, "
-        "or lower output.disk_budget below the space the disk has), then rerun the same command: it resumes"
+    return disk_full_stop(
+        f"output.dir={output_dir}", error,
+        kept=". What is done stays done: the manifest keeps every change it recorded and no temp file is left",
+        free="Free space there (or set output.sink, or lower output.disk_budget below the space the disk has)",
     )
 
 
