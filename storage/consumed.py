@@ -14,13 +14,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import storage.checksum as checksum
 from storage.atomic import fsync_path, replace_atomically
+from storage.writer import shard_of_file
 
 CONSUMED_SUFFIX = ".consumed"
 RECORD_GLOB = ".shard-*.parquet" + CONSUMED_SUFFIX
@@ -31,9 +31,6 @@ INTO_BYTES = 1024
 RECORD_BYTES = 2048
 """The most bytes a record ``consume_shard`` writes takes: ``into`` and the file's name, size, checksum, host
 (<= 255 characters), pid and time."""
-_SHARD_FILE = re.compile(r"shard-(\d{5,})\.parquet")
-
-
 def record_name(file_name: str) -> str:
     """The consumption record of the shard file ``file_name`` (beside it, hidden)."""
     return f".{file_name}{CONSUMED_SUFFIX}"
@@ -44,7 +41,7 @@ def file_of_record(name: str) -> Optional[str]:
     if not (name.startswith(".") and name.endswith(CONSUMED_SUFFIX)):
         return None
     file_name = name[1 : -len(CONSUMED_SUFFIX)]
-    return file_name if _SHARD_FILE.fullmatch(file_name) else None
+    return file_name if shard_of_file(file_name) is not None else None
 
 
 def consume_shard(path: str | os.PathLike, into: str) -> None:
@@ -56,7 +53,7 @@ def consume_shard(path: str | os.PathLike, into: str) -> None:
     a file gone without one raises FileNotFoundError.
     """
     path = Path(path)
-    if not _SHARD_FILE.fullmatch(path.name):
+    if shard_of_file(path.name) is None:
         raise ValueError(f"{path}: not a shard file of a run (shard-NNNNN.parquet)")
     if not into or not into.strip():
         raise ValueError("into: say where the shard's samples went (or who took them); the manifest records it")
