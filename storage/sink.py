@@ -79,16 +79,22 @@ def probe(sink: str, storage_options: dict[str, Any]) -> None:
     payload = b"eagle3-extract sink probe\n"
     fs, remote = fsspec.core.url_to_fs(url, **storage_options)
     fs.makedirs(fs._parent(remote), exist_ok=True)
-    with tempfile.NamedTemporaryFile() as local:  # put_file: the call every upload makes
-        local.write(payload)
-        local.flush()
-        fs.put_file(local.name, remote)
+    _put_bytes(fs, remote, payload)
     try:
         if fs.cat_file(remote) != payload:
             raise SinkVerificationError(f"{url}: what was read back is not what was written")
     finally:
         with contextlib.suppress(NotImplementedError):
             fs.rm_file(remote)
+
+
+def _put_bytes(fs: fsspec.AbstractFileSystem, remote: str, data: bytes) -> None:
+    """``data`` written to ``remote`` by put_file, the call every upload makes (plain HTTP: a POST; pipe_file would
+    PUT, which such a sink may refuse)."""
+    with tempfile.NamedTemporaryFile() as local:
+        local.write(data)
+        local.flush()
+        fs.put_file(local.name, remote)
 
 
 def claim_refusal(sink: str, storage_options: dict[str, Any], run_id: str, own_files: Collection[str]) -> str:
@@ -129,8 +135,5 @@ def claim(sink: str, storage_options: dict[str, Any], owner: dict[str, str], own
     if isinstance(fs, LocalFileSystem):
         link_new_claim(Path(root), owner)
     elif not fs.exists(f"{root.rstrip('/')}/{CLAIM_FILE}"):
-        with tempfile.NamedTemporaryFile() as local:  # put_file: the call every upload makes (HTTP: POST)
-            local.write(json.dumps(owner).encode())
-            local.flush()
-            fs.put_file(local.name, f"{root.rstrip('/')}/{CLAIM_FILE}")
+        _put_bytes(fs, f"{root.rstrip('/')}/{CLAIM_FILE}", json.dumps(owner).encode())
     return claim_refusal(sink, storage_options, owner["run_id"], own_files)  # read back: whose it is now
