@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+from jobs.rundir.resume import shard_list
 from jobs.rundir.summary import (
     BAD_INPUT,
     COMPLETE,
@@ -127,17 +128,17 @@ class RunEnd:
         records = [self._manifest.shards[index] for index in ran]
         unsettled = [r.index for r in records if r.state not in (DONE, FAILED)]
         if unsettled:  # the driver's loop ended with shards neither written nor failed: never call that complete
-            raise JobFault(f"shards {_listed(unsettled)} were to be written by this run but are neither done nor "
+            raise JobFault(f"shards {shard_list(unsettled)} were to be written by this run but are neither done nor "
                            f"failed. {RERUN}")
         failed = [r.index for r in records if r.state == FAILED]
         if failed:
             return Ending(SHARDS_FAILED, EXIT_NOT_PASSED, (
-                f"{len(failed)} of {len(records)} shards failed and wrote no file ({_listed(failed)}); rerun them "
+                f"{len(failed)} of {len(records)} shards failed and wrote no file ({shard_list(failed)}); rerun them "
                 "with the same command plus shards=failed"))
         local = [r.index for r in self._manifest.in_state(DONE) if self._sink and r.location == LOCAL]
         if local:
             return Ending(UPLOADS_FAILED, EXIT_UPLOADS_FAILED, (
-                f"{len(local)} shards are written but not in {self._sink}: {_listed(local)} (kept locally; the last "
+                f"{len(local)} shards are written but not in {self._sink}: {shard_list(local)} (kept locally; the last "
                 "error of each is in the manifest). Fix the sink, then rerun the same command: it uploads them"))
         return Ending(COMPLETE, EXIT_OK, "")
 
@@ -171,8 +172,3 @@ class RunEnd:
         except OSError as error:
             logger.error("could not write %s (outcome %s, exit code %d): %s", self.summary.path, ending.outcome,
                          ending.exit_code, error)
-
-
-def _listed(shards: list[int], limit: int = 20) -> str:
-    more = f" and {len(shards) - limit} more" if len(shards) > limit else ""
-    return ", ".join(str(index) for index in shards[:limit]) + more

@@ -156,7 +156,7 @@ def check_absent_nodes(
     if left_here:
         name = next(iter(left_here)) if len(left_here) == 1 else "NAME"
         ours = ", ".join(sorted({f"{d.disk.directory} (node {d.node})" for d in directories}))
-        where = "; ".join(f"shards {_listed(absent[label])} are recorded done on node {label}, in {directory}"
+        where = "; ".join(f"shards {shard_list(absent[label])} are recorded done on node {label}, in {directory}"
                           for label, directory in left_here.items())
         raise ValueError(
             f"{where} (on this host), but no node of this run goes by {' or '.join(left_here)}: with {{node}} in "
@@ -252,6 +252,7 @@ def refuse_foreign_output(output_dir: Path, manifest_exists: bool) -> None:
         )
 
 
-def _listed(shards: list[int], limit: int = 20) -> str:
+def shard_list(shards: list[int], limit: int = 20) -> str:
+    """Shard indices for a message: the first ``limit`` of them, then how many more."""
     more = f" and {len(shards) - limit} more" if len(shards) > limit else ""
     return ", ".join(str(index) for index in shards[:limit]) + more
