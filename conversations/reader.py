@@ -27,7 +27,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from inputs.files import ARROW_FILE, JSONL, PARQUET, InputFile, open_arrow, open_parquet
+from inputs.files import ARROW_FILE, JSONL, PARQUET, InputFile, column_names, open_arrow, open_parquet
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 SHAREGPT, OPENAI = "sharegpt", "openai"
@@ -154,16 +154,6 @@ def _batch_records(batch: pa.RecordBatch) -> Iterator[tuple[Optional[dict], Opti
             yield None, f"holds text that is not valid UTF-8 ({why}); fix or drop the row"
 
 
-def table_columns(fs: fsspec.AbstractFileSystem, file: InputFile) -> list[str]:
-    """Column names of a Parquet or Arrow file (JSONL has none: its records say)."""
-    if file.format == PARQUET:
-        with open_parquet(fs, file) as parquet:
-            return list(parquet.schema_arrow.names)
-    with open_arrow(fs, file) as source:
-        reader = ipc.open_file(source) if file.format == ARROW_FILE else ipc.open_stream(source)
-        return list(reader.schema.names)
-
-
 # -- schema ----------------------------------------------------------------------------------------
 
 
@@ -184,7 +174,7 @@ def file_format(fs: fsspec.AbstractFileSystem, file: InputFile, requested: str) 
     (decided by its first record that has either field)."""
     if file.format == JSONL:
         return None if requested == "auto" else requested
-    columns = table_columns(fs, file)
+    columns = column_names(fs, file)
     try:
         detected = detect_format(columns)
     except ValueError as error:
@@ -312,7 +302,7 @@ def read_conversations(
     for file in files:
         fmt = file_format(fs, file, requested_format)
         wanted = (FIELDS[fmt], SYSTEM_FIELD, ID_FIELD) if fmt else ()  # JSONL under auto: decided below
-        columns = [] if file.format == JSONL else [name for name in wanted if name in table_columns(fs, file)]
+        columns = [] if file.format == JSONL else [name for name in wanted if name in column_names(fs, file)]
         for source, record, error in iter_records(fs, file, columns):
             if fmt is None and error is None and isinstance(record, dict):
                 try:

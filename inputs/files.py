@@ -196,7 +196,7 @@ def read_segment(fs: fsspec.AbstractFileSystem, file: InputFile, segment: int, s
 
 
 def column_names(fs: fsspec.AbstractFileSystem, file: InputFile) -> list[str]:
-    """The file's columns, for messages: the schema's names (JSONL: its first record's keys)."""
+    """The file's columns: the schema's names (JSONL: its first record's keys, which the row checks may refuse)."""
     if file.format == PARQUET:
         with open_parquet(fs, file) as parquet:
             return parquet.schema_arrow.names
